@@ -1,0 +1,61 @@
+"""Train a preset on a mesh.
+
+    python -m launch.train --config tiny --cpu-devices 8 --mesh fsdp=8
+    python -m launch.train --config tiny --cpu-devices 8 --mesh data=2,fsdp=4 --steps 50 \
+        --set model.n_layers=4 --metrics-file runs/m.jsonl --report runs/report.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m launch.train", description=__doc__.split("\n")[0])
+    p.add_argument("--config", default="tiny", help="preset name in configs/ (default: tiny)")
+    p.add_argument("--mesh", help="axis sizes, e.g. data=2,fsdp=4; unnamed axes are 1, one -1 takes the rest "
+                                  "(default: the preset's mesh)")
+    p.add_argument("--steps", type=int, help="total training steps (overrides train.steps)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field, e.g. model.n_layers=4 (repeatable)")
+    p.add_argument("--metrics-file", help="write one JSON object per step to this file")
+    p.add_argument("--report", help="write the compiled step's report (memory, flops, collectives) to this file")
+    p.add_argument("--cpu-devices", type=int, help="run on this many fake CPU devices")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    import jax
+
+    if args.cpu_devices is not None:  # must happen before JAX starts a backend
+        if args.cpu_devices < 1:
+            sys.exit(f"--cpu-devices {args.cpu_devices}: must be >= 1")
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", args.cpu_devices)
+
+    import configs
+    from meshpar import config as config_lib, mesh as mesh_lib, rules
+    from meshpar.run import run
+    from models.transformer import Transformer
+
+    try:
+        cfg = config_lib.apply(configs.load(args.config), args.set)
+        if args.steps is not None:
+            cfg = config_lib.apply(cfg, [f"train.steps={args.steps}"])
+        if args.mesh is not None:
+            cfg = dataclasses.replace(cfg, mesh=mesh_lib.parse(args.mesh))
+        mesh = mesh_lib.build(cfg.mesh)
+    except ValueError as err:
+        sys.exit(f"error: {err}")
+
+    run(lambda rngs: Transformer(cfg.model, dtype=cfg.train.dtype, rngs=rngs), cfg.train, cfg.data, mesh,
+        rules.default(), metrics_file=args.metrics_file, report_file=args.report)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,237 @@
+"""What the compiler says about a jitted step: collectives, memory, flops and compile time per device.
+
+All numbers are per device, for one call of the compiled program. `collectives` reads the text of the
+compiled XLA module (`compiled.as_text()`) and counts the collectives one execution of the ENTRY
+computation runs: a collective inside a `while` body counts once per iteration, using the trip count
+XLA records in the loop's `backend_config` (`"known_trip_count":{"n":"K"}`, written for `lax.scan`
+and `fori_loop`); a loop without a known trip count (e.g. `lax.while_loop`) has its body counted ONCE,
+so its numbers are a lower bound. Every branch of a `conditional` is counted as if it ran (an upper
+bound). Bytes are the size of the collective's result on one device (what it delivers); for async
+pairs the `X-start` is counted as one X and `X-done` is ignored, with bytes taken from the start's
+output part (see `_output_shape`). The CPU backend emits only the sync forms. Memory and flops come
+from XLA's own `memory_analysis()` and `cost_analysis()`.
+"""
+
+import math
+import re
+import time
+from collections import Counter
+from typing import Any
+
+COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
+
+# Bits per element of each XLA primitive type. Sub-byte types take a whole byte unless the layout
+# packs them (`E(4)` in the layout, see _ELEMENT_SIZE); token/opaque carry no data.
+_ELEMENT_BITS = {
+    "pred": 8, "s2": 8, "u2": 8, "s4": 8, "u4": 8, "f4e2m1fn": 8,
+    "s8": 8, "u8": 8, "f8e3m4": 8, "f8e4m3": 8, "f8e4m3fn": 8, "f8e4m3fnuz": 8, "f8e4m3b11fnuz": 8,
+    "f8e5m2": 8, "f8e5m2fnuz": 8, "f8e8m0fnu": 8,
+    "s16": 16, "u16": 16, "f16": 16, "bf16": 16,
+    "s32": 32, "u32": 32, "f32": 32,
+    "s64": 64, "u64": 64, "f64": 64, "c64": 64,
+    "c128": 128,
+    "token": 0, "opaque": 0,
+}
+
+# `/*index=5*/`: comments the printer puts inside long tuples (shapes and operand lists).
+_COMMENT = re.compile(r"/\*.*?\*/")
+# A double-quoted string (metadata, backend_config keys); removed before looking for attributes.
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+# One array shape: `f32[16,32]{1,0}`; dims may be bounded-dynamic (`<=8`); the layout is optional.
+_ARRAY_SHAPE = re.compile(r"(?P<dtype>[a-z][a-z0-9]*)\[(?P<dims>[^\]]*)\](?:\{(?P<layout>[^}]*)\})?")
+# A packed element size inside a layout: `{0:E(4)}`.
+_ELEMENT_SIZE = re.compile(r"E\((\d+)\)")
+# A computation header: `ENTRY %main.0_spmd (param.1: f32[128]) -> f32[128] {`.
+_COMPUTATION = re.compile(r"^(?P<entry>ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*\(.*\)\s*->\s*.*\{$")
+# An instruction: `ROOT %name = <shape> <opcode>(<operands>), <attributes>`.
+_INSTRUCTION = re.compile(r"^(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s+=\s+(?P<rest>.*)$")
+# The opcode right after the shape: `all-reduce(`.
+_OPCODE = re.compile(r"\s*(?P<opcode>[a-z][a-z0-9\-]*)\(")
+# Attributes naming called computations: `body=%b`, `to_apply=%add`, `branch_computations={%a, %b}`.
+_CALLED = re.compile(
+    r"\b(?P<attr>condition|body|to_apply|calls|select|scatter|true_computation|false_computation"
+    r"|branch_computations|called_computations)=(?P<names>\{[^}]*\}|%?[\w.\-]+)"
+)
+_CALLED_NAME = re.compile(r"%?([\w.\-]+)")
+# XLA's record of a while loop's iteration count: `"known_trip_count":{"n":"5"}`.
+_TRIP_COUNT = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)"?\s*\}')
+# Lines of the module outside computations: the header and the stack-frame index printed after it.
+_MODULE_LINE = re.compile(r"^(HloModule\b.*|FileNames|FunctionNames|FileLocations|StackFrames|\d+\s.*)$")
+
+ShapeTree = int | list["ShapeTree"]  # bytes of an array, or a list for a tuple
+
+
+def _parse_shape(text: str, pos: int, line: str) -> tuple[ShapeTree, int]:
+    """Parses the shape starting at `text[pos]`; returns its byte tree and the position after it."""
+    if text.startswith("(", pos):
+        elements: list[ShapeTree] = []
+        pos += 1
+        while True:
+            while pos < len(text) and text[pos] in " ,":
+                pos += 1
+            if text.startswith(")", pos):
+                return elements, pos + 1
+            element, pos = _parse_shape(text, pos, line)
+            elements.append(element)
+    array = _ARRAY_SHAPE.match(text, pos)
+    if array is None or array["dtype"] not in _ELEMENT_BITS:
+        raise ValueError(f"cannot parse the shape in HLO line: {line.strip()!r}")
+    count = 1
+    for dim in filter(None, array["dims"].split(",")):
+        dim = dim.strip().removeprefix("<=")  # a bounded dynamic dim occupies its bound
+        if not dim.isdigit():
+            raise ValueError(f"cannot size dimension {dim!r} in HLO line: {line.strip()!r}")
+        count *= int(dim)
+    packed = _ELEMENT_SIZE.search(array["layout"] or "")
+    bits = int(packed[1]) if packed else _ELEMENT_BITS[array["dtype"]]
+    return math.ceil(count * bits / 8), array.end()
+
+
+def _total(tree: ShapeTree) -> int:
+    return tree if isinstance(tree, int) else sum(_total(t) for t in tree)
+
+
+def _output_shape(opcode: str, shape: ShapeTree) -> ShapeTree:
+    """The part of a collective's result that is its output.
+
+    Sync forms and `all-reduce-start` return the output itself. Every other `X-start` returns a
+    tuple (operands, outputs, scratch...) — `(f32[128], f32[1024])` for all-gather-start,
+    `(f32[128], f32[128], u32[], u32[])` for collective-permute-start, `((f32[128]), f32[16], s32[])`
+    for the async-wrapped reduce-scatter/all-to-all — so the output is element 1.
+    """
+    if opcode.endswith("-start") and opcode != "all-reduce-start":
+        if not isinstance(shape, list) or len(shape) < 2:
+            raise ValueError(f"{opcode} result is not an (operands, outputs, ...) tuple")
+        return shape[1]
+    return shape
+
+
+class _Computation:
+    def __init__(self) -> None:
+        # (op, bytes) of each collective, and (callee, times per execution of this computation).
+        self.collectives: list[tuple[str, int]] = []
+        self.calls: list[tuple[str, int]] = []
+
+
+def _parse_instruction(line: str, computation: _Computation) -> None:
+    match = _INSTRUCTION.match(line.strip())
+    if match is None:
+        raise ValueError(f"cannot parse HLO line: {line.strip()!r}")
+    rest = _COMMENT.sub("", match["rest"])
+    shape, pos = _parse_shape(rest, 0, line)
+    op = _OPCODE.match(rest, pos)
+    if op is None:
+        raise ValueError(f"cannot find the opcode in HLO line: {line.strip()!r}")
+    opcode = op["opcode"]
+
+    kind = opcode.removesuffix("-start")
+    if kind in COLLECTIVES:
+        computation.collectives.append((kind, _total(_output_shape(opcode, shape))))
+
+    # A -done (or -update) continues the computation its -start ran; following it would count twice.
+    if opcode.endswith(("-done", "-update")):
+        return
+    trip_count = _TRIP_COUNT.search(rest)
+    body_runs = int(trip_count[1]) if trip_count else 1
+    for attr in _CALLED.finditer(_STRING.sub('""', rest)):
+        runs = 1
+        if opcode == "while" and attr["attr"] == "body":
+            runs = body_runs
+        elif opcode == "while" and trip_count:
+            runs = body_runs + 1  # the condition is evaluated once more than the body runs
+        for name in _CALLED_NAME.findall(attr["names"]):
+            computation.calls.append((name, runs))
+
+
+def _parse_module(hlo_text: str) -> tuple[dict[str, _Computation], str]:
+    """Splits module text into computations; returns them and the ENTRY computation's name."""
+    computations: dict[str, _Computation] = {}
+    entry = None
+    current = None
+    lines = [line for line in hlo_text.splitlines() if line.strip()]
+    if not lines or not lines[0].startswith("HloModule"):
+        raise ValueError("HLO text must start with an `HloModule` line")
+    for line in lines:
+        if current is not None:
+            if line.strip() == "}":
+                current = None
+            else:
+                _parse_instruction(line, current)
+        elif header := _COMPUTATION.match(line.strip()):
+            current = computations[header["name"]] = _Computation()
+            if header["entry"]:
+                entry = header["name"]
+        elif not _MODULE_LINE.match(line.strip()):
+            raise ValueError(f"unexpected HLO line outside a computation: {line.strip()!r}")
+    if current is not None:
+        raise ValueError("HLO text ends inside a computation (missing `}`)")
+    if entry is None:
+        raise ValueError("HLO text has no ENTRY computation")
+    return computations, entry
+
+
+def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
+    """Count and result bytes per device of each collective one run of the ENTRY computation does."""
+    computations, entry = _parse_module(hlo_text)
+    # Per computation name (memoised): (kind, "count" | "bytes") -> total for one execution of it.
+    totals: dict[str, Counter[tuple[str, str]]] = {}
+
+    def run_once(name: str) -> Counter[tuple[str, str]]:
+        if name not in computations:
+            raise ValueError(f"HLO calls an undefined computation: {name!r}")
+        if name not in totals:
+            total: Counter[tuple[str, str]] = Counter()
+            for kind, nbytes in computations[name].collectives:
+                total[kind, "count"] += 1
+                total[kind, "bytes"] += nbytes
+            for callee, runs in computations[name].calls:
+                for key, value in run_once(callee).items():
+                    total[key] += runs * value
+            totals[name] = total
+        return totals[name]
+
+    total = run_once(entry)
+    return {
+        kind: {"count": total[kind, "count"], "bytes": total[kind, "bytes"]}
+        for kind in COLLECTIVES
+        if total[kind, "count"]
+    }
+
+
+def memory_per_device(compiled: Any) -> dict[str, int]:
+    """Argument, output, temporary and aliased bytes per device, from XLA's memory analysis."""
+    stats = compiled.memory_analysis()
+    if stats is None:
+        raise ValueError("this backend gives no memory analysis")
+    return {
+        "arguments_bytes": stats.argument_size_in_bytes,
+        "outputs_bytes": stats.output_size_in_bytes,
+        "temp_bytes": stats.temp_size_in_bytes,
+        "alias_bytes": stats.alias_size_in_bytes,
+    }
+
+
+def flops_per_device(compiled: Any) -> float:
+    """Floating-point operations per device per call, from XLA's cost analysis."""
+    cost = compiled.cost_analysis()
+    if not isinstance(cost, dict):
+        raise ValueError(f"expected a dict from cost_analysis(), got {type(cost).__name__}")
+    # XLA leaves the key out when no instruction counted flops (e.g. a lone all-gather).
+    return float(cost.get("flops", 0.0))
+
+
+def compile_report(jitted: Any, *args: Any, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
+    """Lowers and compiles `jitted` for these arguments; returns the compiled step and its report."""
+    lowered = jitted.lower(*args, **kwargs)
+    start = time.perf_counter()
+    compiled = lowered.compile()
+    compile_s = time.perf_counter() - start
+    hlo_text = compiled.as_text()
+    if hlo_text is None:
+        raise ValueError("this backend gives no text for the compiled module")
+    return compiled, {
+        "memory_per_device": memory_per_device(compiled),
+        "collectives": collectives(hlo_text),
+        "flops_per_device": flops_per_device(compiled),
+        "compile_s": compile_s,
+    }

@@ -1,0 +1,62 @@
+"""Dotted overrides of nested frozen dataclasses: `apply(cfg, ["model.n_layers=4"])`.
+
+Values are parsed by the type of the field they replace (int, float, bool, str), so a typo fails at
+once with the field's name and the list of valid keys, not later inside a jitted step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+from collections.abc import Iterable
+from typing import Any
+
+_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
+
+
+def keys(cfg: Any, prefix: str = "") -> list[str]:
+    """Every settable dotted key of a (nested) dataclass."""
+    out = []
+    for field in dataclasses.fields(cfg):
+        value = getattr(cfg, field.name)
+        if dataclasses.is_dataclass(value):
+            out += keys(value, f"{prefix}{field.name}.")
+        else:
+            out.append(f"{prefix}{field.name}")
+    return out
+
+
+def _parse(text: str, kind: type, key: str) -> Any:
+    if kind is bool:
+        if text.lower() not in _TRUE | _FALSE:
+            raise ValueError(f"--set {key}={text}: expected true or false")
+        return text.lower() in _TRUE
+    if kind in (int, float, str):
+        try:
+            return kind(text)
+        except ValueError:
+            raise ValueError(f"--set {key}={text}: expected {kind.__name__}") from None
+    raise ValueError(f"--set {key}: fields of type {kind} cannot be set from the command line")
+
+
+def _set(cfg: Any, path: list[str], text: str, key: str) -> Any:
+    hints = typing.get_type_hints(type(cfg))
+    name, rest = path[0], path[1:]
+    value = getattr(cfg, name)
+    if rest:
+        return dataclasses.replace(cfg, **{name: _set(value, rest, text, key)})
+    return dataclasses.replace(cfg, **{name: _parse(text, hints[name], key)})
+
+
+def apply(cfg: Any, overrides: Iterable[str]) -> Any:
+    """A copy of `cfg` with each `key=value` applied; validation reruns in each `__post_init__`."""
+    valid = keys(cfg)
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        if not sep:
+            raise ValueError(f"--set '{item}': expected KEY=VALUE, e.g. model.n_layers=4")
+        if key not in valid:
+            raise ValueError(f"--set: unknown key '{key}'; valid keys: {', '.join(valid)}")
+        cfg = _set(cfg, key.split("."), text.strip(), key)
+    return cfg

@@ -1,0 +1,142 @@
+"""Apply a `Rules` table: logical names → PartitionSpecs for a state and for activations.
+
+meshpar resolves logical names itself (Flax would pass an unmapped name through as if it were a mesh
+axis), so that every mistake fails loudly and names its culprit: the parameter path, its shape, the
+dimension and the mesh axis.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+from collections.abc import Iterator, Mapping, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from meshpar.rules import Rules
+
+Logical = Sequence[str | None]
+
+
+def spec_for(logical: Logical, shape: Sequence[int], table: Mapping[str, tuple[str, ...]], mesh: Mesh,
+             what: str) -> PartitionSpec:
+    """The PartitionSpec of an array of `shape` whose dimensions have the `logical` names.
+
+    Mesh axes of size 1 are left out of the spec (they split nothing). `what` names the array in errors.
+    """
+    if len(logical) != len(shape):
+        raise ValueError(f"{what}: {len(logical)} logical axes {tuple(logical)} for shape {tuple(shape)}")
+    spec: list[str | tuple[str, ...] | None] = []
+    owner: dict[str, int] = {}  # mesh axis → the dimension it already splits
+    for dim, (name, size) in enumerate(zip(logical, shape)):
+        if name is None:
+            spec.append(None)
+            continue
+        if name not in table:
+            raise ValueError(f"{what}: unknown logical axis '{name}' on dimension {dim} of shape {tuple(shape)}; "
+                             f"known: {', '.join(sorted(table))}")
+        axes = tuple(axis for axis in table[name] if mesh.shape[axis] > 1)
+        for axis in axes:
+            if axis in owner:
+                raise ValueError(f"{what}: mesh axis '{axis}' would split dimension {owner[axis]} "
+                                 f"('{logical[owner[axis]]}') and dimension {dim} ('{name}') of shape "
+                                 f"{tuple(shape)}; one mesh axis can split one dimension only")
+            owner[axis] = dim
+        ways = math.prod(mesh.shape[axis] for axis in axes)
+        if size % ways:
+            split = " × ".join(f"{axis}={mesh.shape[axis]}" for axis in axes)
+            raise ValueError(f"{what}: dimension {dim} ('{name}') of size {size} in shape {tuple(shape)} "
+                             f"is not divisible by mesh axes {split}")
+        spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    return PartitionSpec(*spec)
+
+
+def _path_name(path: tuple) -> str:
+    return "/".join(str(getattr(key, "key", getattr(key, "idx", key))) for key in path)
+
+
+def _logical_axes(variable: nnx.Variable) -> tuple[str | None, ...]:
+    """A variable's logical names; a scalar (an optimizer step count) has none."""
+    names = variable.get_metadata().get("out_sharding")
+    if names is None and variable.shape:
+        raise ValueError(f"a variable of shape {variable.shape} has no logical axes (out_sharding=)")
+    return tuple(names or ())
+
+
+def state_specs(abstract_state: nnx.State, mesh: Mesh, rules: Rules) -> nnx.State:
+    """Map each variable of an (abstract) NNX state to its PartitionSpec under the parameter rules."""
+    table = rules.param_table()
+    specs = {}
+    for path, variable in nnx.to_flat_state(abstract_state):
+        specs[path] = variable.replace(
+            spec_for(_logical_axes(variable), variable.shape, table, mesh, f"parameter '{_path_name(path)}'"))
+    return nnx.from_flat_state(specs)
+
+
+def state_shardings(abstract_state: nnx.State, mesh: Mesh, rules: Rules) -> nnx.State:
+    """NamedShardings for every variable: the `out_shardings` of init and the step's state shardings."""
+    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), state_specs(abstract_state, mesh, rules),
+                        is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def sharding_table(abstract_state: nnx.State, mesh: Mesh, rules: Rules) -> str:
+    """A text table: path, shape, logical axes, PartitionSpec, per-device shard shape, bytes per device."""
+    specs = dict(nnx.to_flat_state(state_specs(abstract_state, mesh, rules)))
+    rows = [("path", "shape", "logical", "spec", "shard", "bytes/device")]
+    total = 0
+    for path, variable in nnx.to_flat_state(abstract_state):
+        sharding = NamedSharding(mesh, specs[path].get_value())
+        shard = sharding.shard_shape(variable.shape)
+        nbytes = math.prod(shard) * np.dtype(variable.dtype).itemsize
+        total += nbytes
+        rows.append((_path_name(path), str(tuple(variable.shape)), str(_logical_axes(variable)),
+                     str(tuple(sharding.spec)), str(shard), f"{nbytes:,}"))
+    rows.append(("total", "", "", "", "", f"{total:,}"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows)
+
+
+_active: contextvars.ContextVar[tuple[Mesh, Rules] | None] = contextvars.ContextVar("meshpar_activations",
+                                                                                     default=None)
+
+
+@contextlib.contextmanager
+def activation_rules(mesh: Mesh, rules: Rules) -> Iterator[None]:
+    """While tracing a step: `constrain` places activations by `rules` on `mesh`."""
+    token = _active.set((mesh, rules))
+    try:
+        yield
+    finally:
+        _active.reset(token)
+
+
+def constrain(x: jax.Array, logical: Logical) -> jax.Array:
+    """Hint the compiler to lay `x` out by its logical names; a no-op outside `activation_rules`."""
+    active = _active.get()
+    if active is None:
+        return x
+    mesh, rules = active
+    spec = spec_for(logical, x.shape, rules.activation_table(), mesh, f"activation {tuple(logical)}")
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+def gathered(param: nnx.Variable, dtype: jax.typing.DTypeLike) -> jax.Array:
+    """A parameter as compute uses it: cast to `dtype`, then laid out by the ACTIVATION rules.
+
+    That is where FSDP's all-gather happens (`embed` is split over `fsdp` at rest, whole in compute),
+    after the cast so a bfloat16 run gathers half the bytes; tensor-parallel dimensions stay split.
+    The logical names are the parameter's own; inside the layer scan the leading `layers` name has
+    been sliced off the value, so the last `ndim` names are the ones that apply.
+    """
+    value = param[...].astype(dtype)
+    return constrain(value, param.get_metadata()["out_sharding"][-value.ndim:] if value.ndim else ())
+
+
+def batch_sharding(mesh: Mesh, rules: Rules, shape: Sequence[int]) -> NamedSharding:
+    """The sharding of a token batch `[B, T+1]`: rows by the `batch` rule; the model splits T itself."""
+    return NamedSharding(mesh, spec_for(("batch", None), shape, rules.activation_table(), mesh,
+                                        f"token batch of shape {tuple(shape)}"))

@@ -1,0 +1,161 @@
+"""A decoder-only Llama-style transformer in Flax NNX.
+
+Token embedding, pre-norm blocks (RMSNorm → grouped-query causal attention with rotary positions →
+RMSNorm → SwiGLU MLP), a final RMSNorm and an output head, tied to the embedding or not. The blocks are
+stacked along a leading `layers` axis and run with `lax.scan`, so compile time does not grow with depth
+and the pipeline can split that axis into stages.
+
+The model names LOGICAL axes only (`embed`, `heads`, `kv_heads`, `head_dim`, `mlp`, `vocab`, `layers`
+for parameters; `batch`, `seq` for activations); meshpar's rules decide where they live. Parameters are
+float32; `dtype` is the compute dtype, to which parameters are cast where they are used.
+
+Shape letters: B batch, T sequence, D d_model, N query heads, K kv heads, H head dim, F d_ff, V vocab.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from meshpar.attention import causal_attention
+from meshpar.sharding import constrain, gathered
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+    vocab_size: int = 256
+    d_model: int = 128
+    n_layers: int = 2
+    n_heads: int = 8
+    n_kv_heads: int = 8
+    d_ff: int = 512
+    max_seq_len: int = 1024
+    tie_embeddings: bool = False
+    rope_theta: float = 10_000.0
+    norm_eps: float = 1e-5
+
+    def __post_init__(self):
+        for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"model.{name} = {getattr(self, name)} must be >= 1")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"model.d_model = {self.d_model} is not divisible by model.n_heads = {self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"model.n_heads = {self.n_heads} is not divisible by "
+                             f"model.n_kv_heads = {self.n_kv_heads} (grouped-query attention)")
+        if self.head_dim % 2:
+            raise ValueError(f"head dim d_model / n_heads = {self.head_dim} must be even for rotary positions")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+def _param(rngs: nnx.Rngs, shape: tuple[int, ...], logical: tuple[str, ...], std: float) -> nnx.Param:
+    return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.float32), out_sharding=logical)
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, cfg: TransformerConfig, dtype: jnp.dtype):
+        self.scale = nnx.Param(jnp.ones((cfg.d_model,), jnp.float32), out_sharding=("embed",))
+        self.eps, self.dtype = cfg.norm_eps, dtype
+
+    def __call__(self, x_BTD: jax.Array) -> jax.Array:
+        x_BTD = x_BTD.astype(jnp.float32)  # the statistics in float32 whatever the compute dtype
+        normed_BTD = x_BTD * jax.lax.rsqrt(jnp.mean(x_BTD**2, axis=-1, keepdims=True) + self.eps)
+        return (normed_BTD * gathered(self.scale, jnp.float32)).astype(self.dtype)
+
+
+def rotary(x_BTNH: jax.Array, theta: float) -> jax.Array:
+    """Rotate pairs (i, i + H/2) of each head by position-dependent angles (global positions 0..T-1)."""
+    T, H = x_BTNH.shape[1], x_BTNH.shape[3]
+    inv_freq_h = theta ** (-jnp.arange(0, H // 2, dtype=jnp.float32) / (H // 2))
+    angles_Th = jnp.arange(T, dtype=jnp.float32)[:, None] * inv_freq_h[None, :]
+    cos_T1h, sin_T1h = jnp.cos(angles_Th)[:, None, :], jnp.sin(angles_Th)[:, None, :]
+    x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)
+    rotated = jnp.concatenate([x1 * cos_T1h - x2 * sin_T1h, x2 * cos_T1h + x1 * sin_T1h], axis=-1)
+    return rotated.astype(x_BTNH.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: TransformerConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
+        D, N, K, H = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        std, out_std = D**-0.5, (N * H) ** -0.5 / math.sqrt(2 * cfg.n_layers)
+        self.wq_DNH = _param(rngs, (D, N, H), ("embed", "heads", "head_dim"), std)
+        self.wk_DKH = _param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), std)
+        self.wv_DKH = _param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), std)
+        self.wo_NHD = _param(rngs, (N, H, D), ("heads", "head_dim", "embed"), out_std)
+        self.theta, self.dtype = cfg.rope_theta, dtype
+
+    def __call__(self, x_BTD: jax.Array) -> jax.Array:
+        cast = lambda w: gathered(w, self.dtype)
+        q_BTNH = constrain(jnp.einsum("btd,dnh->btnh", x_BTD, cast(self.wq_DNH)), ("batch", "seq", "heads", None))
+        k_BTKH = constrain(jnp.einsum("btd,dkh->btkh", x_BTD, cast(self.wk_DKH)), ("batch", "seq", "kv_heads", None))
+        v_BTKH = constrain(jnp.einsum("btd,dkh->btkh", x_BTD, cast(self.wv_DKH)), ("batch", "seq", "kv_heads", None))
+        out_BTNH = causal_attention(rotary(q_BTNH, self.theta), rotary(k_BTKH, self.theta), v_BTKH)
+        return jnp.einsum("btnh,nhd->btd", out_BTNH, cast(self.wo_NHD))
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(x · gate) ⊙ (x · up))."""
+
+    def __init__(self, cfg: TransformerConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
+        D, F = cfg.d_model, cfg.d_ff
+        self.w_gate_DF = _param(rngs, (D, F), ("embed", "mlp"), D**-0.5)
+        self.w_up_DF = _param(rngs, (D, F), ("embed", "mlp"), D**-0.5)
+        self.w_down_FD = _param(rngs, (F, D), ("mlp", "embed"), F**-0.5 / math.sqrt(2 * cfg.n_layers))
+        self.dtype = dtype
+
+    def __call__(self, x_BTD: jax.Array) -> jax.Array:
+        cast = lambda w: gathered(w, self.dtype)
+        gate_BTF = constrain(x_BTD @ cast(self.w_gate_DF), ("batch", "seq", "mlp"))
+        up_BTF = constrain(x_BTD @ cast(self.w_up_DF), ("batch", "seq", "mlp"))
+        return (jax.nn.silu(gate_BTF) * up_BTF) @ cast(self.w_down_FD)
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: TransformerConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
+        self.attn_norm = RMSNorm(cfg, dtype)
+        self.attn = Attention(cfg, dtype, rngs)
+        self.mlp_norm = RMSNorm(cfg, dtype)
+        self.mlp = MLP(cfg, dtype, rngs)
+
+    def __call__(self, x_BTD: jax.Array) -> jax.Array:
+        x_BTD = constrain(x_BTD + self.attn(self.attn_norm(x_BTD)), ("batch", "seq", "embed"))
+        return constrain(x_BTD + self.mlp(self.mlp_norm(x_BTD)), ("batch", "seq", "embed"))
+
+
+class Transformer(nnx.Module):
+    def __init__(self, cfg: TransformerConfig, *, dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs):
+        self.cfg, self.dtype = cfg, dtype
+        self.embed_VD = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), 1.0)
+
+        @nnx.split_rngs(splits=cfg.n_layers)
+        @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def stacked_blocks(rngs: nnx.Rngs) -> Block:
+            return Block(cfg, dtype, rngs)
+
+        self.blocks = stacked_blocks(rngs)
+        self.final_norm = RMSNorm(cfg, dtype)
+        if not cfg.tie_embeddings:
+            self.head_DV = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.d_model**-0.5)
+
+    def __call__(self, tokens_BT: jax.Array) -> jax.Array:
+        """Logits `[B, T, V]` in float32 for int tokens `[B, T]`."""
+        x_BTD = constrain(gathered(self.embed_VD, self.dtype)[tokens_BT], ("batch", "seq", "embed"))
+        graphdef, layers_state = nnx.split(self.blocks)
+
+        def one_layer(x_BTD: jax.Array, layer_state: nnx.State) -> tuple[jax.Array, None]:
+            return nnx.merge(graphdef, layer_state)(x_BTD), None
+
+        x_BTD, _ = jax.lax.scan(one_layer, x_BTD, layers_state)
+        x_BTD = self.final_norm(x_BTD)
+        head_DV = (gathered(self.embed_VD, self.dtype).T if self.cfg.tie_embeddings
+                   else gathered(self.head_DV, self.dtype))
+        logits_BTV = jnp.einsum("btd,dv->btv", x_BTD, head_DV,
+                                preferred_element_type=jnp.float32)
+        return constrain(logits_BTV, ("batch", "seq", "vocab"))
