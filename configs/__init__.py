@@ -11,6 +11,7 @@ import pkgutil
 
 from meshpar.data import DataConfig
 from meshpar.mesh import MeshConfig
+from meshpar.rules import ParallelConfig
 from meshpar.train import TrainConfig
 from models.transformer import TransformerConfig
 
@@ -20,8 +21,17 @@ class Config:
     name: str
     model: TransformerConfig
     train: TrainConfig = TrainConfig()
-    mesh: MeshConfig = MeshConfig()
+    mesh: MeshConfig = MeshConfig(fsdp=-1)  # FSDP over every device unless --mesh says otherwise
+    parallel: ParallelConfig = ParallelConfig()
     data: DataConfig = DataConfig()
+
+    def __post_init__(self):
+        if self.data.source in ("stdlib", "text") and self.model.vocab_size < 256:
+            raise ValueError(f"data.source = '{self.data.source}' gives byte tokens (0..255), but "
+                             f"model.vocab_size = {self.model.vocab_size}")
+        if self.train.seq_len > self.model.max_seq_len:
+            raise ValueError(f"train.seq_len = {self.train.seq_len} exceeds model.max_seq_len = "
+                             f"{self.model.max_seq_len}")
 
 
 def names() -> list[str]:

@@ -17,7 +17,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m launch.train", description=__doc__.split("\n")[0])
     p.add_argument("--config", default="tiny", help="preset name in configs/ (default: tiny)")
     p.add_argument("--mesh", help="axis sizes, e.g. data=2,fsdp=4; unnamed axes are 1, one -1 takes the rest "
-                                  "(default: the preset's mesh)")
+                                  "(default: the preset's mesh, fsdp over all devices)")
     p.add_argument("--steps", type=int, help="total training steps (overrides train.steps)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field, e.g. model.n_layers=4 (repeatable)")
@@ -44,17 +44,17 @@ def main(argv: list[str] | None = None) -> None:
     from models.transformer import Transformer
 
     try:
-        cfg = config_lib.apply(configs.load(args.config), args.set)
-        if args.steps is not None:
-            cfg = config_lib.apply(cfg, [f"train.steps={args.steps}"])
+        cfg = configs.load(args.config)
         if args.mesh is not None:
             cfg = dataclasses.replace(cfg, mesh=mesh_lib.parse(args.mesh))
+        steps = [] if args.steps is None else [f"train.steps={args.steps}"]
+        cfg = config_lib.apply(cfg, [*args.set, *steps])
         mesh = mesh_lib.build(cfg.mesh)
     except ValueError as err:
         sys.exit(f"error: {err}")
 
     run(lambda rngs: Transformer(cfg.model, dtype=cfg.train.dtype, rngs=rngs), cfg.train, cfg.data, mesh,
-        rules.default(), metrics_file=args.metrics_file, report_file=args.report)
+        rules.make(cfg.parallel), metrics_file=args.metrics_file, report_file=args.report)
 
 
 if __name__ == "__main__":

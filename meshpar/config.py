@@ -39,18 +39,23 @@ def _parse(text: str, kind: type, key: str) -> Any:
     raise ValueError(f"--set {key}: fields of type {kind} cannot be set from the command line")
 
 
-def _set(cfg: Any, path: list[str], text: str, key: str) -> Any:
+def _replace(cfg: Any, changes: dict[str, Any]) -> Any:
+    """Rebuild `cfg` once with all of its changes, so `__post_init__` sees them together."""
     hints = typing.get_type_hints(type(cfg))
-    name, rest = path[0], path[1:]
-    value = getattr(cfg, name)
-    if rest:
-        return dataclasses.replace(cfg, **{name: _set(value, rest, text, key)})
-    return dataclasses.replace(cfg, **{name: _parse(text, hints[name], key)})
+    values = {}
+    for name, change in changes.items():
+        if isinstance(change, dict):
+            values[name] = _replace(getattr(cfg, name), change)
+        else:
+            key, text = change
+            values[name] = _parse(text, hints[name], key)
+    return dataclasses.replace(cfg, **values)
 
 
 def apply(cfg: Any, overrides: Iterable[str]) -> Any:
-    """A copy of `cfg` with each `key=value` applied; validation reruns in each `__post_init__`."""
+    """A copy of `cfg` with every `key=value` applied (a later one wins); validated once, at the end."""
     valid = keys(cfg)
+    changes: dict[str, Any] = {}
     for item in overrides:
         key, sep, text = item.partition("=")
         key = key.strip()
@@ -58,5 +63,9 @@ def apply(cfg: Any, overrides: Iterable[str]) -> Any:
             raise ValueError(f"--set '{item}': expected KEY=VALUE, e.g. model.n_layers=4")
         if key not in valid:
             raise ValueError(f"--set: unknown key '{key}'; valid keys: {', '.join(valid)}")
-        cfg = _set(cfg, key.split("."), text.strip(), key)
-    return cfg
+        *sections, name = key.split(".")
+        node = changes
+        for section in sections:
+            node = node.setdefault(section, {})
+        node[name] = (key, text.strip())
+    return _replace(cfg, changes) if changes else cfg

@@ -1,20 +1,33 @@
-"""Logical axis names → mesh axes: the one table that turns a model into a parallel layout.
+"""Logical axis names → mesh axes: the tables that turn a model into a parallel layout.
 
 Models name the dimensions of their parameters and activations with logical names (`embed`, `heads`,
-`mlp`, ...). A `Rules` maps each name to the mesh axes that split it, once for parameters at rest and
-once for activations during compute. Every strategy is a table or a mesh shape:
+`mlp`, ...). A `Rules` maps each name to the mesh axes that split it: for parameters at rest, for the
+gradients that enter the optimizer, for the optimizer's moments, and for activations during compute.
+Every strategy is a table or a mesh shape:
 
-| logical  | params | activations     | what it gives                                        |
-|----------|--------|-----------------|------------------------------------------------------|
-| batch    | –      | (data, fsdp)    | data parallelism; FSDP splits the batch too          |
-| seq      | –      | sequence        | context parallelism                                  |
-| embed    | fsdp   | –               | ZeRO-3 / FSDP: sharded at rest, gathered for compute |
-| heads, kv_heads, mlp, vocab | model | model | Megatron tensor parallelism                  |
-| layers   | stage  | stage           | pipeline stages                                      |
-| head_dim | –      | –               | never split                                          |
+| logical      | params        | activations          | what it gives                                   |
+|--------------|---------------|----------------------|-------------------------------------------------|
+| batch        | –             | (data, fsdp)         | data parallelism; FSDP splits the batch too     |
+| seq          | –             | sequence             | context parallelism                             |
+| resid_seq    | –             | sequence (+ model)   | the residual stream's T; + model with Megatron SP|
+| embed        | fsdp (ZeRO-3) | –                    | sharded at rest, gathered for compute           |
+| heads, kv_heads, mlp, vocab | model | model          | Megatron tensor parallelism                     |
+| layers       | stage         | stage                | pipeline stages                                 |
+| head_dim     | –             | –                    | never split                                     |
 
-With a mesh whose only axes > 1 are `data`/`fsdp`, this is DDP (`data`), FSDP (`fsdp`) or hybrid
-sharded data parallelism (`data` × `fsdp`: shard within a group, replicate across groups).
+ZeRO stages differ only in which tables split `embed` over `fsdp` (the batch is split over `fsdp` in
+every stage, so `fsdp` is a data-parallel axis whose replicas share the model states):
+
+| zero_stage | optimizer moments | gradients | parameters |  per-device model states (Ψ params, N = fsdp) |
+|-----------:|:-----------------:|:---------:|:----------:|-----------------------------------------------|
+| 0          | –                 | –         | –          | params + grads + moments, all whole           |
+| 1          | fsdp              | –         | –          | moments / N                                   |
+| 2          | fsdp              | fsdp      | –          | (grads + moments) / N                         |
+| 3 (FSDP)   | fsdp              | fsdp      | fsdp       | everything / N                                |
+
+Megatron sequence parallelism (`sequence_parallel=True`) splits the residual stream's sequence over
+`model` too: the norms and residual adds then work on T / model positions per device, and each TP
+all-reduce becomes an all-gather (entering attention / MLP) plus a reduce-scatter (leaving them).
 """
 
 from __future__ import annotations
@@ -22,47 +35,59 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
+from meshpar.mesh import AXES
+
 Table = tuple[tuple[str, tuple[str, ...]], ...]
 
-PARAMS: Table = (
-    ("batch", ()),
-    ("seq", ()),
-    ("embed", ("fsdp",)),
-    ("heads", ("model",)),
-    ("kv_heads", ("model",)),
-    ("head_dim", ()),
-    ("mlp", ("model",)),
-    ("vocab", ("model",)),
-    ("layers", ("stage",)),
-)
 
-ACTIVATIONS: Table = (
-    ("batch", ("data", "fsdp")),
-    ("seq", ("sequence",)),
-    ("embed", ()),
-    ("heads", ("model",)),
-    ("kv_heads", ("model",)),
-    ("head_dim", ()),
-    ("mlp", ("model",)),
-    ("vocab", ("model",)),
-    ("layers", ("stage",)),
-)
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """Strategy settings beyond the mesh shape."""
+
+    zero_stage: int = 3
+    sequence_parallel: bool = False
+
+    def __post_init__(self):
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ValueError(f"parallel.zero_stage = {self.zero_stage} is not one of 0, 1, 2, 3")
 
 
 @dataclasses.dataclass(frozen=True)
 class Rules:
-    """Two tables, logical name → mesh axes (empty: replicated). Hashable, so it can be jit-static."""
+    """Four tables, logical name → mesh axes (empty: replicated). Hashable, so it can be jit-static."""
 
-    params: Table = PARAMS
-    activations: Table = ACTIVATIONS
+    params: Table
+    grads: Table
+    optimizer: Table
+    activations: Table
 
-    def param_table(self) -> Mapping[str, tuple[str, ...]]:
-        return dict(self.params)
+    def __post_init__(self):
+        for kind in ("params", "grads", "optimizer", "activations"):
+            for name, axes in getattr(self, kind):
+                unknown = [axis for axis in axes if axis not in AXES]
+                if unknown:
+                    raise ValueError(f"rules.{kind}: logical axis '{name}' maps to unknown mesh axes {unknown}; "
+                                     f"the mesh axes are {', '.join(AXES)}")
 
-    def activation_table(self) -> Mapping[str, tuple[str, ...]]:
-        return dict(self.activations)
+    def table(self, kind: str) -> Mapping[str, tuple[str, ...]]:
+        return dict(getattr(self, kind))
+
+
+def _weights(embed: tuple[str, ...]) -> Table:
+    return (("embed", embed), ("heads", ("model",)), ("kv_heads", ("model",)), ("head_dim", ()),
+            ("mlp", ("model",)), ("vocab", ("model",)), ("layers", ("stage",)))
+
+
+def make(parallel: ParallelConfig = ParallelConfig()) -> Rules:
+    """The rules of a strategy: the table above, with `embed` and `resid_seq` set by the settings."""
+    over_fsdp = lambda stage: ("fsdp",) if parallel.zero_stage >= stage else ()
+    resid_seq = ("sequence", "model") if parallel.sequence_parallel else ("sequence",)
+    activations = (("batch", ("data", "fsdp")), ("seq", ("sequence",)), ("resid_seq", resid_seq),
+                   *_weights(()))
+    return Rules(params=_weights(over_fsdp(3)), grads=_weights(over_fsdp(2)), optimizer=_weights(over_fsdp(1)),
+                 activations=activations)
 
 
 def default() -> Rules:
-    """The table above: DP, FSDP, TP, context and pipeline parallelism chosen by the mesh alone."""
-    return Rules()
+    """ZeRO-3 over `fsdp`, no sequence parallelism: DP, FSDP, TP, CP and PP chosen by the mesh alone."""
+    return make()

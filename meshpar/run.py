@@ -45,7 +45,7 @@ def run(make_model: ModelFactory, train: TrainConfig, data: DataConfig, mesh: Me
                       seed=train.seed, sharding=tokens_sharding)
     state = init_state(make_model, tx, plan, train.seed)
     first = next(batches)
-    step, report = analysis.compile_report(make_step(plan, tokens_sharding), state, first)
+    step, report = analysis.compile_report(make_step(plan, tokens_sharding, train), state, first)
     report = {"mesh": dict(mesh.shape), "devices": mesh.size, "processes": jax.process_count(),
               "params": param_count(plan.abstract), **report}
     if metrics.is_logger():

@@ -7,16 +7,15 @@ dimension and the mesh axis.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import jax
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from meshpar import context
 from meshpar.rules import Rules
 
 Logical = Sequence[str | None]
@@ -39,13 +38,13 @@ def spec_for(logical: Logical, shape: Sequence[int], table: Mapping[str, tuple[s
         if name not in table:
             raise ValueError(f"{what}: unknown logical axis '{name}' on dimension {dim} of shape {tuple(shape)}; "
                              f"known: {', '.join(sorted(table))}")
-        axes = tuple(axis for axis in table[name] if mesh.shape[axis] > 1)
-        for axis in axes:
+        for axis in table[name]:  # checked whatever the axis size, so a bad table fails on any mesh
             if axis in owner:
                 raise ValueError(f"{what}: mesh axis '{axis}' would split dimension {owner[axis]} "
                                  f"('{logical[owner[axis]]}') and dimension {dim} ('{name}') of shape "
                                  f"{tuple(shape)}; one mesh axis can split one dimension only")
             owner[axis] = dim
+        axes = tuple(axis for axis in table[name] if mesh.shape[axis] > 1)
         ways = math.prod(mesh.shape[axis] for axis in axes)
         if size % ways:
             split = " × ".join(f"{axis}={mesh.shape[axis]}" for axis in axes)
@@ -59,21 +58,26 @@ def _path_name(path: tuple) -> str:
     return "/".join(str(getattr(key, "key", getattr(key, "idx", key))) for key in path)
 
 
-def _logical_axes(variable: nnx.Variable) -> tuple[str | None, ...]:
+def _logical_axes(variable: nnx.Variable, path: tuple) -> tuple[str | None, ...]:
     """A variable's logical names; a scalar (an optimizer step count) has none."""
     names = variable.get_metadata().get("out_sharding")
     if names is None and variable.shape:
-        raise ValueError(f"a variable of shape {variable.shape} has no logical axes (out_sharding=)")
+        raise ValueError(f"parameter '{_path_name(path)}' of shape {tuple(variable.shape)} has no logical axes: "
+                         f"declare them with out_sharding=(...)")
     return tuple(names or ())
 
 
-def state_specs(abstract_state: nnx.State, mesh: Mesh, rules: Rules) -> nnx.State:
-    """Map each variable of an (abstract) NNX state to its PartitionSpec under the parameter rules."""
-    table = rules.param_table()
+def state_specs(abstract_state: nnx.State, mesh: Mesh, rules: Rules, kind: str | None = None) -> nnx.State:
+    """Map each variable of an (abstract) NNX state to its PartitionSpec.
+
+    Parameters follow the `params` table and everything else (the optimizer's moments) the `optimizer`
+    table, unless `kind` names one table for all (`"grads"` for a gradient tree).
+    """
     specs = {}
     for path, variable in nnx.to_flat_state(abstract_state):
+        table = rules.table(kind or ("params" if isinstance(variable, nnx.Param) else "optimizer"))
         specs[path] = variable.replace(
-            spec_for(_logical_axes(variable), variable.shape, table, mesh, f"parameter '{_path_name(path)}'"))
+            spec_for(_logical_axes(variable, path), variable.shape, table, mesh, f"parameter '{_path_name(path)}'"))
     return nnx.from_flat_state(specs)
 
 
@@ -93,35 +97,27 @@ def sharding_table(abstract_state: nnx.State, mesh: Mesh, rules: Rules) -> str:
         shard = sharding.shard_shape(variable.shape)
         nbytes = math.prod(shard) * np.dtype(variable.dtype).itemsize
         total += nbytes
-        rows.append((_path_name(path), str(tuple(variable.shape)), str(_logical_axes(variable)),
+        rows.append((_path_name(path), str(tuple(variable.shape)), str(_logical_axes(variable, path)),
                      str(tuple(sharding.spec)), str(shard), f"{nbytes:,}"))
     rows.append(("total", "", "", "", "", f"{total:,}"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows)
 
 
-_active: contextvars.ContextVar[tuple[Mesh, Rules] | None] = contextvars.ContextVar("meshpar_activations",
-                                                                                     default=None)
-
-
-@contextlib.contextmanager
-def activation_rules(mesh: Mesh, rules: Rules) -> Iterator[None]:
-    """While tracing a step: `constrain` places activations by `rules` on `mesh`."""
-    token = _active.set((mesh, rules))
-    try:
-        yield
-    finally:
-        _active.reset(token)
-
-
 def constrain(x: jax.Array, logical: Logical) -> jax.Array:
-    """Hint the compiler to lay `x` out by its logical names; a no-op outside `activation_rules`."""
-    active = _active.get()
-    if active is None:
+    """Hint the compiler to lay `x` out by its logical names; a no-op outside a step (`context.use`)."""
+    compute = context.active()
+    if compute is None:
         return x
-    mesh, rules = active
-    spec = spec_for(logical, x.shape, rules.activation_table(), mesh, f"activation {tuple(logical)}")
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+    spec = spec_for(logical, x.shape, compute.rules.table("activations"), compute.mesh, f"activation {tuple(logical)}")
+    return jax.lax.with_sharding_constraint(x, NamedSharding(compute.mesh, spec))
+
+
+def constrain_grads(grads: nnx.State, mesh: Mesh, rules: Rules) -> nnx.State:
+    """Lay gradients out by the `grads` table: split over `fsdp` from ZeRO-2 on (a reduce-scatter)."""
+    shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), state_specs(grads, mesh, rules, "grads"),
+                             is_leaf=lambda x: isinstance(x, PartitionSpec))
+    return jax.lax.with_sharding_constraint(grads, shardings)
 
 
 def gathered(param: nnx.Variable, dtype: jax.typing.DTypeLike) -> jax.Array:
@@ -138,5 +134,5 @@ def gathered(param: nnx.Variable, dtype: jax.typing.DTypeLike) -> jax.Array:
 
 def batch_sharding(mesh: Mesh, rules: Rules, shape: Sequence[int]) -> NamedSharding:
     """The sharding of a token batch `[B, T+1]`: rows by the `batch` rule; the model splits T itself."""
-    return NamedSharding(mesh, spec_for(("batch", None), shape, rules.activation_table(), mesh,
+    return NamedSharding(mesh, spec_for(("batch", None), shape, rules.table("activations"), mesh,
                                         f"token batch of shape {tuple(shape)}"))

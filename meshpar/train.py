@@ -5,12 +5,19 @@ abstractly (`nnx.eval_shape`), the rules turn its logical axes into shardings, a
 those `out_shardings` creates every array directly on the devices that own it, so no full-size array
 ever exists on one device. The step is one jitted program with the state donated; the compiler (GSPMD)
 inserts the collectives the layout needs: the gradient all-reduce for data parallelism, per-layer
-parameter all-gathers (and gradient reductions) for FSDP.
+parameter all-gathers (and gradient reductions) for FSDP, the TP all-reduces.
+
+Gradient accumulation (`grad_accum=K`) runs K microbatches in a `lax.scan` inside the step with ONE
+gradient synchronisation: each batch shard's gradients are kept apart (a `vmap` over the shards whose
+axis lies on the batch mesh axes, so the compiler has nothing to reduce) and summed once after the
+scan. Left to itself, the compiler all-reduces inside the loop, once per microbatch. The price is the
+accumulator: one whole (unsharded) gradient per device, as with PyTorch's `no_sync`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -20,7 +27,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from meshpar import sharding
+from meshpar import context, sharding
 from meshpar.rules import Rules
 
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -37,16 +44,23 @@ class TrainConfig:
     clip_norm: float = 1.0
     seed: int = 0
     compute_dtype: str = "float32"
+    remat: str = "none"
+    grad_accum: int = 1
 
     def __post_init__(self):
         if self.compute_dtype not in COMPUTE_DTYPES:
             raise ValueError(f"train.compute_dtype = '{self.compute_dtype}' is not one of "
                              f"{', '.join(COMPUTE_DTYPES)}")
-        for name in ("steps", "global_batch", "seq_len"):
+        if self.remat not in context.REMAT_POLICIES:
+            raise ValueError(f"train.remat = '{self.remat}' is not one of {', '.join(context.REMAT_POLICIES)}")
+        for name in ("steps", "global_batch", "seq_len", "grad_accum"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name} = {getattr(self, name)} must be >= 1")
         if self.warmup_steps < 0:
             raise ValueError(f"train.warmup_steps = {self.warmup_steps} must be >= 0")
+        if self.global_batch % self.grad_accum:
+            raise ValueError(f"train.global_batch = {self.global_batch} is not divisible into "
+                             f"train.grad_accum = {self.grad_accum} microbatches")
 
     @property
     def dtype(self) -> jnp.dtype:
@@ -109,35 +123,95 @@ def init_state(make_model: ModelFactory, tx: optax.GradientTransformation, plan:
     return jax.jit(create, out_shardings=plan.shardings)()
 
 
+def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
+    """Mean of logsumexp(logits) - logits[target], in float32.
+
+    Written with a one-hot mask rather than a gather so that, with the vocabulary split over `model`,
+    every device reduces its own slice and only [B, T] partial sums cross devices: the full
+    [B, T, V] logits never exist on one device.
+    """
+    logits_BTV = logits_BTV.astype(jnp.float32)
+    logz_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
+    is_target_BTV = jnp.arange(logits_BTV.shape[-1]) == targets_BT[..., None]
+    return jnp.mean(logz_BT - jnp.sum(jnp.where(is_target_BTV, logits_BTV, 0.0), axis=-1))
+
+
 def next_token_loss(model: nnx.Module, tokens_BT: jax.Array) -> jax.Array:
-    """Mean cross-entropy of predicting tokens[:, 1:] from tokens[:, :-1], in float32."""
-    logits_BTV = model(tokens_BT[:, :-1])
-    return optax.softmax_cross_entropy_with_integer_labels(logits_BTV, tokens_BT[:, 1:]).mean()
+    """Cross-entropy of predicting tokens[:, 1:] from tokens[:, :-1]."""
+    return cross_entropy(model(tokens_BT[:, :-1]), tokens_BT[:, 1:])
 
 
-def loss_and_grads(plan: Sharded, tokens: NamedSharding) -> Callable[[nnx.State, jax.Array], tuple[jax.Array, nnx.State]]:
+def _batch_axes(plan: Sharded) -> tuple[str, ...]:
+    return tuple(axis for axis in plan.rules.table("activations")["batch"] if plan.mesh.shape[axis] > 1)
+
+
+LossFn = Callable[[nnx.State, jax.Array], jax.Array]
+
+
+def _accumulated(plan: Sharded, cfg: TrainConfig, loss_fn: LossFn, params: nnx.State,
+                 tokens_BT: jax.Array) -> tuple[jax.Array, nnx.State]:
+    """Loss and gradients over `grad_accum` microbatches with one gradient reduction (module docstring)."""
+    axes = _batch_axes(plan)
+    S = math.prod(plan.mesh.shape[axis] for axis in axes)  # batch shards
+    K, (B, T) = cfg.grad_accum, tokens_BT.shape
+    if B % (S * K):
+        raise ValueError(f"train.global_batch = {B} is not divisible into {K} microbatches on each of the "
+                         f"{S} batch shards ({' × '.join(axes)})")
+    # Shard s holds rows [s·B/S, (s+1)·B/S); its microbatch k is the k-th block of those rows.
+    tokens_KSbT = jnp.swapaxes(tokens_BT.reshape(S, K, B // (S * K), T), 0, 1)
+    tokens_KSbT = jax.lax.with_sharding_constraint(
+        tokens_KSbT, NamedSharding(plan.mesh, jax.sharding.PartitionSpec(None, axes or None)))
+    per_shard = jax.vmap(jax.value_and_grad(loss_fn), in_axes=(None, 0), spmd_axis_name=axes or None)
+    # Inside the vmap the batch mesh axes belong to the shard axis; the rows of one shard are local.
+    local_rules = dataclasses.replace(plan.rules, activations=tuple(
+        (name, () if name == "batch" else mesh_axes) for name, mesh_axes in plan.rules.activations))
+
+    def microbatch(carry, tokens_SbT):
+        loss_sum, grads_S = carry
+        with context.use(dataclasses.replace(context.active(), rules=local_rules)):
+            loss_S, g_S = per_shard(params, tokens_SbT)
+        return (loss_sum + loss_S.sum(), jax.tree.map(jnp.add, grads_S, g_S)), None
+
+    zeros_S = jax.tree.map(lambda p: jnp.zeros((S, *p.shape), jnp.float32), params)
+    (loss_sum, grads_S), _ = jax.lax.scan(microbatch, (jnp.zeros((), jnp.float32), zeros_S), tokens_KSbT)
+    return loss_sum / (S * K), jax.tree.map(lambda g: g.sum(0) / (S * K), grads_S)
+
+
+def _loss_and_grads(plan: Sharded, cfg: TrainConfig, model: nnx.Module,
+                    tokens_BT: jax.Array) -> tuple[jax.Array, nnx.State]:
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    loss_fn = lambda p, t: next_token_loss(nnx.merge(graphdef, p, rest), t)
+    if cfg.grad_accum == 1:
+        loss, grads = jax.value_and_grad(loss_fn)(params, tokens_BT)
+    else:
+        loss, grads = _accumulated(plan, cfg, loss_fn, params, tokens_BT)
+    return loss, sharding.constrain_grads(grads, plan.mesh, plan.rules)
+
+
+def loss_and_grads(plan: Sharded, tokens: NamedSharding,
+                   cfg: TrainConfig = TrainConfig()) -> Callable[[nnx.State, jax.Array], tuple[jax.Array, nnx.State]]:
     """A jitted `(state, tokens) → (loss, parameter gradients)`: what parity tests compare."""
 
     def fn(state: nnx.State, tokens_BT: jax.Array) -> tuple[jax.Array, nnx.State]:
-        with sharding.activation_rules(plan.mesh, plan.rules):
-            model = nnx.merge(plan.graphdef, state).model
-            return nnx.value_and_grad(next_token_loss)(model, tokens_BT)
+        with context.use(context.Compute(plan.mesh, plan.rules, cfg.remat)):
+            return _loss_and_grads(plan, cfg, nnx.merge(plan.graphdef, state).model, tokens_BT)
 
     return jax.jit(fn, in_shardings=(plan.shardings, tokens))
 
 
-def make_step(plan: Sharded, tokens: NamedSharding) -> Callable[[nnx.State, jax.Array], tuple[nnx.State, dict[str, jax.Array]]]:
+def make_step(plan: Sharded, tokens: NamedSharding,
+              cfg: TrainConfig = TrainConfig()) -> Callable[[nnx.State, jax.Array], tuple[nnx.State, dict[str, jax.Array]]]:
     """The jitted training step `(state, tokens) → (state, metrics)`, donating the old state.
 
     `tokens` is the sharding of the token batch (`sharding.batch_sharding`).
     """
 
     def step(state: nnx.State, tokens_BT: jax.Array) -> tuple[nnx.State, dict[str, jax.Array]]:
-        with sharding.activation_rules(plan.mesh, plan.rules):
+        with context.use(context.Compute(plan.mesh, plan.rules, cfg.remat)):
             ts = nnx.merge(plan.graphdef, state)
-            loss, grads = nnx.value_and_grad(next_token_loss)(ts.model, tokens_BT)
+            loss, grads = _loss_and_grads(plan, cfg, ts.model, tokens_BT)
             ts.opt.update(ts.model, grads)
-            return nnx.state(ts), {"loss": loss, "grad_norm": optax.global_norm(grads)}
+            return nnx.state(ts), {"loss": loss, "grad_norm": optax.tree.norm(grads)}
 
     return jax.jit(step, in_shardings=(plan.shardings, tokens), out_shardings=(plan.shardings, None),
                    donate_argnums=0)

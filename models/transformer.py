@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from meshpar import layers
 from meshpar.attention import causal_attention
 from meshpar.sharding import constrain, gathered
 
@@ -53,6 +54,10 @@ class TransformerConfig:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+
+# The residual stream: its sequence dimension is `resid_seq`, which Megatron SP splits over `model` too.
+RESIDUAL = ("batch", "resid_seq", "embed")
 
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], logical: tuple[str, ...], std: float) -> nnx.Param:
@@ -125,8 +130,8 @@ class Block(nnx.Module):
         self.mlp = MLP(cfg, dtype, rngs)
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
-        x_BTD = constrain(x_BTD + self.attn(self.attn_norm(x_BTD)), ("batch", "seq", "embed"))
-        return constrain(x_BTD + self.mlp(self.mlp_norm(x_BTD)), ("batch", "seq", "embed"))
+        x_BTD = constrain(x_BTD + self.attn(self.attn_norm(x_BTD)), RESIDUAL)
+        return constrain(x_BTD + self.mlp(self.mlp_norm(x_BTD)), RESIDUAL)
 
 
 class Transformer(nnx.Module):
@@ -146,14 +151,8 @@ class Transformer(nnx.Module):
 
     def __call__(self, tokens_BT: jax.Array) -> jax.Array:
         """Logits `[B, T, V]` in float32 for int tokens `[B, T]`."""
-        x_BTD = constrain(gathered(self.embed_VD, self.dtype)[tokens_BT], ("batch", "seq", "embed"))
-        graphdef, layers_state = nnx.split(self.blocks)
-
-        def one_layer(x_BTD: jax.Array, layer_state: nnx.State) -> tuple[jax.Array, None]:
-            return nnx.merge(graphdef, layer_state)(x_BTD), None
-
-        x_BTD, _ = jax.lax.scan(one_layer, x_BTD, layers_state)
-        x_BTD = self.final_norm(x_BTD)
+        x_BTD = constrain(gathered(self.embed_VD, self.dtype)[tokens_BT], RESIDUAL)
+        x_BTD = self.final_norm(layers.scan(self.blocks, x_BTD))
         head_DV = (gathered(self.embed_VD, self.dtype).T if self.cfg.tie_embeddings
                    else gathered(self.head_DV, self.dtype))
         logits_BTV = jnp.einsum("btd,dv->btv", x_BTD, head_DV,

@@ -1,0 +1,36 @@
+"""Run a stack of identical layers: one `lax.scan` over the leading `layers` axis.
+
+Compile time does not grow with depth, and the stacked axis is what the pipeline splits into stages.
+Rematerialisation is applied per layer, inside the scan, by the active policy:
+
+- `none`: keep every intermediate of every layer for the backward pass (fastest, most memory);
+- `dots`: keep only the outputs of matmuls against weights (projections and MLP; not the attention
+  scores, whose size grows with T²), recompute the rest (norms, activations, softmax);
+- `full`: keep only each layer's input; recompute the whole layer in the backward pass (about one more
+  forward pass of compute, activation memory of one layer plus the layer inputs).
+"""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+
+from meshpar import context
+
+_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+def scan(stack: nnx.Module, x: jax.Array) -> jax.Array:
+    """Apply each layer of `stack` (a module whose variables carry a leading layers axis) to `x` in turn."""
+    graphdef, stacked = nnx.split(stack)
+
+    def one_layer(x: jax.Array, layer: nnx.State) -> tuple[jax.Array, None]:
+        return nnx.merge(graphdef, layer)(x), None
+
+    compute = context.active()
+    if compute is not None and compute.remat != "none":
+        one_layer = jax.checkpoint(one_layer, policy=_POLICIES[compute.remat], prevent_cse=False)
+    return jax.lax.scan(one_layer, x, stacked)[0]

@@ -1,0 +1,179 @@
+"""meshpar.config.apply (typed dotted overrides), the presets in configs/, and their parameter counts."""
+
+import dataclasses
+import importlib
+import math
+
+import jax
+import pytest
+from flax import nnx
+
+import configs
+from meshpar import config as config_lib
+from meshpar.mesh import MeshConfig
+from models.transformer import Transformer, TransformerConfig
+
+PRESETS = ["llama_1b", "llama_70b", "llama_8b", "small", "tiny"]
+
+
+@pytest.fixture
+def tiny():
+    return configs.load("tiny")
+
+
+# --- apply ----------------------------------------------------------------------------------------------
+
+
+def test_keys_list_every_leaf_field(tiny):
+    keys = config_lib.keys(tiny)
+    assert keys[:3] == ["name", "model.vocab_size", "model.d_model"]
+    assert {"model.n_layers", "model.tie_embeddings", "train.lr", "train.compute_dtype", "mesh.fsdp",
+            "data.source"} <= set(keys)
+    assert "model" not in keys and "mesh" not in keys  # sections are not leaves
+    assert len(keys) == len(set(keys))
+
+
+def test_apply_parses_by_field_type(tiny):
+    cfg = config_lib.apply(tiny, ["model.n_layers=4", "train.lr=1e-4", "model.tie_embeddings=true",
+                                  "train.compute_dtype=bfloat16", "name=mine", "model.rope_theta=5"])
+    assert cfg.model.n_layers == 4 and type(cfg.model.n_layers) is int
+    assert cfg.train.lr == 1e-4 and type(cfg.train.lr) is float
+    assert cfg.model.tie_embeddings is True
+    assert cfg.train.compute_dtype == "bfloat16"
+    assert cfg.name == "mine"
+    assert cfg.model.rope_theta == 5.0 and type(cfg.model.rope_theta) is float
+    # everything else is untouched, and the input is not modified
+    assert cfg.model.d_model == tiny.model.d_model and cfg.train.steps == tiny.train.steps
+    assert tiny.model.n_layers == 2 and tiny.name == "tiny"
+    assert dataclasses.is_dataclass(cfg.model) and isinstance(cfg.model, TransformerConfig)
+
+
+@pytest.mark.parametrize(("text", "value"), [("true", True), ("False", False), ("1", True), ("0", False),
+                                             ("yes", True), ("off", False)])
+def test_apply_parses_bools(tiny, text, value):
+    assert config_lib.apply(tiny, [f"model.tie_embeddings={text}"]).model.tie_embeddings is value
+
+
+def test_apply_nested_keys_in_every_section(tiny):
+    cfg = config_lib.apply(tiny, [" mesh.fsdp = 4 ", "mesh.data=-1", "data.max_bytes=1000", "train.seed=7"])
+    assert cfg.mesh == MeshConfig(data=-1, fsdp=4)
+    assert cfg.data.max_bytes == 1000
+    assert cfg.train.seed == 7
+
+
+def test_apply_later_overrides_win(tiny):
+    assert config_lib.apply(tiny, ["model.n_layers=4", "model.n_layers=3"]).model.n_layers == 3
+
+
+def test_apply_no_overrides_is_the_same_config(tiny):
+    assert config_lib.apply(tiny, []) == tiny
+
+
+@pytest.mark.parametrize("key", ["model.n_layer", "n_layers", "model", "train.lr.x", "optimizer.lr"])
+def test_apply_unknown_key_lists_the_valid_ones(tiny, key):
+    with pytest.raises(ValueError, match=rf"--set: unknown key '{key}'; valid keys: name, model.vocab_size, ") as err:
+        config_lib.apply(tiny, [f"{key}=4"])
+    listed = str(err.value).split("valid keys: ")[1].split(", ")
+    assert listed == config_lib.keys(tiny)
+
+
+def test_apply_malformed_item(tiny):
+    with pytest.raises(ValueError, match=r"--set 'model.n_layers': expected KEY=VALUE, e.g. model.n_layers=4"):
+        config_lib.apply(tiny, ["model.n_layers"])
+
+
+@pytest.mark.parametrize(("item", "message"), [
+    ("model.n_layers=abc", r"--set model.n_layers=abc: expected int"),
+    ("model.n_layers=2.5", r"--set model.n_layers=2.5: expected int"),
+    ("train.lr=fast", r"--set train.lr=fast: expected float"),
+    ("model.tie_embeddings=maybe", r"--set model.tie_embeddings=maybe: expected true or false"),
+])
+def test_apply_wrong_type(tiny, item, message):
+    with pytest.raises(ValueError, match=message):
+        config_lib.apply(tiny, [item])
+
+
+@pytest.mark.parametrize(("item", "message"), [
+    ("train.compute_dtype=float8", r"train.compute_dtype = 'float8' is not one of float32, bfloat16"),
+    ("model.n_heads=7", r"model.d_model = 128 is not divisible by model.n_heads = 7"),
+    ("model.n_kv_heads=3", r"model.n_heads = 8 is not divisible by model.n_kv_heads = 3"),
+    ("model.n_layers=0", r"model.n_layers = 0 must be >= 1"),
+    ("train.steps=0", r"train.steps = 0 must be >= 1"),
+    ("mesh.fsdp=0", r"mesh axis 'fsdp' has size 0"),
+    ("data.source=web", r"unknown data source 'web'; valid sources: stdlib, text, bin"),
+])
+def test_apply_surfaces_validation_errors(tiny, item, message):
+    with pytest.raises(ValueError, match=message):
+        config_lib.apply(tiny, [item])
+
+
+def test_apply_validates_the_overrides_together(tiny):
+    cfg = config_lib.apply(tiny, ["model.n_heads=12", "model.n_kv_heads=12", "model.d_model=768"])
+    assert (cfg.model.n_heads, cfg.model.d_model) == (12, 768)
+
+
+# --- presets ---------------------------------------------------------------------------------------------
+
+
+def test_preset_names():
+    names = configs.names()
+    assert set(PRESETS) <= set(names) and names == sorted(names)
+    assert "__init__" not in names
+
+
+@pytest.mark.parametrize("name", configs.names())
+def test_load_every_preset(name):
+    cfg = configs.load(name)
+    assert isinstance(cfg, configs.Config)
+    assert cfg.name == name
+    assert isinstance(cfg.model, TransformerConfig)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.name = "other"
+    # each preset file starts with the command that runs it
+    assert f"python -m launch.train --config {name}" in importlib.import_module(f"configs.{name}").__doc__
+
+
+def test_load_unknown_preset():
+    with pytest.raises(ValueError, match=r"^unknown config 'nope'; presets: (\w+, )*llama_70b, (\w+, )*tiny$"):
+        configs.load("nope")
+    with pytest.raises(ValueError, match=r"unknown config 'Tiny'"):
+        configs.load("Tiny")
+
+
+# --- parameter counts, computed abstractly --------------------------------------------------------------
+
+
+def abstract_param_count(cfg: TransformerConfig) -> int:
+    with nnx.use_eager_sharding(False):
+        model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    leaves = jax.tree.leaves(nnx.state(model, nnx.Param))
+    assert all(isinstance(leaf, jax.ShapeDtypeStruct) for leaf in leaves)  # nothing was allocated
+    return sum(math.prod(leaf.shape) for leaf in leaves)
+
+
+def formula_param_count(cfg: TransformerConfig) -> int:
+    D, N, K, H, F, V, L = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff, cfg.vocab_size,
+                           cfg.n_layers)
+    per_layer = D * N * H + 2 * D * K * H + N * H * D + 3 * D * F + 2 * D
+    return V * D * (1 if cfg.tie_embeddings else 2) + L * per_layer + D
+
+
+@pytest.mark.parametrize("name", configs.names())
+def test_param_count_matches_the_formula(name):
+    cfg = configs.load(name).model
+    assert abstract_param_count(cfg) == formula_param_count(cfg)
+
+
+@pytest.mark.parametrize(("name", "expected", "rel"), [
+    ("small", 124e6, 0.02),
+    ("llama_8b", 8.03e9, 0.01),
+    ("llama_70b", 70.55e9, 0.01),
+])
+def test_param_count_of_the_named_shapes(name, expected, rel):
+    assert abstract_param_count(configs.load(name).model) == pytest.approx(expected, rel=rel)
+
+
+def test_tied_embeddings_drop_the_head():
+    untied = configs.load("tiny").model
+    tied = dataclasses.replace(untied, tie_embeddings=True)
+    assert abstract_param_count(untied) - abstract_param_count(tied) == untied.vocab_size * untied.d_model
