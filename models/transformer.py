@@ -58,6 +58,8 @@ class TransformerConfig:
 
 # The residual stream: its sequence dimension is `resid_seq`, which Megatron SP splits over `model` too.
 RESIDUAL = ("batch", "resid_seq", "embed")
+# The input of attention and MLP: whole sequences (with Megatron SP this is where T is all-gathered).
+REGION_INPUT = ("batch", "seq", "embed")
 
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], logical: tuple[str, ...], std: float) -> nnx.Param:
@@ -98,6 +100,7 @@ class Attention(nnx.Module):
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
         cast = lambda w: gathered(w, self.dtype)
+        x_BTD = constrain(x_BTD, REGION_INPUT)
         q_BTNH = constrain(jnp.einsum("btd,dnh->btnh", x_BTD, cast(self.wq_DNH)), ("batch", "seq", "heads", None))
         k_BTKH = constrain(jnp.einsum("btd,dkh->btkh", x_BTD, cast(self.wk_DKH)), ("batch", "seq", "kv_heads", None))
         v_BTKH = constrain(jnp.einsum("btd,dkh->btkh", x_BTD, cast(self.wv_DKH)), ("batch", "seq", "kv_heads", None))
@@ -117,6 +120,7 @@ class MLP(nnx.Module):
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
         cast = lambda w: gathered(w, self.dtype)
+        x_BTD = constrain(x_BTD, REGION_INPUT)
         gate_BTF = constrain(x_BTD @ cast(self.w_gate_DF), ("batch", "seq", "mlp"))
         up_BTF = constrain(x_BTD @ cast(self.w_up_DF), ("batch", "seq", "mlp"))
         return (jax.nn.silu(gate_BTF) * up_BTF) @ cast(self.w_down_FD)

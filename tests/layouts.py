@@ -1,0 +1,74 @@
+"""A model on a mesh, for tests: the same weights and batches on any layout, and what it computes."""
+
+import functools
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from meshpar import analysis, mesh as mesh_lib, rules as rules_lib, sharding, train
+from meshpar.data import stdlib_tokens
+from models.transformer import Transformer, TransformerConfig
+
+MODEL = TransformerConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=8, n_kv_heads=8, d_ff=128)
+TRAIN = train.TrainConfig(steps=10, global_batch=16, seq_len=32, lr=3e-3, warmup_steps=2)
+CORPUS = stdlib_tokens(max_bytes=200_000)
+
+
+def tokens(step: int, cfg: train.TrainConfig = TRAIN) -> np.ndarray:
+    """Rows of real text (so that the loss can fall), the same for every layout."""
+    starts = np.random.default_rng(step).integers(0, len(CORPUS) - cfg.seq_len - 1, cfg.global_batch)
+    return np.stack([CORPUS[s:s + cfg.seq_len + 1] for s in starts]).astype(np.int32)
+
+
+class Layout:
+    """One mesh ("single" is one device): plan, initial state, token sharding and compiled functions."""
+
+    def __init__(self, spec: str, cfg: train.TrainConfig = TRAIN, model: TransformerConfig = MODEL,
+                 parallel: rules_lib.ParallelConfig = rules_lib.ParallelConfig()):
+        devices = jax.devices()[:1] if spec == "single" else None
+        self.mesh = mesh_lib.build(mesh_lib.parse("" if spec == "single" else spec), devices)
+        self.cfg, self.rules = cfg, rules_lib.make(parallel)
+        make = lambda rngs: Transformer(model, dtype=cfg.dtype, rngs=rngs)
+        tx = train.optimizer(cfg)
+        self.plan = train.plan_state(make, tx, self.mesh, self.rules, cfg.seed)
+        self.state = train.init_state(make, tx, self.plan, cfg.seed)
+        self.tokens_sharding = sharding.batch_sharding(self.mesh, self.rules, (cfg.global_batch, cfg.seq_len + 1))
+
+    def batch(self, step: int) -> jax.Array:
+        return jax.device_put(tokens(step, self.cfg), self.tokens_sharding)
+
+    def loss_and_grads(self) -> tuple[float, nnx.State]:
+        loss, grads = train.loss_and_grads(self.plan, self.tokens_sharding, self.cfg)(self.state, self.batch(0))
+        return float(loss), jax.tree.map(np.asarray, grads)
+
+    @functools.cached_property
+    def compiled_step(self) -> tuple[Any, dict]:
+        """The compiled training step and what the compiler says about it."""
+        step = train.make_step(self.plan, self.tokens_sharding, self.cfg)
+        return analysis.compile_report(step, self.state, self.batch(0))
+
+    def losses(self, steps: int) -> list[float]:
+        step = self.compiled_step[0]
+        state, out = jax.tree.map(lambda x: x.copy(), self.state), []  # the step donates its input
+        for i in range(steps):
+            state, metrics = step(state, self.batch(i))
+            out.append(float(metrics["loss"]))
+        return out
+
+    def report(self) -> dict:
+        return self.compiled_step[1]
+
+    def step_hlo(self) -> str:
+        return self.compiled_step[0].as_text()
+
+
+def max_relative_error(tree, reference) -> float:
+    """The largest |a - b| over max |b| of any leaf: gradients compared leaf by leaf."""
+    errors = jax.tree.map(lambda a, b: np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-30), tree, reference)
+    return max(jax.tree.leaves(errors))
+
+
+def param_bytes(layout: Layout) -> int:
+    return sum(x.nbytes for x in jax.tree.leaves(nnx.state(layout.state["model"], nnx.Param)))

@@ -1,0 +1,187 @@
+"""Tensor and sequence parallelism, ZeRO stages, mixed precision, remat and gradient accumulation, each
+against its plain counterpart on one device: loss and gradients (float32), memory and collectives."""
+
+import dataclasses
+import re
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import require_devices
+from layouts import MODEL, TRAIN, Layout, max_relative_error, param_bytes
+from meshpar import train
+from meshpar.rules import ParallelConfig
+
+
+@pytest.fixture(scope="module")
+def single():
+    return Layout("single")
+
+
+@pytest.fixture(scope="module")
+def reference(single):
+    return single.loss_and_grads()
+
+
+def assert_matches(layout: Layout, reference, rtol: float = 1e-5):
+    loss, grads = layout.loss_and_grads()
+    ref_loss, ref_grads = reference
+    assert abs(loss - ref_loss) / ref_loss < rtol
+    assert max_relative_error(grads, ref_grads) < rtol
+
+
+# --- tensor parallelism, with and without Megatron sequence parallelism ----------------------------------
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
+@pytest.mark.parametrize("spec", ["model=8", "data=2,model=4", "fsdp=2,model=4", "data=2,fsdp=2,model=2"])
+def test_tensor_parallel_matches_one_device(reference, spec, sequence_parallel):
+    require_devices(8)
+    assert_matches(Layout(spec, parallel=ParallelConfig(sequence_parallel=sequence_parallel)), reference)
+
+
+@pytest.fixture(scope="module")
+def tp8():
+    require_devices(8)
+    return {sp: Layout("model=8", parallel=ParallelConfig(sequence_parallel=sp)) for sp in (False, True)}
+
+
+def test_tensor_parallel_splits_heads_mlp_and_vocab(tp8):
+    params = tp8[False].state["model"]
+    shard = lambda p: p[...].sharding.shard_shape(p[...].shape)
+    D, N, H, F, V = MODEL.d_model, MODEL.n_heads, MODEL.head_dim, MODEL.d_ff, MODEL.vocab_size
+    assert shard(params["blocks"]["attn"]["wq_DNH"]) == (2, D, N // 8, H)  # heads split: column parallel
+    assert shard(params["blocks"]["attn"]["wo_NHD"]) == (2, N // 8, H, D)  # row parallel
+    assert shard(params["blocks"]["mlp"]["w_up_DF"]) == (2, D, F // 8)
+    assert shard(params["blocks"]["mlp"]["w_down_FD"]) == (2, F // 8, D)
+    assert shard(params["embed_VD"]) == (V // 8, D)  # vocab-parallel embedding and head
+    assert shard(params["head_DV"]) == (D, V // 8)
+
+
+def test_vocab_parallel_loss_never_builds_full_logits(tp8):
+    hlo = tp8[False].step_hlo()
+    B, T, V = TRAIN.global_batch, TRAIN.seq_len, MODEL.vocab_size
+    assert f"f32[{B},{T},{V // 8}]" in hlo  # each device's slice of the logits
+    assert f"[{B},{T},{V}]" not in hlo
+
+
+def test_tensor_parallel_all_reduces_activations(tp8):
+    collectives = tp8[False].report()["collectives"]
+    assert set(collectives) == {"all-reduce"}
+    # per layer: attention and MLP outputs in the forward pass, their input gradients in the backward
+    activation = TRAIN.global_batch * TRAIN.seq_len * MODEL.d_model * 4
+    assert collectives["all-reduce"]["bytes"] >= 4 * MODEL.n_layers * activation
+
+
+def test_sequence_parallel_gathers_and_saves_activation_memory(tp8):
+    plain, sp = tp8[False].report(), tp8[True].report()
+    assert "all-gather" not in plain["collectives"]
+    # entering each TP region the sequence is all-gathered (2 per layer in the forward pass)
+    assert sp["collectives"]["all-gather"]["count"] >= 2 * MODEL.n_layers
+    assert sp["memory_per_device"]["temp_bytes"] < 0.8 * plain["memory_per_device"]["temp_bytes"]
+
+
+# --- ZeRO stages over fsdp ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def zero_stages():
+    require_devices(8)
+    return {stage: Layout("fsdp=8", parallel=ParallelConfig(zero_stage=stage)) for stage in range(4)}
+
+
+@pytest.mark.parametrize("stage", range(4))
+def test_zero_stage_losses_match_one_device(single, zero_stages, stage):
+    np.testing.assert_allclose(zero_stages[stage].losses(4), single.losses(4), rtol=1e-5)
+
+
+@pytest.mark.parametrize("stage", range(4))
+def test_zero_stage_memory_follows_the_paper(zero_stages, stage):
+    """ZeRO (arXiv:1910.02054 §5.1): stage 1 divides the optimizer states by N, stage 2 the gradients too,
+    stage 3 the parameters too. In float32 with Adam: parameters 4Ψ, moments 8Ψ bytes; gradients are
+    temporaries, not arguments, so argument bytes are parameters + moments."""
+    layout, N = zero_stages[stage], 8
+    params = param_bytes(layout)
+    moments = 2 * params
+    expected = (params / N if stage == 3 else params) + (moments / N if stage >= 1 else moments)
+    arguments = layout.report()["memory_per_device"]["arguments_bytes"]
+    assert abs(arguments - expected) / expected < 0.05
+
+
+def test_zero2_shards_the_gradients(zero_stages):
+    temp = {stage: zero_stages[stage].report()["memory_per_device"]["temp_bytes"] for stage in (1, 2)}
+    sharded_away = param_bytes(zero_stages[1]) * 7 / 8  # what an 8-way split of the gradients saves
+    assert temp[2] < temp[1] - sharded_away / 2
+
+
+# --- mixed precision -------------------------------------------------------------------------------------
+
+
+def test_bfloat16_is_close_to_float32(single, reference):
+    """bfloat16 matmuls and activations with float32 master weights, loss and softmax statistics: the loss
+    within 1e-3 relative, the gradients within 10% of their largest element, 10 steps within 2%."""
+    bf16 = Layout("single", cfg=dataclasses.replace(TRAIN, compute_dtype="bfloat16"))
+    floats = [x.dtype for x in jax.tree.leaves(bf16.state) if np.issubdtype(x.dtype, np.floating)]
+    assert floats and set(floats) == {np.dtype(np.float32)}  # master weights and moments stay float32
+    loss, grads = bf16.loss_and_grads()
+    assert abs(loss - reference[0]) / reference[0] < 1e-3
+    assert max_relative_error(grads, reference[1]) < 0.1
+    # the traced program multiplies in bfloat16 (XLA on CPU then upcasts dots internally; GPUs do not)
+    lowered = train.make_step(bf16.plan, bf16.tokens_sharding, bf16.cfg).lower(bf16.state, bf16.batch(0)).as_text()
+    assert re.search(r"dot_general.*tensor<[\dx]+bf16>.*tensor<[\dx]+bf16>", lowered)
+    np.testing.assert_allclose(bf16.losses(10), single.losses(10), rtol=2e-2)
+
+
+# --- rematerialisation -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", ["full", "dots"])
+def test_remat_gives_the_same_gradients_with_less_memory(reference, policy):
+    require_devices(8)
+    plain = Layout("data=8")
+    remat = Layout("data=8", cfg=dataclasses.replace(TRAIN, remat=policy))
+    assert_matches(remat, reference)
+    assert remat.report()["memory_per_device"]["temp_bytes"] < 0.7 * plain.report()["memory_per_device"]["temp_bytes"]
+
+
+# --- gradient accumulation -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec", ["single", "data=8", "fsdp=8"])
+def test_grad_accumulation_equals_the_large_batch_step(reference, spec):
+    require_devices(8)
+    accum = Layout(spec, cfg=dataclasses.replace(TRAIN, grad_accum=2))
+    assert_matches(accum, reference)
+    if spec != "single":  # one gradient synchronisation per step: the same all-reduce bytes as K = 1
+        plain = Layout(spec).report()["collectives"]["all-reduce"]["bytes"]
+        assert abs(accum.report()["collectives"]["all-reduce"]["bytes"] - plain) / plain < 0.01
+
+
+def test_grad_accumulation_must_divide_the_batch_shards():
+    require_devices(8)
+    layout = Layout("data=8", cfg=dataclasses.replace(TRAIN, grad_accum=4))
+    with pytest.raises(ValueError, match=r"global_batch = 16 is not divisible into 4 microbatches on each of "
+                                         r"the 8 batch shards \(data\)"):
+        layout.loss_and_grads()
+
+
+# --- errors ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("model", "culprit"), [
+    # 6 heads: the first attention weight checked (wk, kv_heads = 6 too) names it
+    (dataclasses.replace(MODEL, d_model=96, n_heads=6, n_kv_heads=6), r"attn/w\w+': dimension 2 \('(kv_)?heads'\) of size 6"),
+    (dataclasses.replace(MODEL, n_kv_heads=2), r"wk_DKH': dimension 2 \('kv_heads'\) of size 2"),
+    (dataclasses.replace(MODEL, d_ff=130), r"w_down_FD': dimension 1 \('mlp'\) of size 130"),
+])
+def test_tensor_parallel_refuses_what_model_does_not_divide(model, culprit):
+    require_devices(4)
+    with pytest.raises(ValueError, match=culprit + r".* is not divisible by mesh axes model=4"):
+        Layout("data=2,model=4", model=model)
+
+
+@pytest.mark.parametrize(("field", "value"), [("remat", "some"), ("compute_dtype", "float16")])
+def test_unknown_settings_are_refused(field, value):
+    with pytest.raises(ValueError, match=f"train.{field} = '{value}' is not one of"):
+        train.TrainConfig(**{field: value})
