@@ -9,6 +9,7 @@ import dataclasses
 import importlib
 import pkgutil
 
+from meshpar.checkpoint import CheckpointConfig
 from meshpar.data import DataConfig
 from meshpar.mesh import MeshConfig
 from meshpar.rules import ParallelConfig
@@ -24,6 +25,7 @@ class Config:
     mesh: MeshConfig = MeshConfig(fsdp=-1)  # FSDP over every device unless --mesh says otherwise
     parallel: ParallelConfig = ParallelConfig()
     data: DataConfig = DataConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
 
     def __post_init__(self):
         if self.data.source in ("stdlib", "text") and self.model.vocab_size < 256:

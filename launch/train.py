@@ -3,6 +3,7 @@
     python -m launch.train --config tiny --cpu-devices 8 --mesh fsdp=8
     python -m launch.train --config tiny --cpu-devices 8 --mesh data=2,fsdp=4 --steps 50 \
         --set model.n_layers=4 --metrics-file runs/m.jsonl --report runs/report.json
+    python -m launch.train --config tiny --cpu-devices 8 --checkpoint-dir runs/ckpt   # resumes if it can
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="override a config field, e.g. model.n_layers=4 (repeatable)")
     p.add_argument("--metrics-file", help="write one JSON object per step to this file")
     p.add_argument("--report", help="write the compiled step's report (memory, flops, collectives) to this file")
+    p.add_argument("--checkpoint-dir", help="save checkpoints here; if it holds one, resume from the latest "
+                                            "(on whatever mesh this run has)")
     p.add_argument("--cpu-devices", type=int, help="run on this many fake CPU devices")
     return p.parse_args(argv)
 
@@ -53,8 +56,12 @@ def main(argv: list[str] | None = None) -> None:
     except ValueError as err:
         sys.exit(f"error: {err}")
 
-    run(lambda rngs: Transformer(cfg.model, dtype=cfg.train.dtype, rngs=rngs), cfg.train, cfg.data, mesh,
-        rules.make(cfg.parallel), metrics_file=args.metrics_file, report_file=args.report)
+    try:
+        run(lambda rngs: Transformer(cfg.model, dtype=cfg.train.dtype, rngs=rngs), cfg.train, cfg.data, mesh,
+            rules.make(cfg.parallel), metrics_file=args.metrics_file, report_file=args.report,
+            checkpoint_dir=args.checkpoint_dir, checkpoint=cfg.checkpoint, config=dataclasses.asdict(cfg))
+    except ValueError as err:  # bad input found while building the run: say what, without a traceback
+        sys.exit(f"error: {err}")
 
 
 if __name__ == "__main__":

@@ -1,28 +1,443 @@
-"""Causal grouped-query attention.
+"""Causal grouped-query attention, on one device and on a sequence split over a mesh axis.
 
-Shapes: B batch, T query positions, S key positions, N query heads, K kv heads, G = N / K query heads
-per kv head, H head dim. Scores and softmax statistics are float32 whatever the compute dtype; the
-probabilities are cast back to the compute dtype for the value matmul.
+Shapes: B batch, T query positions (the global sequence), S key positions, N query heads, K kv heads,
+G = N / K query heads per kv head, H head dim. On a mesh, `n` is the size of the axis that splits the
+sequence (default `sequence`) and t = T / n the positions each device holds; with load balancing each
+device's t positions are two chunks of c = t / 2. Scores and softmax statistics are float32 whatever
+the compute dtype; the probabilities are cast back to the compute dtype for the value matmul; the
+output has v's dtype.
 
 With heads split over `model` (K divisible by the axis) each device attends over its own heads and no
-collective runs; with the batch split, likewise.
+collective runs; with the batch split, likewise. With the sequence split there are three schedules
+(context parallelism), each a `jax.shard_map` that is manual over the one sequence axis only, so that
+the other mesh axes (data, fsdp, model) stay with the compiler (GSPMD):
+
+| mode      | collectives per layer (forward; backward)            | per-device attention memory  | needs        |
+|-----------|-------------------------------------------------------|------------------------------|--------------|
+| allgather | all-gather K,V (2·B·T·K·H); reduce-scatter dK,dV      | scores [t, T] and K,V [T]    | –            |
+| ring      | (n−1) collective-permutes of K,V (2·B·t·K·H each);    | scores [t, t] (fwd and bwd)  | T % n (2n)   |
+|           | the same for dK,dV going the other way                 |                              |              |
+| ulysses   | all-to-all q,k,v in, out back (B·t·(N+2K)·H, B·t·N·H) | scores [T, T] for N/n heads  | N, K % n     |
+
+All three move about the same bytes (ring and all-gather: the K/V of the whole sequence; Ulysses: q, k,
+v and out once, i.e. less for long T when n is large, since all-to-all sends (n−1)/n of a local slice).
+Ring attention hides its transfers behind the block matmuls (the ppermute of step s+1 overlaps the
+compute of step s) and is the only one whose memory does not grow with T² or t·T. Causal masking makes
+the contiguous split unbalanced (the last device sees n times the unmasked keys of the first); the zigzag
+order (`zigzag`) gives each device chunks i and 2n−1−i of 2n chunks, which balances the work exactly.
 """
 
 from __future__ import annotations
 
+import functools
+import math
+
 import jax
 import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import Mesh, PartitionSpec as P
+
+from meshpar import context, sharding
+
+MODES = ("allgather", "ring", "ulysses")
 
 
 def causal_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array) -> jax.Array:
     """softmax(q kᵀ / √H + causal mask) v, with each group of G query heads sharing one kv head."""
+    T, S = q_BTNH.shape[1], k_BSKH.shape[1]
+    return _masked_attention(q_BTNH, k_BSKH, v_BSKH, jnp.arange(T), jnp.arange(S))
+
+
+def _masked_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
+                      pos_T: jax.Array, pos_S: jax.Array) -> jax.Array:
+    """Causal GQA attention where query t sees key s iff pos_T[t] >= pos_S[s] (global positions)."""
     B, T, N, H = q_BTNH.shape
     K = k_BSKH.shape[2]
     q_BTKGH = q_BTNH.reshape(B, T, K, N // K, H)
     scores_BKGTS = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BSKH,
                               preferred_element_type=jnp.float32) / jnp.sqrt(H).astype(jnp.float32)
-    causal_TS = jnp.arange(T)[:, None] >= jnp.arange(k_BSKH.shape[1])[None, :]
+    causal_TS = pos_T[:, None] >= pos_S[None, :]
     scores_BKGTS = jnp.where(causal_TS, scores_BKGTS, -jnp.inf)
     probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(v_BSKH.dtype)
     out_BTKGH = jnp.einsum("bkgts,bskh->btkgh", probs_BKGTS, v_BSKH)
     return out_BTKGH.reshape(B, T, N, H)
+
+
+# --- zigzag (load-balanced) sequence order -------------------------------------------------------------
+
+
+def _zigzag_order(n_shards: int) -> np.ndarray:
+    """Chunk order: shard i holds chunks i and 2n−1−i, e.g. n=2 → [0, 3, 1, 2]."""
+    return np.array([c for i in range(n_shards) for c in (i, 2 * n_shards - 1 - i)])
+
+
+def _check_zigzag(T: int, n_shards: int) -> None:
+    if n_shards < 1:
+        raise ValueError(f"zigzag needs n_shards >= 1, got {n_shards}")
+    if T % (2 * n_shards):
+        raise ValueError(f"load-balanced (zigzag) order splits the sequence into 2·n = {2 * n_shards} chunks, "
+                         f"but T = {T} is not divisible by {2 * n_shards}")
+
+
+def _permute_chunks(x: jax.Array, order: np.ndarray, axis: int) -> jax.Array:
+    axis = axis % x.ndim
+    T = x.shape[axis]
+    chunks = x.reshape(x.shape[:axis] + (len(order), T // len(order)) + x.shape[axis + 1:])
+    return jnp.take(chunks, jnp.asarray(order), axis=axis).reshape(x.shape)
+
+
+def zigzag(x: jax.Array, n_shards: int, axis: int = 1) -> jax.Array:
+    """Reorder the sequence `axis` into the load-balanced order for `n_shards` shards.
+
+    The sequence is cut into 2·n equal chunks; shard i (the i-th contiguous slice of t = T/n once the
+    result is split over n devices) holds chunks i and 2n−1−i, so under a causal mask every shard has
+    the same number of (query, key) pairs to compute. `unzigzag` is the inverse.
+    """
+    _check_zigzag(x.shape[axis], n_shards)
+    return _permute_chunks(x, _zigzag_order(n_shards), axis)
+
+
+def unzigzag(x: jax.Array, n_shards: int, axis: int = 1) -> jax.Array:
+    """The inverse of `zigzag`: back to the natural sequence order."""
+    _check_zigzag(x.shape[axis], n_shards)
+    return _permute_chunks(x, np.argsort(_zigzag_order(n_shards)), axis)
+
+
+def zigzag_positions(T: int, n_shards: int) -> jax.Array:
+    """The global positions of the zigzag order (int32 [T]): `zigzag(arange(T), n_shards, axis=0)`."""
+    return zigzag(jnp.arange(T, dtype=jnp.int32), n_shards, axis=0)
+
+
+def _local_positions(i: jax.Array, t: int, n: int, balanced: bool) -> jax.Array:
+    """Global positions of the t positions device i holds (contiguous or zigzag)."""
+    if not balanced:
+        return i * t + jnp.arange(t, dtype=jnp.int32)
+    c = t // 2
+    return jnp.concatenate([i * c + jnp.arange(c, dtype=jnp.int32),
+                            (2 * n - 1 - i) * c + jnp.arange(c, dtype=jnp.int32)])
+
+
+def _global_positions(T: int, n: int, balanced: bool) -> jax.Array:
+    return zigzag_positions(T, n) if balanced else jnp.arange(T, dtype=jnp.int32)
+
+
+def _zigzag_local(x_BtX: jax.Array, axis: str, n: int) -> jax.Array:
+    """Inside a shard_map over `axis`: contiguous local slices → zigzag slices, with two ppermutes.
+
+    Device i holds chunks 2i and 2i+1 (halves 0 and 1 of its slice); chunk c belongs on device
+    d(c) = c if c < n else 2n−1−c. Even chunks and odd chunks each form a permutation of the devices,
+    so one ppermute moves all even chunks and one all odd chunks (t/2 positions each per device).
+    Device j receives chunks j and 2n−1−j, one even and one odd, and puts chunk j first.
+    """
+    dest = lambda c: c if c < n else 2 * n - 1 - c
+    even, odd = jnp.split(x_BtX, 2, axis=1)
+    even = lax.ppermute(even, axis, [(i, dest(2 * i)) for i in range(n)])
+    odd = lax.ppermute(odd, axis, [(i, dest(2 * i + 1)) for i in range(n)])
+    j_even = lax.axis_index(axis) % 2 == 0
+    return jnp.concatenate([jnp.where(j_even, even, odd), jnp.where(j_even, odd, even)], axis=1)
+
+
+def _unzigzag_local(x_BtX: jax.Array, axis: str, n: int) -> jax.Array:
+    """The inverse of `_zigzag_local`."""
+    dest = lambda c: c if c < n else 2 * n - 1 - c
+    first, second = jnp.split(x_BtX, 2, axis=1)
+    j_even = lax.axis_index(axis) % 2 == 0
+    even, odd = jnp.where(j_even, first, second), jnp.where(j_even, second, first)
+    even = lax.ppermute(even, axis, [(dest(2 * i), i) for i in range(n)])
+    odd = lax.ppermute(odd, axis, [(dest(2 * i + 1), i) for i in range(n)])
+    return jnp.concatenate([even, odd], axis=1)
+
+
+# --- checks and the shard_map wrapper -------------------------------------------------------------------
+
+
+def _axis_size(mesh: Mesh, axis: str) -> int:
+    if axis not in mesh.shape:
+        raise ValueError(f"mesh has no axis '{axis}'; its axes are {', '.join(mesh.axis_names)}")
+    return mesh.shape[axis]
+
+
+def _check(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, n: int, axis: str, balanced: bool) -> None:
+    if q_BTNH.ndim != 4 or k_BTKH.ndim != 4 or k_BTKH.shape != v_BTKH.shape:
+        raise ValueError(f"expected q [B, T, N, H] and k, v [B, T, K, H] of equal shapes, got "
+                         f"{q_BTNH.shape}, {k_BTKH.shape}, {v_BTKH.shape}")
+    (B, T, N, H), (Bk, Tk, K, Hk) = q_BTNH.shape, k_BTKH.shape
+    if (B, T, H) != (Bk, Tk, Hk):
+        raise ValueError(f"q {q_BTNH.shape} and k {k_BTKH.shape} disagree in B, T or H")
+    if N % K:
+        raise ValueError(f"{N} query heads are not divisible by {K} kv heads (grouped-query attention)")
+    if balanced:
+        _check_zigzag(T, n)
+    elif T % n:
+        raise ValueError(f"sequence length T = {T} is not divisible by mesh axis '{axis}' of size {n}")
+
+
+def _spec_axes(spec: P) -> list[str]:
+    return [a for entry in spec if entry is not None for a in (entry if isinstance(entry, tuple) else (entry,))]
+
+
+def _context_attention(mode: str, q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, *, mesh: Mesh,
+                       axis: str, load_balanced: bool, reorder: bool = False,
+                       q_spec: P | None = None, kv_spec: P | None = None) -> jax.Array:
+    """Run one schedule in a shard_map over `axis` and the other axes that `q_spec` / `kv_spec` name.
+
+    Default specs: P(None, axis, None, None), manual over `axis` alone (partial-manual: the other mesh
+    axes stay with the compiler). `reorder`: the inputs are contiguous and the ring runs balanced,
+    reordering to zigzag and back inside the shard_map (`attend`).
+    """
+    n = _axis_size(mesh, axis)
+    q_spec = P(None, axis, None, None) if q_spec is None else q_spec
+    kv_spec = P(None, axis, None, None) if kv_spec is None else kv_spec
+    _check(q_BTNH, k_BTKH, v_BTKH, n, axis, load_balanced or reorder)
+    if mode == "ulysses":
+        # Heads per device before the all-to-all (after any split over other manual axes, e.g. model).
+        split = lambda spec: math.prod(mesh.shape[a] for a in _spec_axes(P(*spec[2:3])))
+        for what, heads, ways in (("query heads N", q_BTNH.shape[2], split(q_spec)),
+                                  ("kv heads K", k_BTKH.shape[2], split(kv_spec))):
+            if (heads // ways) % n:
+                per = f" ({heads // ways} per device after the split over {q_spec[2]})" if ways > 1 else ""
+                raise ValueError(f"ulysses attention splits heads over mesh axis '{axis}' of size {n}, "
+                                 f"but the {heads} {what}{per} are not divisible by {n}")
+    local = {"allgather": _allgather_local, "ring": _ring_local, "ulysses": _ulysses_local}[mode]
+    body = functools.partial(local, axis=axis, n=n, balanced=load_balanced or reorder)
+    if reorder:
+        zig = lambda x: _zigzag_local(x, axis, n)
+        body = lambda q, k, v, inner=body: _unzigzag_local(inner(zig(q), zig(k), zig(v)), axis, n)
+    names = set(_spec_axes(q_spec)) | set(_spec_axes(kv_spec))
+    return jax.shard_map(body, mesh=mesh, axis_names=names, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec,
+                         check_vma=True)(q_BTNH, k_BTKH, v_BTKH)
+
+
+# --- all-gather K/V ---------------------------------------------------------------------------------------
+
+
+def _allgather_local(q_BtNH, k_BtKH, v_BtKH, *, axis: str, n: int, balanced: bool):
+    t = q_BtNH.shape[1]
+    k_BTKH = lax.all_gather(k_BtKH, axis, axis=1, tiled=True)
+    v_BTKH = lax.all_gather(v_BtKH, axis, axis=1, tiled=True)
+    pos_t = _local_positions(lax.axis_index(axis), t, n, balanced)
+    return _masked_attention(q_BtNH, k_BTKH, v_BTKH, pos_t, _global_positions(t * n, n, balanced))
+
+
+def allgather_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, *, mesh: Mesh,
+                        axis: str = "sequence", load_balanced: bool = False) -> jax.Array:
+    """Causal GQA attention with T split over `axis` (size n): queries stay, K and V are all-gathered.
+
+    Sharded: q, k, v and the output along T ([B, t, ·, H] per device, t = T/n); other mesh axes are
+    the compiler's. Each device gathers the whole K and V, scores its t queries against all T keys
+    with the causal mask of global positions, and keeps its t outputs.
+    Collectives per layer: forward, 2 all-gathers over `axis` (K and V, B·T·K·H·bytes each received);
+    backward, 2 reduce-scatters of dK, dV (same sizes in, B·t·K·H out).
+    Memory per device: K, V of the whole sequence (2·B·T·K·H) and the f32 scores [B, N, t, T]
+    (kept for the backward pass): t·T, i.e. T²/n, which is what ring attention avoids.
+    Work: every device computes all t·T scores, masked or not, so the zigzag order changes nothing
+    here; `load_balanced=True` only tells it that q, k, v (and the output) are in zigzag order.
+    """
+    return _context_attention("allgather", q_BTNH, k_BTKH, v_BTKH, mesh=mesh, axis=axis, load_balanced=load_balanced)
+
+
+# --- ring -------------------------------------------------------------------------------------------------
+
+# Online softmax over key blocks. A partial result for a set of queries is (o, m, l): the f32 output
+# accumulator Σ exp(s − m)·v [B, t, K, G, H], the running max m and denominator l = Σ exp(s − m), both
+# [B, K, G, t]. The max is under stop_gradient: out = o / l does not depend on m, so treating it as a
+# constant gives the exact gradient and keeps max() out of the backward pass.
+
+
+def _block(q_BtKGH: jax.Array, k_BsKH: jax.Array, v_BsKH: jax.Array, mask_ts: jax.Array | None):
+    """(o, m, l) of one query block against one key block; `mask_ts` None means fully visible."""
+    H = q_BtKGH.shape[-1]
+    s_BKGts = jnp.einsum("btkgh,bskh->bkgts", q_BtKGH, k_BsKH,
+                         preferred_element_type=jnp.float32) / jnp.sqrt(H).astype(jnp.float32)
+    if mask_ts is not None:
+        s_BKGts = jnp.where(mask_ts, s_BKGts, -jnp.inf)  # every row keeps its diagonal: m stays finite
+    m_BKGt = lax.stop_gradient(jnp.max(s_BKGts, axis=-1))
+    p_BKGts = jnp.exp(s_BKGts - m_BKGt[..., None])
+    l_BKGt = jnp.sum(p_BKGts, axis=-1)
+    o_BtKGH = jnp.einsum("bkgts,bskh->btkgh", p_BKGts.astype(v_BsKH.dtype), v_BsKH,
+                         preferred_element_type=jnp.float32)
+    return o_BtKGH, m_BKGt, l_BKGt
+
+
+def _merge(a, b):
+    """Combine two partial results for the same queries (rescale both to the larger max)."""
+    (o1, m1, l1), (o2, m2, l2) = a, b
+    m = jnp.maximum(m1, m2)
+    a1, a2 = jnp.exp(m1 - m), jnp.exp(m2 - m)
+    to_o = lambda w_BKGt: jnp.moveaxis(w_BKGt, -1, 1)[..., None]  # → [B, t, K, G, 1]
+    return o1 * to_o(a1) + o2 * to_o(a2), m, l1 * a1 + l2 * a2
+
+
+def _add_block(acc, q_BtKGH, k_BsKH, v_BsKH):
+    return _merge(acc, _block(q_BtKGH, k_BsKH, v_BsKH, None))
+
+
+def _ring_local(q_BtNH, k_BtKH, v_BtKH, *, axis: str, n: int, balanced: bool):
+    B, t, N, H = q_BtNH.shape
+    K = k_BtKH.shape[2]
+    G = N // K
+    i = lax.axis_index(axis)
+    q_BtKGH = q_BtNH.reshape(B, t, K, G, H)
+
+    # Step 0: the local (diagonal) block, the only one that needs a mask; every query sees itself,
+    # so the accumulators start finite. The scan below handles the n−1 blocks that arrive by ring.
+    pos_t = _local_positions(i, t, n, balanced)
+    acc = jax.checkpoint(_block)(q_BtKGH, k_BtKH, v_BtKH, pos_t[:, None] >= pos_t[None, :])
+    kv_2BtKH = jnp.stack([k_BtKH, v_BtKH])  # one ppermute per step for both
+    ring = [(j, (j + 1) % n) for j in range(n)]  # after s shifts device i holds the block of i − s
+
+    # Every block that arrives is either fully visible or fully masked (its positions are all before
+    # or all after this device's, in both orders), so no mask is built after step 0. The compute of a
+    # step is rematerialised in the backward pass (jax.checkpoint), so only the step's inputs (the
+    # accumulators and the K/V block) are saved, never a score block: O(t·t) scores forward and backward.
+    if not balanced:
+        # Contiguous order: the block from src = i − s is visible iff src < i, else skipped with
+        # lax.cond: the skip is a data-dependent (per-device) branch, and a conditional is the only way
+        # to not do the work (arithmetic selection would compute and discard it). The devices still
+        # wait for the busiest one (device n−1 computes every block), which is what zigzag fixes.
+        update = jax.checkpoint(_add_block, prevent_cse=False)
+
+        def step(carry, s):
+            acc, kv_2BtKH = carry
+            kv_2BtKH = lax.ppermute(kv_2BtKH, axis, ring)
+            visible = (i - s) % n < i
+            acc = lax.cond(visible, lambda a: update(a, q_BtKGH, kv_2BtKH[0], kv_2BtKH[1]), lambda a: a, acc)
+            return (acc, kv_2BtKH), None
+
+        (acc, _), _ = lax.scan(step, (acc, kv_2BtKH), jnp.arange(1, n))
+        o_BtKGH, _, l_BKGt = acc
+    else:
+        # Zigzag order: queries (q0, q1) = chunks (i, 2n−1−i), keys (k0, k1) = chunks (src, 2n−1−src).
+        # If src < i, q0·k0 and q1·k0 are visible; if src > i, q1·k0 and q1·k1; the other two blocks are
+        # masked. So every step is q1·k0 plus (qx·kx with x = [src > i]): two unmasked [c, c] blocks on
+        # every device, equal work, and the choice is a dynamic index (arithmetic), not a conditional:
+        # nothing masked is computed and no device runs a different program.
+        c = t // 2
+        halves = lambda a, ax: jnp.moveaxis(a.reshape(a.shape[:ax] + (2, c) + a.shape[ax + 1:]), ax, 0)
+        q_2BcKGH = halves(q_BtKGH, 1)
+        o, m, l = acc
+        acc = (halves(o, 1), halves(m, 3), halves(l, 3))  # each with a leading half axis
+
+        def balanced_step(acc, q_2BcKGH, kv_2BtKH, x):
+            k_2BcKH, v_2BcKH = halves(kv_2BtKH[0], 1), halves(kv_2BtKH[1], 1)
+            pick = lambda a: lax.dynamic_index_in_dim(a, x, 0, keepdims=False)
+            acc1 = _add_block(tuple(a[1] for a in acc), q_2BcKGH[1], k_2BcKH[0], v_2BcKH[0])
+            acc = tuple(a.at[1].set(a1) for a, a1 in zip(acc, acc1))
+            accx = _add_block(tuple(pick(a) for a in acc), pick(q_2BcKGH), pick(k_2BcKH), pick(v_2BcKH))
+            return tuple(lax.dynamic_update_index_in_dim(a, ax, x, 0) for a, ax in zip(acc, accx))
+
+        update = jax.checkpoint(balanced_step, prevent_cse=False)
+
+        def step(carry, s):
+            acc, kv_2BtKH = carry
+            kv_2BtKH = lax.ppermute(kv_2BtKH, axis, ring)
+            x = ((i - s) % n > i).astype(jnp.int32)
+            return (update(acc, q_2BcKGH, kv_2BtKH, x), kv_2BtKH), None
+
+        (acc, _), _ = lax.scan(step, (acc, kv_2BtKH), jnp.arange(1, n))
+        whole = lambda a, ax: jnp.moveaxis(a, 0, ax).reshape(a.shape[1:ax + 1] + (t,) + a.shape[ax + 2:])
+        o_BtKGH, l_BKGt = whole(acc[0], 1), whole(acc[2], 3)
+
+    out_BtKGH = o_BtKGH / jnp.moveaxis(l_BKGt, -1, 1)[..., None]
+    return out_BtKGH.reshape(B, t, N, H).astype(v_BtKH.dtype)
+
+
+def ring_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, *, mesh: Mesh,
+                   axis: str = "sequence", load_balanced: bool = False) -> jax.Array:
+    """Causal GQA attention with T split over `axis` (size n): K/V blocks travel around a ring.
+
+    Sharded: q, k, v and the output along T ([B, t, ·, H] per device, t = T/n); other mesh axes are
+    the compiler's. Each device keeps its queries and, over n steps (a `lax.scan` of n−1 shifts after
+    the local block), sees every K/V block once, combining them with an online softmax (f32 running
+    max, denominator and output accumulator). Fully masked blocks are skipped: with the contiguous
+    order by `lax.cond` (device i computes i+1 blocks), with `load_balanced=True` (zigzag order, see
+    `zigzag`) every step is two unmasked half blocks on every device (equal work, no conditional).
+    Collectives per layer: forward, n−1 collective-permutes of the stacked K,V block (2·B·t·K·H·bytes
+    each, 2·(n−1)/n·B·T·K·H in all, as much as an all-gather of K and V, but overlappable with the
+    block matmuls); backward, the same for the dK, dV accumulators flowing the other way.
+    Memory per device: one [B, N, t, t] f32 score block at a time, forward and backward (the step's
+    compute is rematerialised by `jax.checkpoint` in the backward pass, ~1/3 more attention FLOPs),
+    plus the saved step inputs: n·(accumulators + K/V block) = O(B·T·(N+K)·H) — linear in T.
+    Compute-bound when the block matmuls (4·B·t²·N·H FLOPs per step) outlast a permute of
+    2·B·t·K·H·bytes, i.e. t ≳ (K/N)·bytes·(peak FLOP/s)/(2·link bytes/s).
+    """
+    return _context_attention("ring", q_BTNH, k_BTKH, v_BTKH, mesh=mesh, axis=axis, load_balanced=load_balanced)
+
+
+# --- Ulysses (all-to-all: sequence-sharded → head-sharded) -----------------------------------------------
+
+
+def _ulysses_local(q_BtNH, k_BtKH, v_BtKH, *, axis: str, n: int, balanced: bool):
+    to_heads = lambda x: lax.all_to_all(x, axis, split_axis=2, concat_axis=1, tiled=True)  # [B, T, ·/n, H]
+    q_BTnH, k_BTkH, v_BTkH = to_heads(q_BtNH), to_heads(k_BtKH), to_heads(v_BtKH)
+    pos_T = _global_positions(q_BTnH.shape[1], n, balanced)
+    out_BTnH = _masked_attention(q_BTnH, k_BTkH, v_BTkH, pos_T, pos_T)
+    return lax.all_to_all(out_BTnH, axis, split_axis=1, concat_axis=2, tiled=True)
+
+
+def ulysses_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, *, mesh: Mesh,
+                      axis: str = "sequence", load_balanced: bool = False) -> jax.Array:
+    """Causal GQA attention with T split over `axis` (size n), computed head-parallel (DeepSpeed Ulysses).
+
+    Sharded: q, k, v and the output along T outside; inside, an all-to-all turns [B, t, N, H] into
+    [B, T, N/n, H] (and K/V into [B, T, K/n, H]): each device attends over the whole sequence for its
+    N/n query heads and their K/n kv heads (contiguous heads, so the GQA groups stay together), and an
+    all-to-all turns the output back. N and K must be divisible by n.
+    Collectives per layer: forward, 4 all-to-alls (q, k, v in: B·t·(N+2K)·H·bytes per device, of which
+    (n−1)/n leave it; out: B·t·N·H); backward, 4 more of the same sizes. The bytes per device do not grow
+    with n at fixed t, unlike ring / all-gather, whose K/V traffic is (n−1)·2·B·t·K·H.
+    Memory per device: f32 scores [B, N/n, T, T] (kept for the backward pass): T²·N/n, more than
+    all-gather's t·T·N for the same n. The work is the full causal square for every device, so the
+    zigzag order changes nothing; `load_balanced=True` only says the inputs (and output) are zigzagged.
+    """
+    return _context_attention("ulysses", q_BTNH, k_BTKH, v_BTKH, mesh=mesh, axis=axis, load_balanced=load_balanced)
+
+
+# --- the model's entry point ------------------------------------------------------------------------------
+
+
+def attend(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array) -> jax.Array:
+    """Causal GQA attention as the model calls it: q, k, v in natural order, T maybe split over `sequence`.
+
+    Reads the active `meshpar.context.Compute`. With none (eager use of a model), or when its mesh's
+    `sequence` axis has size 1, this is `causal_attention` (batch / head sharding need no collective).
+    Otherwise the sequence is split over `sequence` and the schedule comes from two fields of the
+    `Compute` object, read with `getattr` and these defaults (the contract with `meshpar.context`):
+
+    - `context_attention: str = "ring"` — one of "allgather", "ring", "ulysses" (see those functions);
+      anything else is a ValueError.
+    - `load_balance: bool = True` — for "ring" only: each device's contiguous slice is reordered into
+      the zigzag order inside the shard_map (two ppermutes of t/2 positions per tensor, in and out:
+      ~2·B·t·(N+K)·H bytes per device per layer, much less than the ring's K/V traffic), the ring runs
+      balanced and the output is reordered back, so the caller never sees the zigzag order. Needs T
+      divisible by 2·n. "allgather" and "ulysses" do the same work on every device and ignore it.
+
+    Layout: q is laid out by the activation rules as ("batch", "seq", "heads", None) and k, v as
+    ("batch", "seq", "kv_heads", None); `seq` must map to `sequence`. The shard_map is manual over every
+    mesh axis those specs name (data, fsdp, model as well as sequence), not just `sequence`: XLA's
+    partitioner replicates the operand of an all-gather or all-to-all in a partially manual region over
+    the automatic axes (measured: a data=2,sequence=2,model=2 mesh gathers batch and heads first), which
+    would undo data and tensor parallelism; per-device blocks avoid that. Ulysses then needs the heads
+    per `model` shard divisible by the `sequence` size.
+
+    A model that keeps its whole residual stream in zigzag order (rotary positions from
+    `zigzag_positions`) can skip the reorder by calling `ring_attention(..., load_balanced=True)`.
+    """
+    compute = context.active()
+    axis = "sequence"
+    if compute is None or compute.mesh.shape.get(axis, 1) == 1:
+        return causal_attention(q_BTNH, k_BTKH, v_BTKH)
+    mode = getattr(compute, "context_attention", "ring")
+    if mode not in MODES:
+        raise ValueError(f"context_attention = {mode!r} is not one of {', '.join(MODES)}")
+    balance = bool(getattr(compute, "load_balance", True)) and mode == "ring"
+    mesh, table = compute.mesh, compute.rules.table("activations")
+    q_spec = sharding.spec_for(("batch", "seq", "heads", None), q_BTNH.shape, table, mesh, "attention q [B, T, N, H]")
+    kv_spec = sharding.spec_for(("batch", "seq", "kv_heads", None), k_BTKH.shape, table, mesh,
+                                "attention k, v [B, T, K, H]")
+    if q_spec[1] != axis or kv_spec[1] != axis:
+        raise ValueError(f"context-parallel attention needs the activation rule 'seq' to map to mesh axis "
+                         f"'{axis}' alone; it gives {q_spec[1]!r}")
+    return _context_attention(mode, q_BTNH, k_BTKH, v_BTKH, mesh=mesh, axis=axis, load_balanced=False,
+                              reorder=balance, q_spec=q_spec, kv_spec=kv_spec)

@@ -21,14 +21,14 @@ def is_logger() -> bool:
 class StepLog:
     """Collects per-step metrics; writes them as JSONL and onto a tqdm progress bar."""
 
-    def __init__(self, total_steps: int, first_step: int, path: str | None):
+    def __init__(self, total_steps: int, first_step: int, path: str | None, progress: bool = True):
         self.records: list[dict[str, Any]] = []
         self._file: TextIO | None = None
         if path and is_logger():
             Path(path).parent.mkdir(parents=True, exist_ok=True)
             self._file = open(path, "w")
         self._bar = tqdm(total=total_steps, initial=first_step, unit="step", dynamic_ncols=True,
-                         disable=not is_logger())
+                         disable=not (progress and is_logger()))
 
     def write(self, record: dict[str, Any]) -> None:
         self.records.append(record)

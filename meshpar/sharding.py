@@ -123,8 +123,9 @@ def constrain_grads(grads: nnx.State, mesh: Mesh, rules: Rules) -> nnx.State:
 def gathered(param: nnx.Variable, dtype: jax.typing.DTypeLike) -> jax.Array:
     """A parameter as compute uses it: cast to `dtype`, then laid out by the ACTIVATION rules.
 
-    That is where FSDP's all-gather happens (`embed` is split over `fsdp` at rest, whole in compute),
-    after the cast so a bfloat16 run gathers half the bytes; tensor-parallel dimensions stay split.
+    That is where FSDP's all-gather happens (`embed` is split over `fsdp` at rest, whole in compute);
+    tensor-parallel dimensions stay split. The cast comes first so that the compiler may gather in the
+    compute dtype (XLA on CPU still gathers float32 and converts after: measured, see the README).
     The logical names are the parameter's own; inside the layer scan the leading `layers` name has
     been sliced off the value, so the last `ndim` names are the ones that apply.
     """

@@ -1,0 +1,108 @@
+"""Benchmark a named set of layouts and print one table.
+
+    python -m launch.bench                      # every layout, tiny, 8 fake CPU devices
+    python -m launch.bench --layouts fsdp8,tp8 --steps 30 --set train.seq_len=256
+
+Each layout trains the same config for `--steps` steps (the first step is left out of the medians) and
+reports the median step time and tokens/s, the per-device argument bytes (parameters + optimizer
+state + batch) and temp bytes from XLA's `memory_analysis()`, and the collectives of one step
+(count × bytes per device, loop bodies counted once per iteration). On a machine with GPUs the
+layouts run on them (those that fit the GPU count); otherwise on fake CPU devices.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+
+LAYOUTS = {  # name → (mesh, overrides)
+    "single": ("", []),
+    "dp8": ("data=8", []),
+    "fsdp8": ("fsdp=8", []),
+    "hsdp2x4": ("data=2,fsdp=4", []),
+    "zero1": ("fsdp=8", ["parallel.zero_stage=1"]),
+    "zero2": ("fsdp=8", ["parallel.zero_stage=2"]),
+    "tp8": ("model=8", []),
+    "tp8+sp": ("model=8", ["parallel.sequence_parallel=true"]),
+    "dp2+tp4": ("data=2,model=4", []),
+    "dp2+fsdp2+tp2": ("data=2,fsdp=2,model=2", []),
+    "fsdp8+remat": ("fsdp=8", ["train.remat=full"]),
+    "fsdp8+dots": ("fsdp=8", ["train.remat=dots"]),
+    "fsdp8+accum2": ("fsdp=8", ["train.grad_accum=2"]),
+    "fsdp8+bf16": ("fsdp=8", ["train.compute_dtype=bfloat16"]),
+}
+SHORT = {"all-reduce": "AR", "all-gather": "AG", "reduce-scatter": "RS", "collective-permute": "CP", "all-to-all": "A2A"}
+
+
+def _mb(n: int) -> str:
+    return f"{n / 2**20:.2f}"
+
+
+def table(rows: list[dict]) -> str:
+    head = ["layout", "mesh", "step ms", "tokens/s", "args MiB", "temp MiB", "collectives (count×MiB)"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    for r in rows:
+        coll = ", ".join(f"{SHORT[k]} {v['count']}×{_mb(v['bytes'])}" for k, v in r["collectives"].items()) or "–"
+        lines.append(f"| {r['layout']} | {r['mesh']} | {r['step_time_s_median'] * 1e3:.0f} | "
+                     f"{r['tokens_per_s_median']:,.0f} | {_mb(r['memory_per_device']['arguments_bytes'])} | "
+                     f"{_mb(r['memory_per_device']['temp_bytes'])} | {coll} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m launch.bench", description=__doc__.split("\n")[0])
+    p.add_argument("--config", default="tiny")
+    p.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, from: {', '.join(LAYOUTS)}")
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--cpu-devices", type=int, help="run on this many fake CPU devices (default: the GPUs if a "
+                                                    "CUDA plugin is installed, else 8 CPU devices)")
+    p.add_argument("--json", help="also write the rows to this file")
+    args = p.parse_args(argv)
+    unknown = [name for name in args.layouts.split(",") if name not in LAYOUTS]
+    if unknown:
+        p.error(f"unknown layouts {unknown}; known: {', '.join(LAYOUTS)}")
+
+    import jax
+
+    if args.cpu_devices or not _cuda_plugin_installed():  # decided before JAX starts a backend
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", args.cpu_devices or 8)
+
+    import configs
+    from meshpar import config as config_lib, mesh as mesh_lib, rules
+    from meshpar.data import load_tokens
+    from meshpar.run import run
+    from models.transformer import Transformer
+
+    base = config_lib.apply(configs.load(args.config), [*args.set, f"train.steps={args.steps}"])
+    tokens = load_tokens(base.data)
+    rows = []
+    print(f"{args.config} on {jax.device_count()} × {jax.devices()[0].device_kind}, {args.steps} steps each")
+    for name in args.layouts.split(","):
+        mesh_text, overrides = LAYOUTS[name]
+        cfg = config_lib.apply(base, overrides)
+        devices = jax.devices()[:1] if not mesh_text else jax.devices()
+        try:
+            mesh = mesh_lib.build(mesh_lib.parse(mesh_text), devices)
+        except ValueError as err:
+            print(f"skip {name}: {err}")
+            continue
+        model = lambda rngs, cfg=cfg: Transformer(cfg.model, dtype=cfg.train.dtype, rngs=rngs)
+        report = run(model, cfg.train, tokens, mesh, rules.make(cfg.parallel), progress=False).report
+        rows.append({**report, "layout": name, "mesh": mesh_lib.describe(dict(mesh.shape))})
+        print(table(rows[-1:]).splitlines()[-1], flush=True)
+    print()
+    print(table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+
+
+def _cuda_plugin_installed() -> bool:
+    return any(importlib.util.find_spec(name) for name in ("jax_cuda12_plugin", "jax_cuda13_plugin"))
+
+
+if __name__ == "__main__":
+    main()

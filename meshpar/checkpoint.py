@@ -1,0 +1,163 @@
+"""Checkpoints with orbax: save asynchronously, resume onto any mesh, export parameters.
+
+A checkpoint holds the whole training state (parameters, AdamW moments and counts, the step) as global
+arrays, plus JSON metadata: the step, the data position, and the config the run was saved with. The
+arrays are stored by their global shapes (layers stacked `[L, ...]` whatever the pipeline does), so the
+layout on disk does not depend on the mesh: restoring reads each array straight into the shardings of
+the mesh at hand, whether it has other axes, another device count or another process count.
+
+Saving is asynchronous: `save` waits only for the device-to-host copy, and the files are written in the
+background while training goes on. orbax writes each step into a temporary directory and renames it
+when complete, so a process killed mid-save leaves the previous checkpoints intact; the unfinished one
+is removed the next time the directory is opened.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+from flax import nnx
+
+# orbax's name for a step still being written: `<step>.orbax-checkpoint-tmp-<timestamp>`.
+_UNFINISHED = re.compile(r"^\d+\.orbax-checkpoint-tmp")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    every: int = 100  # save every this many steps, and at the last step
+    keep: int = 3  # how many of the latest checkpoints to keep
+
+    def __post_init__(self):
+        for name in ("every", "keep"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"checkpoint.{name} = {getattr(self, name)} must be >= 1")
+
+
+def _steps_on_disk(directory: Path) -> tuple[list[str], list[str], list[str]]:
+    """(finished step dirs, unfinished step dirs, anything else) in `directory`."""
+    finished, unfinished, other = [], [], []
+    for entry in sorted(directory.iterdir()):
+        if entry.is_dir() and entry.name.isdigit():
+            finished.append(entry.name)
+        elif _UNFINISHED.match(entry.name):
+            unfinished.append(entry.name)
+        else:
+            other.append(entry.name)
+    return finished, unfinished, other
+
+
+def _abstract(state: nnx.State, shardings: nnx.State) -> dict:
+    """The restore target: each array's shape and dtype, with the sharding of the mesh at hand."""
+    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                        state.to_pure_dict(), shardings.to_pure_dict())
+
+
+def _differences(saved: dict, now: dict, prefix: str = "") -> list[str]:
+    out = []
+    for key in sorted(set(saved) | set(now), key=str):
+        path = f"{prefix}{key}"
+        if key not in saved or key not in now:
+            out.append(f"{path}: {'missing in the checkpoint' if key not in saved else 'not in this run'}")
+        elif isinstance(saved[key], dict) and isinstance(now[key], dict):
+            out += _differences(saved[key], now[key], f"{path}.")
+        elif saved[key] != now[key]:
+            out.append(f"{path}: {saved[key]!r} in the checkpoint, {now[key]!r} now")
+    return out
+
+
+class Checkpointer:
+    """Saves and restores one run's checkpoints in `directory`."""
+
+    def __init__(self, directory: str | Path, config: CheckpointConfig = CheckpointConfig()):
+        self.directory, self.config = Path(directory).absolute(), config
+        if self.directory.exists():
+            if not self.directory.is_dir():
+                raise ValueError(f"checkpoint directory {self.directory} is a file")
+            finished, unfinished, other = _steps_on_disk(self.directory)
+            if not finished and unfinished:
+                raise ValueError(f"{self.directory} has no finished checkpoint, only unfinished ones "
+                                 f"({', '.join(unfinished)}); remove them or choose another directory")
+            if not finished and other:
+                raise ValueError(f"{self.directory} is not a checkpoint directory (it holds "
+                                 f"{', '.join(other[:5])}{' …' if len(other) > 5 else ''}) ")
+        self._manager = ocp.CheckpointManager(
+            self.directory,
+            options=ocp.CheckpointManagerOptions(max_to_keep=config.keep, create=True, cleanup_tmp_directories=True),
+            item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()})
+
+    def latest_step(self) -> int | None:
+        return self._manager.latest_step()
+
+    def save(self, step: int, state: nnx.State, meta: dict[str, Any]) -> None:
+        """Start saving `state` as `step` (returns once the arrays are copied off the devices)."""
+        self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state.to_pure_dict()),
+                                                         meta=ocp.args.JsonSave({**meta, "step": step})))
+
+    def due(self, step: int, last_step: int) -> bool:
+        return step % self.config.every == 0 or step == last_step
+
+    def restore(self, state: nnx.State, shardings: nnx.State, config: dict | None = None,
+                step: int | None = None) -> tuple[nnx.State, dict[str, Any]]:
+        """Read `step` (default: the latest) into the structure of `state` laid out by `shardings`.
+
+        `state` may be abstract; `config`, when given, is compared with the saved one first so that a
+        checkpoint of another model is refused with the fields that differ.
+        """
+        step = self.latest_step() if step is None else step
+        if step is None:
+            raise ValueError(f"{self.directory} holds no checkpoint")
+        meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        if config is not None and "model" in config and meta.get("config", {}).get("model") != config["model"]:
+            raise ValueError(f"{self.directory} step {step} is a checkpoint of a different model: "
+                             + "; ".join(_differences(meta["config"]["model"], config["model"], "model.")))
+        self._check_shapes(step, state)
+        restored = self._manager.restore(step, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(_abstract(state, shardings))))["state"]
+        out = jax.tree.map(lambda x: x, state)
+        nnx.replace_by_pure_dict(out, restored)
+        return out, meta
+
+    def _check_shapes(self, step: int, state: nnx.State) -> None:
+        saved = self._manager.item_metadata(step)["state"].tree
+        saved_shapes = jax.tree.map(lambda m: tuple(m.shape), saved, is_leaf=lambda m: hasattr(m, "shape"))
+        now_shapes = jax.tree.map(lambda x: tuple(x.shape), state.to_pure_dict())
+        problems = _differences(_stringify(saved_shapes), _stringify(now_shapes))
+        if problems:
+            raise ValueError(f"{self.directory} step {step} does not fit this model: " + "; ".join(problems[:8]))
+
+    def wait(self) -> None:
+        """Block until every started save is on disk."""
+        self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        self._manager.close()
+
+
+def _stringify(tree: Any) -> Any:
+    """Dict keys as strings (orbax's metadata spells integer keys as strings)."""
+    return {str(k): _stringify(v) for k, v in tree.items()} if isinstance(tree, dict) else tree
+
+
+def export_params(directory: str | Path, params: nnx.State, config: dict | None = None) -> None:
+    """Write the parameters alone (for evaluation or inference) with the config that made them."""
+    with ocp.CheckpointManager(Path(directory).absolute(), options=ocp.CheckpointManagerOptions(create=True)) as mgr:
+        mgr.save(0, args=ocp.args.Composite(params=ocp.args.StandardSave(params.to_pure_dict()),
+                                            meta=ocp.args.JsonSave({"config": config or {}})))
+        mgr.wait_until_finished()
+
+
+def load_params(directory: str | Path, params: nnx.State, shardings: nnx.State) -> nnx.State:
+    """Read exported parameters into the structure of `params`, laid out by `shardings` (any mesh)."""
+    with ocp.CheckpointManager(Path(directory).absolute()) as mgr:
+        if mgr.latest_step() is None:
+            raise ValueError(f"{directory} holds no exported parameters")
+        restored = mgr.restore(mgr.latest_step(), args=ocp.args.Composite(
+            params=ocp.args.StandardRestore(_abstract(params, shardings))))["params"]
+    out = jax.tree.map(lambda x: x, params)
+    nnx.replace_by_pure_dict(out, restored)
+    return out

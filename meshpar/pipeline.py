@@ -1,0 +1,277 @@
+"""Pipeline parallelism: the stacked layers split into S stages over the `stage` mesh axis (GPipe, circular).
+
+What is sharded. The `[L, ...]` layer stack is viewed as `[R, S, L/(R·S), ...]` and its stage dimension
+lives on the `stage` mesh axis: the devices of stage s hold the layers it runs, (r·S + s)·L/(R·S) …
+(r·S + s + 1)·L/(R·S) − 1 in repeat r (R > 1 is the circular, "interleaved" schedule: each stage holds R
+chunks of layers and every microbatch goes round the ring of stages R times). The batch `[B, T, D]` is
+split into M microbatches `[M, B/M, T, D]`; microbatch m is the rows m, M + m, 2M + m, … so that every
+microbatch stays split over the batch mesh axes (data × fsdp) exactly as the batch was, with no movement.
+
+The schedule. One `lax.scan` over (R−1)·max(M, S) + M + S − 1 iterations (= R·M + S − 1 whenever
+M ≥ S or R = 1). In each, every stage runs its L/(R·S) layers on the microbatch in front of it — one
+`jax.vmap` over the stage dimension with `spmd_axis_name="stage"`, so the compiler runs stage s on the
+devices of stage s, and every sharding hint the layers make (batch over data × fsdp, heads over model)
+keeps working with `stage` prepended — and then the S outputs move one stage on: a roll of the
+stage-sharded buffer by one, which the SPMD partitioner compiles into ONE collective-permute
+(s → s+1 mod S). Stage 0 takes the next microbatch from an input/output buffer kept on its own devices;
+what comes round from stage S−1 is written into the same buffer: the input of the next repeat, and after
+the last repeat the result. The backward pass is the scan differentiated (no hand-written backward): the
+same permutes run in reverse.
+
+Why vmap and not shard_map: the model's layers are written for GSPMD (`sharding.constrain`, Auto axes);
+under a vmap with `spmd_axis_name` they run unchanged, the stage dimension is one more sharded dimension,
+and data/FSDP/tensor parallelism compose with the pipeline without manual collectives. A shard_map over
+`stage` would make `stage` manual inside the layers and every hint in them would have to be re-checked
+against a partially manual mesh. The price is that the shift is a hint to the compiler, not a
+`ppermute`; the tests check the compiled program for the collective-permutes.
+
+Collectives per step (per device; a = (B/M)/(data·fsdp) · T/sequence · D · bytes, one microbatch's
+activations on one device, n the iteration count above):
+
+| what                                   | collective                          | count    | bytes each      |
+|----------------------------------------|-------------------------------------|----------|-----------------|
+| shift between stages, forward          | collective-permute                  | n        | a               |
+| shift between stages, backward         | collective-permute                  | n        | a               |
+| result leaves stage 0 (and its grad)   | all-reduce / broadcast over stage   | 1 (+1)   | M·a             |
+| FSDP: stage weights gathered           | all-gather over fsdp                | 1/weight | weight / stage  |
+| FSDP: weight gradients                 | all-reduce (CPU) / reduce-scatter   | 1/weight | weight / stage  |
+| tensor parallelism (inside the layers) | all-reduce                          | per layer per microbatch, as without PP |
+
+With FSDP the stage weights are gathered ONCE per step, not once per microbatch: before the scan they
+are constrained to their compute layout (split over `stage` and `model`, whole over `fsdp`), so the loop
+reads loop-invariant gathered weights and the gradients are reduced once after it. The price is memory:
+a stage's weights stay whole over `fsdp` for the step (1/stage of the layers, /model under TP). With
+R > 1 and the stack split over `stage` at rest in contiguous blocks of L/S layers, the interleaved view
+differs from the at-rest one, so the weights are also permuted between stages once per step.
+
+The bubble. Each stage works R·M of the n iterations; the rest it idles (computes on a bubble):
+  bubble = (S − 1) / (R·M + S − 1)   [GPipe, Huang et al. §2.3, with R repeats: Narayanan et al. §2.2]
+Naive model parallelism (layers split over devices, the whole batch at once) is M = 1: (S − 1)/S, every
+stage but one idle at any time. The bubble is small when R·M ≫ S (GPipe: M ≥ 4S). With R > 1 and M < S a
+microbatch comes back to stage 0 before the others are through, and the schedule waits: n grows to
+(R−1)·S + M + S − 1 (see `bubble_fraction`). Bubble iterations compute on zeros and their outputs are
+discarded by selects; `poison_bubbles=True` fills every bubble slot with NaN instead, so a test proves
+that no bubble value reaches the result or the gradients.
+
+Memory. The scan stores, per iteration, what the backward pass of one stage step needs: with
+`remat="full"` only the stage input (one microbatch per iteration: R·M + S − 1 microbatches in all, the
+GPipe activation stash), with `"dots"` also the projections' outputs, with `"none"` every intermediate.
+
+When it is worth it. Pipelining sends only a microbatch's activations point to point (b·s·h per stage
+boundary per microbatch) while a stage computes ≈ 24·b·s·h²·L/(R·S) FLOPs on it: compute-bound when
+12·h·L/(R·S) > FLOP/s ÷ link bandwidth (H100 over 50 GB/s InfiniBand: ≈ 2·10⁴, so h·L/(R·S) ≳ 1700 —
+any large model). So it is the strategy for the slowest links (across nodes), where FSDP's weight
+gathers and TP's per-layer all-reduces would not hide, and for models whose layers do not fit one
+node's memory. Its costs are the bubble (buy it down with M, which costs activation memory, or with R,
+which costs R× the permutes) and the microbatch: B/M rows must still fill the data-parallel axes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from meshpar import context, sharding
+
+P = PartitionSpec
+U = PartitionSpec.UNCONSTRAINED
+
+_BATCH_AXES = ("data", "fsdp")  # what `batch` maps to in every rules preset; the active rules win
+
+
+def _projections_saveable(prim: Any, *_, **params: Any) -> bool:
+    """`dots_with_no_batch_dims_saveable` for a body vmapped over stages.
+
+    Under the stage vmap a projection `x @ w` (both operands per stage) becomes a dot_general with ONE
+    batch dimension, the stage; attention's score and value matmuls have more (batch, heads, stage).
+    Save the former, recompute the latter, as the plain policy does outside a vmap.
+    """
+    if prim is jax.lax.dot_general_p:
+        (_, _), (lhs_batch, _) = params["dimension_numbers"]
+        return len(lhs_batch) <= 1
+    return False
+
+
+_POLICIES = {"full": jax.checkpoint_policies.nothing_saveable, "dots": _projections_saveable}
+
+
+def iterations(stages: int, microbatches: int, repeats: int = 1) -> int:
+    """How many steps the schedule takes: (R−1)·max(M, S) + M + S − 1 (R·M + S − 1 when M ≥ S or R = 1)."""
+    return (repeats - 1) * max(microbatches, stages) + microbatches + stages - 1
+
+
+def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
+    """The fraction of the pipeline's time a stage idles: (S − 1)/(R·M + S − 1).
+
+    M = 1, R = 1 is naive model parallelism: (S − 1)/S. With R > 1 and M < S the circular schedule must
+    wait for microbatches to come round (a microbatch needs R·S stage steps in sequence), so it takes
+    (R−1)·S + M + S − 1 iterations and the fraction is 1 − R·M/that, larger than the formula.
+    """
+    for name, value in (("stages", stages), ("microbatches", microbatches), ("repeats", repeats)):
+        if value < 1:
+            raise ValueError(f"{name} = {value} must be >= 1")
+    return 1.0 - repeats * microbatches / iterations(stages, microbatches, repeats)
+
+
+def _constrain(x: jax.Array, mesh: Mesh, *spec: Any) -> jax.Array:
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(*spec)))
+
+
+def _batch_axes(mesh: Mesh) -> tuple[str, ...]:
+    """The mesh axes (of size > 1) that split a batch: the active rules' `batch`, else data × fsdp."""
+    compute = context.active()
+    axes = compute.rules.table("activations").get("batch", _BATCH_AXES) if compute is not None else _BATCH_AXES
+    return tuple(axis for axis in axes if mesh.shape[axis] > 1)
+
+
+def _stage_weight_spec(variable: nnx.Variable, mesh: Mesh) -> tuple[Any, ...]:
+    """The compute layout of one layer's weight (after the leading layers dim): its FSDP-gathered form.
+
+    With an active Compute context, the activation rules applied to the weight's own logical names
+    (what `sharding.gathered` does inside a layer: `embed` whole, `heads`/`mlp` over model); without
+    one, the compiler's choice.
+    """
+    ndim = variable[...].ndim - 1
+    compute = context.active()
+    names = variable.get_metadata().get("out_sharding")
+    if compute is None or names is None:
+        return (U,) * ndim
+    spec = sharding.spec_for(tuple(names)[-ndim:] if ndim else (), variable[...].shape[1:],
+                             compute.rules.table("activations"), mesh, "pipelined stage weight")
+    return tuple(spec) + (None,) * (ndim - len(spec))
+
+
+def _shift(x_S: jax.Array, mesh: Mesh) -> jax.Array:
+    """Move every stage's output one stage on, round the ring: `out[s] = x[s − 1 mod S]`.
+
+    A `ppermute` over `stage` (the only manual axis; the others stay with the compiler): one
+    collective-permute, and its transpose in the backward pass is one too. With k = S / stage-size
+    stages per device group, only the last of each group's k crosses devices.
+    """
+    k = mesh.shape["stage"]
+    if k == 1:
+        return jnp.roll(x_S, 1, axis=0)
+    ring = [(i, (i + 1) % k) for i in range(k)]
+
+    def local(block: jax.Array) -> jax.Array:
+        incoming = jax.lax.ppermute(block[-1:], "stage", ring)
+        return jnp.concatenate([incoming, block[:-1]], axis=0)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=P("stage"), out_specs=P("stage"), axis_names={"stage"})(x_S)
+
+
+def _check(L: int, B: int, *, mesh: Mesh, stages: int, microbatches: int, repeats: int, remat: str) -> None:
+    S, M, R = stages, microbatches, repeats
+    for name, value in (("stages", S), ("microbatches", M), ("repeats", R)):
+        if value < 1:
+            raise ValueError(f"pipeline: {name} = {value} must be >= 1")
+    if remat not in context.REMAT_POLICIES:
+        raise ValueError(f"pipeline: remat policy '{remat}' is not one of {', '.join(context.REMAT_POLICIES)}")
+    if "stage" not in mesh.shape:
+        raise ValueError(f"pipeline: the mesh has no 'stage' axis (axes: {', '.join(mesh.axis_names)})")
+    if S % mesh.shape["stage"]:
+        raise ValueError(f"pipeline: S = {S} stages cannot be split over mesh axis stage={mesh.shape['stage']}")
+    if L % (S * R):
+        raise ValueError(f"pipeline: L = {L} layers are not divisible by S = {S} stages × R = {R} repeats")
+    if B % M:
+        raise ValueError(f"pipeline: the batch B = {B} is not divisible into M = {M} microbatches")
+    axes = _batch_axes(mesh)
+    ways = math.prod(mesh.shape[axis] for axis in axes)
+    if (B // M) % ways:
+        split = " × ".join(f"{axis}={mesh.shape[axis]}" for axis in axes)
+        raise ValueError(f"pipeline: a microbatch of B/M = {B}/{M} = {B // M} rows is not divisible by the "
+                         f"batch mesh axes {split} = {ways}")
+
+
+def pipeline(stack: nnx.Module, x_BTD: jax.Array, *, mesh: Mesh, stages: int, microbatches: int,
+             repeats: int = 1, remat: str = "none", poison_bubbles: bool = False) -> jax.Array:
+    """Apply the L stacked layers of `stack` to `x_BTD` in order, as a pipeline over the `stage` axis.
+
+    The same result as `meshpar.layers.scan(stack, x_BTD)`. `stages` S (a multiple of the mesh's stage
+    size), `microbatches` M (B/M rows each, divisible by the batch mesh axes), `repeats` R (circular
+    schedule; L divisible by S·R), `remat` the per-iteration rematerialisation ("none", "full", "dots").
+    `poison_bubbles=True` fills bubble slots with NaN (a test aid: a leak shows as NaN).
+    """
+    return _run(stack, x_BTD, mesh=mesh, stages=stages, microbatches=microbatches, repeats=repeats,
+                remat=remat, poison_bubbles=poison_bubbles)[0]
+
+
+def _run(stack: nnx.Module, x_BTD: jax.Array, *, mesh: Mesh, stages: int, microbatches: int, repeats: int,
+         remat: str, poison_bubbles: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`pipeline`, also returning the final stage buffer `[S, B/M, T, D]` and I/O buffer `[S, M, B/M, T, D]`."""
+    graphdef, stacked = nnx.split(stack)
+    leaves = jax.tree.leaves(stacked)
+    if not leaves:
+        raise ValueError("pipeline: the stack has no variables")
+    L, (B, T, D) = leaves[0].shape[0], x_BTD.shape
+    _check(L, B, mesh=mesh, stages=stages, microbatches=microbatches, repeats=repeats, remat=remat)
+    S, M, R = stages, microbatches, repeats
+    Lc, mb = L // (S * R), B // M  # layers per stage per repeat; rows per microbatch
+    period = max(M, S)  # stage 0 starts microbatch m of repeat r at iteration r·period + m
+    n_iter = iterations(S, M, R)
+    batch = _batch_axes(mesh) or None
+    fill = jnp.nan if poison_bubbles else 0.0
+
+    # [L, ...] → [R, S, Lc, ...], stage dim on `stage`, gathered over fsdp here, once per step.
+    def stage_view(variable: nnx.Variable) -> nnx.Variable:
+        value = variable[...].reshape(R, S, Lc, *variable[...].shape[1:])
+        return variable.replace(_constrain(value, mesh, None, "stage", None, *_stage_weight_spec(variable, mesh)))
+
+    weights = jax.tree.map(stage_view, stacked, is_leaf=lambda v: isinstance(v, nnx.Variable))
+
+    def one_stage(weights_RC: nnx.State, repeat: jax.Array, x: jax.Array) -> jax.Array:
+        """One stage step: its Lc layers of `repeat` on one microbatch (vmapped over stages)."""
+        chunk = jax.tree.map(lambda w: w[0] if R == 1 else jax.lax.dynamic_index_in_dim(w, repeat, 0, False),
+                             weights_RC)
+
+        def one_layer(x, layer):
+            return nnx.merge(graphdef, layer)(x), None
+
+        return jax.lax.scan(one_layer, x, chunk)[0]
+
+    all_stages = jax.vmap(one_stage, in_axes=(1, 0, 0), spmd_axis_name="stage")
+    if remat != "none":
+        all_stages = jax.checkpoint(all_stages, policy=_POLICIES[remat], prevent_cse=False)
+
+    # Microbatch m = rows m, M + m, …: a local reshape when the batch is split over data × fsdp.
+    x_MbTD = _constrain(x_BTD.reshape(mb, M, T, D).swapaxes(0, 1), mesh, None, batch, U, U)
+    stage_S = jnp.arange(S)
+    first = (stage_S == 0)[:, None, None, None]
+    io = jnp.broadcast_to(x_MbTD, (S, M, mb, T, D))  # only stage 0's copy is read (per device: one copy)
+    if poison_bubbles:
+        io = jnp.where(first[..., None], io, jnp.nan)
+    io = _constrain(io, mesh, "stage", None, batch, U, U)
+    state = _constrain(jnp.full((S, mb, T, D), fill, x_BTD.dtype), mesh, "stage", batch, U, U)
+
+    def slot(j: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Item j (= iteration − stage) of a stage's work: its repeat, its microbatch, whether it is real."""
+        j0 = jnp.maximum(j, 0)
+        repeat, m = j0 // period, j0 % period
+        return jnp.minimum(repeat, R - 1), jnp.minimum(m, M - 1), (j >= 0) & (repeat < R) & (m < M)
+
+    def iteration(carry, t):
+        state, io = carry
+        repeat_S, _, real_S = slot(t - stage_S)
+        real = real_S[:, None, None, None]
+        _, m_in, _ = slot(t)
+        stage_in = jnp.where(first, jax.lax.dynamic_index_in_dim(io, m_in, 1, False), state)
+        out = all_stages(weights, repeat_S, jnp.where(real, stage_in, 0.0))  # bubbles compute on zeros
+        if poison_bubbles:
+            out = jnp.where(real, out, jnp.nan)
+        out = _constrain(out, mesh, "stage", batch, U, U)
+        state = _constrain(_shift(out, mesh), mesh, "stage", batch, U, U)  # s → s+1: collective-permute
+        # state[0] now holds what stage S−1 finished: the next repeat's input, or the result.
+        _, m_out, real_out = slot(t - (S - 1))
+        keep = jax.lax.dynamic_index_in_dim(io, m_out, 1, False)
+        written = jnp.where(first & real_out, state, keep)
+        io = _constrain(jax.lax.dynamic_update_index_in_dim(io, written, m_out, 1), mesh, "stage", None, batch, U, U)
+        return (state, io), None
+
+    (state, io), _ = jax.lax.scan(iteration, (state, io), jnp.arange(n_iter))
+    y_MbTD = _constrain(io[0], mesh, None, batch, U, U)
+    return y_MbTD.swapaxes(0, 1).reshape(B, T, D), state, io
