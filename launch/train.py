@@ -26,7 +26,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--report", help="write the compiled step's report (memory, flops, collectives) to this file")
     p.add_argument("--checkpoint-dir", help="save checkpoints here; if it holds one, resume from the latest "
                                             "(on whatever mesh this run has)")
-    p.add_argument("--cpu-devices", type=int, help="run on this many fake CPU devices")
+    p.add_argument("--cpu-devices", type=int, help="run on this many fake CPU devices (per process)")
+    p.add_argument("--coordinator", help="host:port of process 0 (or MESHPAR_COORDINATOR); with --num-processes "
+                                         "and --process-id. Default: SLURM / Open MPI / Kubernetes if detected")
+    p.add_argument("--num-processes", type=int, help="number of processes (or MESHPAR_NUM_PROCESSES)")
+    p.add_argument("--process-id", type=int, help="this process's index (or MESHPAR_PROCESS_ID)")
     return p.parse_args(argv)
 
 
@@ -42,11 +46,13 @@ def main(argv: list[str] | None = None) -> None:
         jax.config.update("jax_num_cpu_devices", args.cpu_devices)
 
     import configs
-    from meshpar import config as config_lib, mesh as mesh_lib, rules
+    from meshpar import config as config_lib, distributed, mesh as mesh_lib, rules
     from meshpar.run import run
     from models.transformer import Transformer
 
     try:
+        print(distributed.initialize(distributed.from_environment(
+            coordinator=args.coordinator, num_processes=args.num_processes, process_id=args.process_id)), flush=True)
         cfg = configs.load(args.config)
         if args.mesh is not None:
             cfg = dataclasses.replace(cfg, mesh=mesh_lib.parse(args.mesh))

@@ -2,8 +2,11 @@
 
 `data` (replicas), `stage` (pipeline stages), `fsdp` (ZeRO/FSDP shards), `sequence` (context
 parallelism) and `model` (tensor parallelism), outer to inner. The inner axes exchange the most bytes
-per step, so they get the devices that sit closest together (NVLink within a host); `jax.make_mesh`
-lays devices out that way. Size-1 axes are kept so that every layout runs the same code path.
+per step, so they get the devices that sit closest together. With several processes (hosts) each axis
+is split into a part inside a host (ICI: NVLink) and a part across hosts (DCN: the network), filling a
+host from the innermost axis out: `model` and `sequence` stay inside a host whenever they fit, and
+`data`/`stage` go across hosts first (a hybrid DCN × ICI mesh). A layout that makes `model` or
+`sequence` span hosts gets a warning. Size-1 axes are kept so that every layout runs the same code path.
 
 Axes are `AxisType.Auto`: shardings are chosen by the compiler (GSPMD) from the arrays' shardings
 and `with_sharding_constraint` hints, which works with stock Flax and optax (see the field notes).
@@ -13,8 +16,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
+from collections import defaultdict
 
 import jax
+import numpy as np
 from jax.sharding import AxisType, Mesh
 
 AXES = ("data", "stage", "fsdp", "sequence", "model")
@@ -84,8 +90,47 @@ def describe(sizes: dict[str, int] | MeshConfig) -> str:
     return ",".join(f"{axis}={size}" for axis, size in sizes.items() if size != 1) or "data=1"
 
 
+def host_split(sizes: dict[str, int], devices_per_host: int) -> tuple[dict[str, int], dict[str, int]]:
+    """Each axis's size inside a host (ICI) and across hosts (DCN), filling a host innermost axis first."""
+    inside, room = {}, devices_per_host
+    for axis in reversed(AXES):
+        inside[axis] = math.gcd(sizes[axis], room)
+        room //= inside[axis]
+    if room != 1:
+        raise ValueError(f"mesh {describe(sizes)} cannot be laid out on hosts of {devices_per_host} devices: "
+                         f"the axes do not factor into whole hosts")
+    return inside, {axis: sizes[axis] // inside[axis] for axis in AXES}
+
+
+def device_grid(sizes: dict[str, int], devices: list) -> np.ndarray:
+    """The devices arranged in the five axes: a host's devices fill the inner part of each axis."""
+    by_process = defaultdict(list)
+    for device in devices:
+        by_process[device.process_index].append(device)
+    counts = {len(local) for local in by_process.values()}
+    if len(counts) != 1:
+        raise ValueError(f"processes hold different numbers of devices ({sorted(counts)}); a mesh needs equal hosts")
+    inside, across = host_split(sizes, counts.pop())
+    grid = np.empty([sizes[axis] for axis in AXES], dtype=object)
+    inside_shape, across_shape = [inside[a] for a in AXES], [across[a] for a in AXES]
+    for host, process in enumerate(sorted(by_process)):
+        host_at = np.unravel_index(host, across_shape)
+        for index, device in enumerate(sorted(by_process[process], key=lambda d: d.id)):
+            local_at = np.unravel_index(index, inside_shape)
+            grid[tuple(h * n + l for h, n, l in zip(host_at, inside_shape, local_at))] = device
+    return grid
+
+
 def build(config: MeshConfig, devices: list | None = None) -> Mesh:
-    """A jax Mesh with the five axes, over `devices` (default: all devices of all processes)."""
+    """A jax Mesh with the five axes over `devices` (default: all devices of all processes)."""
     devices = jax.devices() if devices is None else devices
     sizes = config.resolve(len(devices)).sizes()
-    return jax.make_mesh(tuple(sizes.values()), AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=devices)
+    grid = device_grid(sizes, devices)
+    hosts = len({d.process_index for d in devices})
+    _, across = host_split(sizes, len(devices) // hosts)
+    for axis in ("model", "sequence"):
+        if across[axis] > 1:
+            warnings.warn(f"mesh axis '{axis}' = {sizes[axis]} spans {across[axis]} hosts: its per-layer "
+                          f"collectives will cross the network; put data, stage or fsdp across hosts instead",
+                          stacklevel=2)
+    return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))

@@ -172,12 +172,12 @@ def _check(L: int, B: int, *, mesh: Mesh, stages: int, microbatches: int, repeat
             raise ValueError(f"pipeline: {name} = {value} must be >= 1")
     if remat not in context.REMAT_POLICIES:
         raise ValueError(f"pipeline: remat policy '{remat}' is not one of {', '.join(context.REMAT_POLICIES)}")
+    if L % (S * R):
+        raise ValueError(f"pipeline: L = {L} layers are not divisible by S = {S} stages × R = {R} repeats")
     if "stage" not in mesh.shape:
         raise ValueError(f"pipeline: the mesh has no 'stage' axis (axes: {', '.join(mesh.axis_names)})")
     if S % mesh.shape["stage"]:
         raise ValueError(f"pipeline: S = {S} stages cannot be split over mesh axis stage={mesh.shape['stage']}")
-    if L % (S * R):
-        raise ValueError(f"pipeline: L = {L} layers are not divisible by S = {S} stages × R = {R} repeats")
     if B % M:
         raise ValueError(f"pipeline: the batch B = {B} is not divisible into M = {M} microbatches")
     axes = _batch_axes(mesh)

@@ -1,0 +1,81 @@
+"""Multi-process start-up: one JAX process per host (or per GPU), joined into one set of global devices.
+
+Settings come, in this order, from explicit arguments (`launch.train --coordinator ...`), from the
+environment (`MESHPAR_COORDINATOR`, `MESHPAR_NUM_PROCESSES`, `MESHPAR_PROCESS_ID`, as set by
+`launch.local`), or from a cluster JAX detects by itself (SLURM, Open MPI, Kubernetes); with none of
+them the run is one process and nothing is initialised. The three explicit settings come together or
+not at all: a half-given setting is an error, not a silent single-process run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+
+import jax
+
+ENV = {"coordinator": "MESHPAR_COORDINATOR", "num_processes": "MESHPAR_NUM_PROCESSES",
+       "process_id": "MESHPAR_PROCESS_ID"}
+# What JAX's own cluster detection looks for (jax/_src/clusters/).
+CLUSTER_MARKERS = {"SLURM": ("SLURM_JOB_ID", "SLURM_STEP_NODELIST", "SLURM_NTASKS", "SLURM_PROCID"),
+                   "Open MPI": ("OMPI_MCA_orte_hnp_uri",), "Kubernetes": ("KUBERNETES_SERVICE_HOST",)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    coordinator: str | None = None  # host:port of process 0
+    num_processes: int | None = None
+    process_id: int | None = None
+
+    def explicit(self) -> bool:
+        given = {name: getattr(self, name) is not None for name in ENV}
+        if any(given.values()) and not all(given.values()):
+            missing = [f"{name} ({ENV[name]})" for name, ok in given.items() if not ok]
+            present = [name for name, ok in given.items() if ok]
+            raise ValueError(f"distributed settings are half given: {', '.join(present)} set but "
+                             f"{', '.join(missing)} missing; give all three, or none for one process")
+        if all(given.values()):
+            if self.num_processes < 1 or not 0 <= self.process_id < self.num_processes:
+                raise ValueError(f"process_id = {self.process_id} is not in 0..{self.num_processes - 1}")
+            if ":" not in self.coordinator:
+                raise ValueError(f"coordinator '{self.coordinator}' must be host:port")
+        return all(given.values())
+
+
+def from_environment(**overrides: str | int | None) -> Settings:
+    """Settings from the explicit `overrides` (flags) where given, else from MESHPAR_* variables."""
+    values = {}
+    for name, var in ENV.items():
+        value = overrides.get(name)
+        if value is None:
+            value = os.environ.get(var)
+        if value is not None and name != "coordinator":
+            try:
+                value = int(value)
+            except ValueError:
+                raise ValueError(f"{var} = '{value}' is not an integer") from None
+        values[name] = value
+    return Settings(**values)
+
+
+def detected_cluster() -> str | None:
+    for name, markers in CLUSTER_MARKERS.items():
+        if all(var in os.environ for var in markers):
+            return name
+    return None
+
+
+def initialize(settings: Settings) -> str:
+    """Join the processes (or do nothing for one); returns how, for the log."""
+    if settings.explicit():
+        jax.distributed.initialize(coordinator_address=settings.coordinator,
+                                   num_processes=settings.num_processes, process_id=settings.process_id)
+        how = f"explicit coordinator {settings.coordinator}"
+    elif cluster := detected_cluster():
+        jax.distributed.initialize()
+        how = f"{cluster} (detected)"
+    else:
+        return "single process"
+    return f"{how}: process {jax.process_index()} of {jax.process_count()} on {socket.gethostname()}, " \
+           f"{jax.local_device_count()} local of {jax.device_count()} devices"
