@@ -193,3 +193,29 @@ def test_unequal_hosts_are_refused():
     with pytest.raises(ValueError, match=r"processes hold different numbers of devices \(\[2, 4\]\)"):
         mesh_lib.device_grid({"data": 6, "stage": 1, "fsdp": 1, "sequence": 1, "model": 1},
                              hosts(1, 4) + [FakeDevice(10, 1), FakeDevice(11, 1)])
+
+
+# --- SLURM ----------------------------------------------------------------------------------------------
+
+
+def test_sbatch_script_parses_and_its_dry_run_describes_every_process():
+    assert subprocess.run(["bash", "-n", str(ROOT / "launch/slurm/train.sbatch")]).returncode == 0
+    env = {**os.environ, "DRY_RUN": "1", "SLURM_NNODES": "4", "PYTHON": sys.executable}
+    proc = subprocess.run(["bash", str(ROOT / "launch/slurm/train.sbatch"), "--config", "llama_8b",
+                           "--mesh", "data=4,fsdp=8"], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "llama_8b on 4 nodes × 8 GPUs, mesh data=4,fsdp=8" in out
+    assert "process 3 (SLURM_PROCID=3, node 3): devices 24-31" in out
+    assert "reads batch rows 384-511 of 512" in out
+    assert "axes inside a node: fsdp=8" in out and "axes across nodes:  data=4" in out
+    assert "warning" not in out
+
+
+def test_dry_run_warns_when_model_spans_nodes():
+    from configs import load
+    from launch.slurm.dryrun import describe
+
+    lines = describe(2, 4, load("tiny"), "model=8")
+    assert lines[-1] == "warning: mesh axis 'model' spans 2 nodes; its per-layer collectives cross the network"
+    assert "  reads batch rows 0-15 of 16 (16 × 129 tokens per step)" in lines  # TP ranks read the same rows
