@@ -122,6 +122,11 @@ def _global_positions(T: int, n: int, balanced: bool) -> jax.Array:
     return zigzag_positions(T, n) if balanced else jnp.arange(T, dtype=jnp.int32)
 
 
+def _shift(x: jax.Array, axis: str, perm: list[tuple[int, int]]) -> jax.Array:
+    """ppermute, skipped when the permutation moves nothing (n = 1; the even chunks when n = 2)."""
+    return x if all(src == dst for src, dst in perm) else lax.ppermute(x, axis, perm)
+
+
 def _zigzag_local(x_BtX: jax.Array, axis: str, n: int) -> jax.Array:
     """Inside a shard_map over `axis`: contiguous local slices → zigzag slices, with two ppermutes.
 
@@ -132,8 +137,8 @@ def _zigzag_local(x_BtX: jax.Array, axis: str, n: int) -> jax.Array:
     """
     dest = lambda c: c if c < n else 2 * n - 1 - c
     even, odd = jnp.split(x_BtX, 2, axis=1)
-    even = lax.ppermute(even, axis, [(i, dest(2 * i)) for i in range(n)])
-    odd = lax.ppermute(odd, axis, [(i, dest(2 * i + 1)) for i in range(n)])
+    even = _shift(even, axis, [(i, dest(2 * i)) for i in range(n)])
+    odd = _shift(odd, axis, [(i, dest(2 * i + 1)) for i in range(n)])
     j_even = lax.axis_index(axis) % 2 == 0
     return jnp.concatenate([jnp.where(j_even, even, odd), jnp.where(j_even, odd, even)], axis=1)
 
@@ -144,8 +149,8 @@ def _unzigzag_local(x_BtX: jax.Array, axis: str, n: int) -> jax.Array:
     first, second = jnp.split(x_BtX, 2, axis=1)
     j_even = lax.axis_index(axis) % 2 == 0
     even, odd = jnp.where(j_even, first, second), jnp.where(j_even, second, first)
-    even = lax.ppermute(even, axis, [(dest(2 * i), i) for i in range(n)])
-    odd = lax.ppermute(odd, axis, [(dest(2 * i + 1), i) for i in range(n)])
+    even = _shift(even, axis, [(dest(2 * i), i) for i in range(n)])
+    odd = _shift(odd, axis, [(dest(2 * i + 1), i) for i in range(n)])
     return jnp.concatenate([even, odd], axis=1)
 
 

@@ -219,8 +219,10 @@ def _run(stack: nnx.Module, x_BTD: jax.Array, *, mesh: Mesh, stages: int, microb
 
     # [L, ...] → [R, S, Lc, ...], stage dim on `stage`, gathered over fsdp here, once per step.
     def stage_view(variable: nnx.Variable) -> nnx.Variable:
-        value = variable[...].reshape(R, S, Lc, *variable[...].shape[1:])
-        return variable.replace(_constrain(value, mesh, None, "stage", None, *_stage_weight_spec(variable, mesh)))
+        rest = _stage_weight_spec(variable, mesh)
+        value = _constrain(variable[...], mesh, "stage", *rest)
+        value = value.reshape(R, S, Lc, *variable[...].shape[1:])
+        return variable.replace(_constrain(value, mesh, None, "stage", None, *rest))
 
     weights = jax.tree.map(stage_view, stacked, is_leaf=lambda v: isinstance(v, nnx.Variable))
 

@@ -40,29 +40,47 @@ from meshpar.mesh import AXES
 Table = tuple[tuple[str, tuple[str, ...]], ...]
 
 
+CONTEXT_ATTENTION = ("ring", "allgather", "ulysses")
+
+
 @dataclasses.dataclass(frozen=True)
 class ParallelConfig:
     """Strategy settings beyond the mesh shape."""
 
-    zero_stage: int = 3
-    sequence_parallel: bool = False
+    zero_stage: int = 3  # over `fsdp`: 0 replicate, 1 optimizer states, 2 + gradients, 3 + parameters
+    sequence_parallel: bool = False  # Megatron SP over `model`
+    context_attention: str = "ring"  # attention over a `sequence`-split T: ring, allgather or ulysses
+    load_balance: bool = True  # zigzag the sequence so causal attention work is equal on every shard
+    microbatches: int = 0  # pipeline microbatches M over `stage`; 0: twice the number of stages
+    pipeline_repeats: int = 1  # R > 1: circular (interleaved) pipeline, bubble (S-1)/(R·M+S-1)
 
     def __post_init__(self):
         if self.zero_stage not in (0, 1, 2, 3):
             raise ValueError(f"parallel.zero_stage = {self.zero_stage} is not one of 0, 1, 2, 3")
+        if self.context_attention not in CONTEXT_ATTENTION:
+            raise ValueError(f"parallel.context_attention = '{self.context_attention}' is not one of "
+                             f"{', '.join(CONTEXT_ATTENTION)}")
+        if self.microbatches < 0:
+            raise ValueError(f"parallel.microbatches = {self.microbatches} must be >= 0 (0: twice the stages)")
+        if self.pipeline_repeats < 1:
+            raise ValueError(f"parallel.pipeline_repeats = {self.pipeline_repeats} must be >= 1")
 
 
 @dataclasses.dataclass(frozen=True)
 class Rules:
-    """Four tables, logical name → mesh axes (empty: replicated). Hashable, so it can be jit-static."""
+    """Four tables, logical name → mesh axes (empty: replicated), and the settings that made them.
+
+    Hashable, so it can be jit-static.
+    """
 
     params: Table
     grads: Table
     optimizer: Table
     activations: Table
+    parallel: ParallelConfig = ParallelConfig()
 
     def __post_init__(self):
-        for kind in ("params", "grads", "optimizer", "activations"):
+        for kind in ("params", "grads", "optimizer", "activations"):  # a mistyped mesh axis fails here
             for name, axes in getattr(self, kind):
                 unknown = [axis for axis in axes if axis not in AXES]
                 if unknown:
@@ -85,7 +103,7 @@ def make(parallel: ParallelConfig = ParallelConfig()) -> Rules:
     activations = (("batch", ("data", "fsdp")), ("seq", ("sequence",)), ("resid_seq", resid_seq),
                    *_weights(()))
     return Rules(params=_weights(over_fsdp(3)), grads=_weights(over_fsdp(2)), optimizer=_weights(over_fsdp(1)),
-                 activations=activations)
+                 activations=activations, parallel=parallel)
 
 
 def default() -> Rules:
