@@ -31,6 +31,12 @@ LAYOUTS = {  # name → (mesh, overrides)
     "fsdp8+dots": ("fsdp=8", ["train.remat=dots"]),
     "fsdp8+accum2": ("fsdp=8", ["train.grad_accum=2"]),
     "fsdp8+bf16": ("fsdp=8", ["train.compute_dtype=bfloat16"]),
+    "cp8-ring": ("sequence=8", ["parallel.context_attention=ring"]),
+    "cp8-allgather": ("sequence=8", ["parallel.context_attention=allgather"]),
+    "cp8-ulysses": ("sequence=8", ["parallel.context_attention=ulysses"]),
+    "dp2+cp4": ("data=2,sequence=4", []),
+    "pp2+dp4": ("stage=2,data=4", ["parallel.microbatches=4"]),
+    "pp2+fsdp2+tp2": ("stage=2,fsdp=2,model=2", ["parallel.microbatches=4"]),
 }
 SHORT = {"all-reduce": "AR", "all-gather": "AG", "reduce-scatter": "RS", "collective-permute": "CP", "all-to-all": "A2A"}
 

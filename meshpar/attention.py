@@ -10,20 +10,24 @@ output has v's dtype.
 With heads split over `model` (K divisible by the axis) each device attends over its own heads and no
 collective runs; with the batch split, likewise. With the sequence split there are three schedules
 (context parallelism), each a `jax.shard_map` that is manual over the one sequence axis only, so that
-the other mesh axes (data, fsdp, model) stay with the compiler (GSPMD):
+the other mesh axes (data, fsdp, model) stay with the compiler (GSPMD). (XLA's partitioner replicates the
+operand of an all-gather or all-to-all in such a partially manual region over the automatic axes that
+split it, so with the batch or heads also split, allgather and ulysses gather those first; the ring's
+ppermutes are unaffected. `attend`, which knows the layout from the rules, goes manual over those axes too.)
 
-| mode      | collectives per layer (forward; backward)            | per-device attention memory  | needs        |
-|-----------|-------------------------------------------------------|------------------------------|--------------|
-| allgather | all-gather K,V (2·B·T·K·H); reduce-scatter dK,dV      | scores [t, T] and K,V [T]    | –            |
-| ring      | (n−1) collective-permutes of K,V (2·B·t·K·H each);    | scores [t, t] (fwd and bwd)  | T % n (2n)   |
-|           | the same for dK,dV going the other way                 |                              |              |
-| ulysses   | all-to-all q,k,v in, out back (B·t·(N+2K)·H, B·t·N·H) | scores [T, T] for N/n heads  | N, K % n     |
+| mode      | collectives per layer (forward; backward)            | attention memory per device | needs       |
+|-----------|-------------------------------------------------------|-----------------------------|-------------|
+| allgather | all-gather K,V (2·B·T·K·H); reduce-scatter dK,dV      | scores [t, T], K,V [T]      | T % n       |
+| ring      | n−1 collective-permutes of K,V (2·B·t·K·H each);      | scores [t, t] (fwd and bwd) | T % n (2n)  |
+|           | as many of dK,dV the other way                        |                             |             |
+| ulysses   | all-to-all q,k,v (B·t·(N+2K)·H) and out (B·t·N·H); ×2 | scores [T, T], N/n heads    | N, K % n    |
 
-All three move about the same bytes (ring and all-gather: the K/V of the whole sequence; Ulysses: q, k,
-v and out once, i.e. less for long T when n is large, since all-to-all sends (n−1)/n of a local slice).
+Per device, ring and all-gather receive the other devices' K and V, (n−1)·2·B·t·K·H elements (growing
+with n at fixed t); Ulysses sends (n−1)/n of its q, k, v and output slices, B·t·2(N+K)·H elements (flat in
+n), so it wins for large n unless K ≪ N.
 Ring attention hides its transfers behind the block matmuls (the ppermute of step s+1 overlaps the
 compute of step s) and is the only one whose memory does not grow with T² or t·T. Causal masking makes
-the contiguous split unbalanced (the last device sees n times the unmasked keys of the first); the zigzag
+the contiguous split unbalanced (the last device has ~2n−1 times the unmasked pairs of the first); the zigzag
 order (`zigzag`) gives each device chunks i and 2n−1−i of 2n chunks, which balances the work exactly.
 """
 
@@ -122,38 +126,6 @@ def _global_positions(T: int, n: int, balanced: bool) -> jax.Array:
     return zigzag_positions(T, n) if balanced else jnp.arange(T, dtype=jnp.int32)
 
 
-def _shift(x: jax.Array, axis: str, perm: list[tuple[int, int]]) -> jax.Array:
-    """ppermute, skipped when the permutation moves nothing (n = 1; the even chunks when n = 2)."""
-    return x if all(src == dst for src, dst in perm) else lax.ppermute(x, axis, perm)
-
-
-def _zigzag_local(x_BtX: jax.Array, axis: str, n: int) -> jax.Array:
-    """Inside a shard_map over `axis`: contiguous local slices → zigzag slices, with two ppermutes.
-
-    Device i holds chunks 2i and 2i+1 (halves 0 and 1 of its slice); chunk c belongs on device
-    d(c) = c if c < n else 2n−1−c. Even chunks and odd chunks each form a permutation of the devices,
-    so one ppermute moves all even chunks and one all odd chunks (t/2 positions each per device).
-    Device j receives chunks j and 2n−1−j, one even and one odd, and puts chunk j first.
-    """
-    dest = lambda c: c if c < n else 2 * n - 1 - c
-    even, odd = jnp.split(x_BtX, 2, axis=1)
-    even = _shift(even, axis, [(i, dest(2 * i)) for i in range(n)])
-    odd = _shift(odd, axis, [(i, dest(2 * i + 1)) for i in range(n)])
-    j_even = lax.axis_index(axis) % 2 == 0
-    return jnp.concatenate([jnp.where(j_even, even, odd), jnp.where(j_even, odd, even)], axis=1)
-
-
-def _unzigzag_local(x_BtX: jax.Array, axis: str, n: int) -> jax.Array:
-    """The inverse of `_zigzag_local`."""
-    dest = lambda c: c if c < n else 2 * n - 1 - c
-    first, second = jnp.split(x_BtX, 2, axis=1)
-    j_even = lax.axis_index(axis) % 2 == 0
-    even, odd = jnp.where(j_even, first, second), jnp.where(j_even, second, first)
-    even = _shift(even, axis, [(dest(2 * i), i) for i in range(n)])
-    odd = _shift(odd, axis, [(dest(2 * i + 1), i) for i in range(n)])
-    return jnp.concatenate([even, odd], axis=1)
-
-
 # --- checks and the shard_map wrapper -------------------------------------------------------------------
 
 
@@ -183,32 +155,26 @@ def _spec_axes(spec: P) -> list[str]:
 
 
 def _context_attention(mode: str, q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, *, mesh: Mesh,
-                       axis: str, load_balanced: bool, reorder: bool = False,
-                       q_spec: P | None = None, kv_spec: P | None = None) -> jax.Array:
+                       axis: str, load_balanced: bool, q_spec: P | None = None, kv_spec: P | None = None) -> jax.Array:
     """Run one schedule in a shard_map over `axis` and the other axes that `q_spec` / `kv_spec` name.
 
     Default specs: P(None, axis, None, None), manual over `axis` alone (partial-manual: the other mesh
-    axes stay with the compiler). `reorder`: the inputs are contiguous and the ring runs balanced,
-    reordering to zigzag and back inside the shard_map (`attend`).
+    axes stay with the compiler).
     """
     n = _axis_size(mesh, axis)
     q_spec = P(None, axis, None, None) if q_spec is None else q_spec
     kv_spec = P(None, axis, None, None) if kv_spec is None else kv_spec
-    _check(q_BTNH, k_BTKH, v_BTKH, n, axis, load_balanced or reorder)
+    _check(q_BTNH, k_BTKH, v_BTKH, n, axis, load_balanced)
     if mode == "ulysses":
         # Heads per device before the all-to-all (after any split over other manual axes, e.g. model).
-        split = lambda spec: math.prod(mesh.shape[a] for a in _spec_axes(P(*spec[2:3])))
-        for what, heads, ways in (("query heads N", q_BTNH.shape[2], split(q_spec)),
-                                  ("kv heads K", k_BTKH.shape[2], split(kv_spec))):
+        for what, heads, spec in (("query heads N", q_BTNH.shape[2], q_spec), ("kv heads K", k_BTKH.shape[2], kv_spec)):
+            ways = math.prod(mesh.shape[a] for a in _spec_axes(P(*spec[2:3])))
             if (heads // ways) % n:
-                per = f" ({heads // ways} per device after the split over {q_spec[2]})" if ways > 1 else ""
+                per = f" ({heads // ways} per device after the split over {spec[2]})" if ways > 1 else ""
                 raise ValueError(f"ulysses attention splits heads over mesh axis '{axis}' of size {n}, "
                                  f"but the {heads} {what}{per} are not divisible by {n}")
     local = {"allgather": _allgather_local, "ring": _ring_local, "ulysses": _ulysses_local}[mode]
-    body = functools.partial(local, axis=axis, n=n, balanced=load_balanced or reorder)
-    if reorder:
-        zig = lambda x: _zigzag_local(x, axis, n)
-        body = lambda q, k, v, inner=body: _unzigzag_local(inner(zig(q), zig(k), zig(v)), axis, n)
+    body = functools.partial(local, axis=axis, n=n, balanced=load_balanced)
     names = set(_spec_axes(q_spec)) | set(_spec_axes(kv_spec))
     return jax.shard_map(body, mesh=mesh, axis_names=names, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec,
                          check_vma=True)(q_BTNH, k_BTKH, v_BTKH)
@@ -236,6 +202,8 @@ def allgather_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array,
     backward, 2 reduce-scatters of dK, dV (same sizes in, B·t·K·H out).
     Memory per device: K, V of the whole sequence (2·B·T·K·H) and the f32 scores [B, N, t, T]
     (kept for the backward pass): t·T, i.e. T²/n, which is what ring attention avoids.
+    With the batch or heads also split over other (automatic) axes, XLA gathers those dimensions
+    before the all-gather (a partially manual region); `attend` avoids that.
     Work: every device computes all t·T scores, masked or not, so the zigzag order changes nothing
     here; `load_balanced=True` only tells it that q, k, v (and the output) are in zigzag order.
     """
@@ -286,11 +254,12 @@ def _ring_local(q_BtNH, k_BtKH, v_BtKH, *, axis: str, n: int, balanced: bool):
     q_BtKGH = q_BtNH.reshape(B, t, K, G, H)
 
     # Step 0: the local (diagonal) block, the only one that needs a mask; every query sees itself,
-    # so the accumulators start finite. The scan below handles the n−1 blocks that arrive by ring.
+    # so the accumulators start finite. Steps 1..n−1 handle the blocks that arrive by ring.
     pos_t = _local_positions(i, t, n, balanced)
     acc = jax.checkpoint(_block)(q_BtKGH, k_BtKH, v_BtKH, pos_t[:, None] >= pos_t[None, :])
-    kv_2BtKH = jnp.stack([k_BtKH, v_BtKH])  # one ppermute per step for both
-    ring = [(j, (j + 1) % n) for j in range(n)]  # after s shifts device i holds the block of i − s
+    if n == 1:
+        o_BtKGH, _, l_BKGt = acc
+        return (o_BtKGH / jnp.moveaxis(l_BKGt, -1, 1)[..., None]).reshape(B, t, N, H).astype(v_BtKH.dtype)
 
     # Every block that arrives is either fully visible or fully masked (its positions are all before
     # or all after this device's, in both orders), so no mask is built after step 0. The compute of a
@@ -303,15 +272,9 @@ def _ring_local(q_BtNH, k_BtKH, v_BtKH, *, axis: str, n: int, balanced: bool):
         # wait for the busiest one (device n−1 computes every block), which is what zigzag fixes.
         update = jax.checkpoint(_add_block, prevent_cse=False)
 
-        def step(carry, s):
-            acc, kv_2BtKH = carry
-            kv_2BtKH = lax.ppermute(kv_2BtKH, axis, ring)
+        def compute(acc, kv_2BtKH, s):
             visible = (i - s) % n < i
-            acc = lax.cond(visible, lambda a: update(a, q_BtKGH, kv_2BtKH[0], kv_2BtKH[1]), lambda a: a, acc)
-            return (acc, kv_2BtKH), None
-
-        (acc, _), _ = lax.scan(step, (acc, kv_2BtKH), jnp.arange(1, n))
-        o_BtKGH, _, l_BKGt = acc
+            return lax.cond(visible, lambda a: update(a, q_BtKGH, kv_2BtKH[0], kv_2BtKH[1]), lambda a: a, acc)
     else:
         # Zigzag order: queries (q0, q1) = chunks (i, 2n−1−i), keys (k0, k1) = chunks (src, 2n−1−src).
         # If src < i, q0·k0 and q1·k0 are visible; if src > i, q1·k0 and q1·k1; the other two blocks are
@@ -334,15 +297,27 @@ def _ring_local(q_BtNH, k_BtKH, v_BtKH, *, axis: str, n: int, balanced: bool):
 
         update = jax.checkpoint(balanced_step, prevent_cse=False)
 
-        def step(carry, s):
-            acc, kv_2BtKH = carry
-            kv_2BtKH = lax.ppermute(kv_2BtKH, axis, ring)
-            x = ((i - s) % n > i).astype(jnp.int32)
-            return (update(acc, q_2BcKGH, kv_2BtKH, x), kv_2BtKH), None
+        def compute(acc, kv_2BtKH, s):
+            return update(acc, q_2BcKGH, kv_2BtKH, ((i - s) % n > i).astype(jnp.int32))
 
-        (acc, _), _ = lax.scan(step, (acc, kv_2BtKH), jnp.arange(1, n))
+    # The shift for step s+1 is issued before the compute of step s and does not depend on it, so the
+    # transfer can overlap the block matmuls; the last step is peeled off so that exactly n−1 shifts run.
+    ring = [(j, (j + 1) % n) for j in range(n)]  # after s shifts device i holds the block of i − s
+
+    def step(carry, s):
+        acc, kv_2BtKH = carry
+        kv_next = lax.ppermute(kv_2BtKH, axis, ring)
+        return (compute(acc, kv_2BtKH, s), kv_next), None
+
+    kv_2BtKH = lax.ppermute(jnp.stack([k_BtKH, v_BtKH]), axis, ring)  # one ppermute per step for both
+    if n > 2:
+        (acc, kv_2BtKH), _ = lax.scan(step, (acc, kv_2BtKH), jnp.arange(1, n - 1))
+    acc = compute(acc, kv_2BtKH, n - 1)
+    if balanced:
         whole = lambda a, ax: jnp.moveaxis(a, 0, ax).reshape(a.shape[1:ax + 1] + (t,) + a.shape[ax + 2:])
         o_BtKGH, l_BKGt = whole(acc[0], 1), whole(acc[2], 3)
+    else:
+        o_BtKGH, _, l_BKGt = acc
 
     out_BtKGH = o_BtKGH / jnp.moveaxis(l_BKGt, -1, 1)[..., None]
     return out_BtKGH.reshape(B, t, N, H).astype(v_BtKH.dtype)
@@ -364,8 +339,9 @@ def ring_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, *, m
     Memory per device: one [B, N, t, t] f32 score block at a time, forward and backward (the step's
     compute is rematerialised by `jax.checkpoint` in the backward pass, ~1/3 more attention FLOPs),
     plus the saved step inputs: n·(accumulators + K/V block) = O(B·T·(N+K)·H) — linear in T.
-    Compute-bound when the block matmuls (4·B·t²·N·H FLOPs per step) outlast a permute of
-    2·B·t·K·H·bytes, i.e. t ≳ (K/N)·bytes·(peak FLOP/s)/(2·link bytes/s).
+    Compute-bound when a step's matmuls (4·B·t²·N·H FLOPs for a whole block, half that for the two
+    zigzag half blocks) outlast a permute of 2·B·t·K·H·bytes: t ≳ (K/N)·bytes·(peak FLOP/s)/(link B/s)
+    with zigzag (half that contiguous, but there the busiest device does every block).
     """
     return _context_attention("ring", q_BTNH, k_BTKH, v_BTKH, mesh=mesh, axis=axis, load_balanced=load_balanced)
 
@@ -392,9 +368,12 @@ def ulysses_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, *
     Collectives per layer: forward, 4 all-to-alls (q, k, v in: B·t·(N+2K)·H·bytes per device, of which
     (n−1)/n leave it; out: B·t·N·H); backward, 4 more of the same sizes. The bytes per device do not grow
     with n at fixed t, unlike ring / all-gather, whose K/V traffic is (n−1)·2·B·t·K·H.
-    Memory per device: f32 scores [B, N/n, T, T] (kept for the backward pass): T²·N/n, more than
-    all-gather's t·T·N for the same n. The work is the full causal square for every device, so the
-    zigzag order changes nothing; `load_balanced=True` only says the inputs (and output) are zigzagged.
+    Memory per device: f32 scores [B, N/n, T, T] (kept for the backward pass): T²·N/n, the same as
+    all-gather's [B, N, t, T], and q, k, v of the whole sequence for N/n heads. The work is the full
+    causal square for every device, so the zigzag order changes nothing; `load_balanced=True` only
+    says the inputs (and output) are zigzagged. With the batch or heads also split over other
+    (automatic) axes, XLA gathers those before the all-to-all (a partially manual region); `attend`
+    avoids that.
     """
     return _context_attention("ulysses", q_BTNH, k_BTKH, v_BTKH, mesh=mesh, axis=axis, load_balanced=load_balanced)
 
@@ -402,21 +381,29 @@ def ulysses_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, *
 # --- the model's entry point ------------------------------------------------------------------------------
 
 
+def _setting(compute: context.Compute, name: str, default):
+    """`compute.<name>` if the Compute has that field, else `compute.rules.parallel.<name>`, else `default`."""
+    if hasattr(compute, name):
+        return getattr(compute, name)
+    return getattr(getattr(compute.rules, "parallel", None), name, default)
+
+
 def attend(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array) -> jax.Array:
-    """Causal GQA attention as the model calls it: q, k, v in natural order, T maybe split over `sequence`.
+    """Causal GQA attention as the model calls it, with T maybe split over the mesh axis `sequence`.
 
     Reads the active `meshpar.context.Compute`. With none (eager use of a model), or when its mesh's
     `sequence` axis has size 1, this is `causal_attention` (batch / head sharding need no collective).
-    Otherwise the sequence is split over `sequence` and the schedule comes from two fields of the
-    `Compute` object, read with `getattr` and these defaults (the contract with `meshpar.context`):
+    Otherwise the schedule comes from two settings, each read from the `Compute` object if it has the
+    field, else from `compute.rules.parallel` (`rules.ParallelConfig`), else these defaults:
 
     - `context_attention: str = "ring"` — one of "allgather", "ring", "ulysses" (see those functions);
       anything else is a ValueError.
-    - `load_balance: bool = True` — for "ring" only: each device's contiguous slice is reordered into
-      the zigzag order inside the shard_map (two ppermutes of t/2 positions per tensor, in and out:
-      ~2·B·t·(N+K)·H bytes per device per layer, much less than the ring's K/V traffic), the ring runs
-      balanced and the output is reordered back, so the caller never sees the zigzag order. Needs T
-      divisible by 2·n. "allgather" and "ulysses" do the same work on every device and ignore it.
+    - `load_balance: bool = True` — the activations are in ZIGZAG order (`zigzag`): the training step
+      reorders tokens, targets and rotary positions once (`zigzag`, `zigzag_positions`, as
+      `meshpar.train.next_token_loss` does), every per-token layer is indifferent to the order, and
+      attention masks by the zigzag positions (`load_balanced=True` for every mode). The ring then does
+      equal work on every device; allgather and ulysses do the same work either way. T must be divisible
+      by 2·n. A caller that sets it must feed zigzagged activations, or the mask is wrong.
 
     Layout: q is laid out by the activation rules as ("batch", "seq", "heads", None) and k, v as
     ("batch", "seq", "kv_heads", None); `seq` must map to `sequence`. The shard_map is manual over every
@@ -425,18 +412,15 @@ def attend(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array) -> jax.Array
     the automatic axes (measured: a data=2,sequence=2,model=2 mesh gathers batch and heads first), which
     would undo data and tensor parallelism; per-device blocks avoid that. Ulysses then needs the heads
     per `model` shard divisible by the `sequence` size.
-
-    A model that keeps its whole residual stream in zigzag order (rotary positions from
-    `zigzag_positions`) can skip the reorder by calling `ring_attention(..., load_balanced=True)`.
     """
     compute = context.active()
     axis = "sequence"
     if compute is None or compute.mesh.shape.get(axis, 1) == 1:
         return causal_attention(q_BTNH, k_BTKH, v_BTKH)
-    mode = getattr(compute, "context_attention", "ring")
+    mode = _setting(compute, "context_attention", "ring")
     if mode not in MODES:
         raise ValueError(f"context_attention = {mode!r} is not one of {', '.join(MODES)}")
-    balance = bool(getattr(compute, "load_balance", True)) and mode == "ring"
+    balanced = bool(_setting(compute, "load_balance", True))
     mesh, table = compute.mesh, compute.rules.table("activations")
     q_spec = sharding.spec_for(("batch", "seq", "heads", None), q_BTNH.shape, table, mesh, "attention q [B, T, N, H]")
     kv_spec = sharding.spec_for(("batch", "seq", "kv_heads", None), k_BTKH.shape, table, mesh,
@@ -444,5 +428,5 @@ def attend(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array) -> jax.Array
     if q_spec[1] != axis or kv_spec[1] != axis:
         raise ValueError(f"context-parallel attention needs the activation rule 'seq' to map to mesh axis "
                          f"'{axis}' alone; it gives {q_spec[1]!r}")
-    return _context_attention(mode, q_BTNH, k_BTKH, v_BTKH, mesh=mesh, axis=axis, load_balanced=False,
-                              reorder=balance, q_spec=q_spec, kv_spec=kv_spec)
+    return _context_attention(mode, q_BTNH, k_BTKH, v_BTKH, mesh=mesh, axis=axis, load_balanced=balanced,
+                              q_spec=q_spec, kv_spec=kv_spec)

@@ -1,6 +1,7 @@
 """Run a stack of identical layers: one `lax.scan` over the leading `layers` axis.
 
 Compile time does not grow with depth, and the stacked axis is what the pipeline splits into stages.
+With the mesh's `stage` axis > 1 the stack runs as a pipeline instead (`meshpar.pipeline`).
 Rematerialisation is applied per layer, inside the scan, by the active policy:
 
 - `none`: keep every intermediate of every layer for the backward pass (fastest, most memory);
@@ -15,7 +16,7 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from meshpar import context
+from meshpar import context, pipeline
 
 _POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -23,14 +24,20 @@ _POLICIES = {
 }
 
 
-def scan(stack: nnx.Module, x: jax.Array) -> jax.Array:
-    """Apply each layer of `stack` (a module whose variables carry a leading layers axis) to `x` in turn."""
+def scan(stack: nnx.Module, x: jax.Array, *args: jax.Array) -> jax.Array:
+    """Apply each layer of `stack` (a module whose variables carry a leading layers axis) to `x` in turn;
+    `args` (e.g. positions) are passed to every layer unchanged."""
     graphdef, stacked = nnx.split(stack)
 
     def one_layer(x: jax.Array, layer: nnx.State) -> tuple[jax.Array, None]:
-        return nnx.merge(graphdef, layer)(x), None
+        return nnx.merge(graphdef, layer)(x, *args), None
 
     compute = context.active()
+    if compute is not None and compute.mesh.shape["stage"] > 1:  # split into pipeline stages
+        S, parallel = compute.mesh.shape["stage"], compute.rules.parallel
+        return pipeline.pipeline(stack, x, *args, mesh=compute.mesh, stages=S,
+                                 microbatches=parallel.microbatches or 2 * S, repeats=parallel.pipeline_repeats,
+                                 remat=compute.remat)
     if compute is not None and compute.remat != "none":
         one_layer = jax.checkpoint(one_layer, policy=_POLICIES[compute.remat], prevent_cse=False)
     return jax.lax.scan(one_layer, x, stacked)[0]

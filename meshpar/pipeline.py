@@ -7,42 +7,57 @@ chunks of layers and every microbatch goes round the ring of stages R times). Th
 split into M microbatches `[M, B/M, T, D]`; microbatch m is the rows m, M + m, 2M + m, … so that every
 microbatch stays split over the batch mesh axes (data × fsdp) exactly as the batch was, with no movement.
 
-The schedule. One `lax.scan` over (R−1)·max(M, S) + M + S − 1 iterations (= R·M + S − 1 whenever
+The schedule. One `lax.scan` over n = (R−1)·max(M, S) + M + S − 1 iterations (= R·M + S − 1 whenever
 M ≥ S or R = 1). In each, every stage runs its L/(R·S) layers on the microbatch in front of it — one
 `jax.vmap` over the stage dimension with `spmd_axis_name="stage"`, so the compiler runs stage s on the
-devices of stage s, and every sharding hint the layers make (batch over data × fsdp, heads over model)
-keeps working with `stage` prepended — and then the S outputs move one stage on: a roll of the
-stage-sharded buffer by one, which the SPMD partitioner compiles into ONE collective-permute
-(s → s+1 mod S). Stage 0 takes the next microbatch from an input/output buffer kept on its own devices;
-what comes round from stage S−1 is written into the same buffer: the input of the next repeat, and after
-the last repeat the result. The backward pass is the scan differentiated (no hand-written backward): the
-same permutes run in reverse.
+devices of stage s — and then the S outputs move one stage on, s → s+1 mod S: a `ppermute` over `stage`
+in a small `shard_map` whose only manual axis is `stage`, i.e. ONE collective-permute (its transpose in
+the backward pass is one too). Stage 0 takes the next microbatch from an input/output buffer kept on its
+own devices; what comes round from stage S−1 is written into the same buffer: the input of the next
+repeat, and after the last repeat the result. The backward pass is the scan differentiated (no
+hand-written backward): the same permutes run in reverse.
 
-Why vmap and not shard_map: the model's layers are written for GSPMD (`sharding.constrain`, Auto axes);
-under a vmap with `spmd_axis_name` they run unchanged, the stage dimension is one more sharded dimension,
-and data/FSDP/tensor parallelism compose with the pipeline without manual collectives. A shard_map over
-`stage` would make `stage` manual inside the layers and every hint in them would have to be re-checked
-against a partially manual mesh. The price is that the shift is a hint to the compiler, not a
-`ppermute`; the tests check the compiled program for the collective-permutes.
+Why vmap for the compute and not one shard_map over `stage`: the model's layers are written for GSPMD
+(`sharding.constrain`, `sharding.gathered`, Auto axes). Under a vmap with `spmd_axis_name` they run
+unchanged — each hint gets `stage` prepended, and batch → (data, fsdp), heads/mlp → model do not clash
+with it — so data, FSDP and tensor parallelism compose with the pipeline without manual collectives.
+Inside a shard_map `stage` would be manual in every layer and each hint would have to be valid on a
+partially manual mesh. Only the shift is manual: as a roll of the stage-sharded buffer the partitioner
+also emits a collective-permute forward, but splits the transposed roll into two (the ring's wrap edge
+apart) in the backward pass; the explicit ppermute is one each way, whatever the compiler's patterns.
+
+Inside a stage a second vmap runs over the K = data·fsdp batch shards (`spmd_axis_name` = those axes;
+a microbatch's rows are already split that way, so nothing moves), with one copy of the stage weights
+per shard: each shard accumulates its own weight gradients across the iterations, and the compiler has
+nothing to reduce inside the loop. Left to itself it all-reduces every layer's gradient over data × fsdp
+in every iteration, n times per step instead of once (the trick of `train`'s gradient accumulation).
+The K copies are one per device: the gathered stage weights.
 
 Collectives per step (per device; a = (B/M)/(data·fsdp) · T/sequence · D · bytes, one microbatch's
-activations on one device, n the iteration count above):
+activations on one device; w = one device's share of a weight: the stack / stage / model):
 
-| what                                   | collective                          | count    | bytes each      |
-|----------------------------------------|-------------------------------------|----------|-----------------|
-| shift between stages, forward          | collective-permute                  | n        | a               |
-| shift between stages, backward         | collective-permute                  | n        | a               |
-| result leaves stage 0 (and its grad)   | all-reduce / broadcast over stage   | 1 (+1)   | M·a             |
-| FSDP: stage weights gathered           | all-gather over fsdp                | 1/weight | weight / stage  |
-| FSDP: weight gradients                 | all-reduce (CPU) / reduce-scatter   | 1/weight | weight / stage  |
-| tensor parallelism (inside the layers) | all-reduce                          | per layer per microbatch, as without PP |
+| what                                    | collective                        | count           | bytes each |
+|-----------------------------------------|-----------------------------------|-----------------|------------|
+| shift between stages, forward           | collective-permute                | n               | a          |
+| shift between stages, backward          | collective-permute                | n               | a          |
+| result leaves stage 0; x's gradient     | all-reduce over stage             | 1 + 1           | M·a        |
+| FSDP: stage weights gathered            | all-gather over fsdp              | 1 / weight      | w          |
+| weight gradients over data and fsdp     | all-reduce (CPU) / reduce-scatter | 1 / weight      | w          |
+| R > 1: contiguous at rest → interleaved | all-to-all over stage, and back   | 2 / weight      | w          |
+| tensor parallelism, inside the layers   | all-reduce over model             | 4·n·L/(R·S) (*) | a          |
+
+(*) Megatron's 2 forward + 2 backward per layer (2 more with remat's recompute), in every iteration:
+bubble iterations compute, and communicate, too. XLA combines the per-weight all-reduces (and the two
+over stage) into one tuple all-reduce each, so the compiled step shows 2 all-reduces without TP.
 
 With FSDP the stage weights are gathered ONCE per step, not once per microbatch: before the scan they
 are constrained to their compute layout (split over `stage` and `model`, whole over `fsdp`), so the loop
-reads loop-invariant gathered weights and the gradients are reduced once after it. The price is memory:
-a stage's weights stay whole over `fsdp` for the step (1/stage of the layers, /model under TP). With
-R > 1 and the stack split over `stage` at rest in contiguous blocks of L/S layers, the interleaved view
-differs from the at-rest one, so the weights are also permuted between stages once per step.
+reads loop-invariant gathered weights, and (per shard, above) their gradients are reduced once after it.
+The price is memory: a stage's weights stay whole over `fsdp` for the step (1/stage of the layers,
+/model under TP), and so does their gradient accumulator. With R > 1 and the stack split over `stage`
+at rest in contiguous blocks of L/S layers, the interleaved view differs from the at-rest one, so the
+weights are exchanged between stages (all-to-all) once per step, and their gradients back; storing the
+stack in interleaved order at rest would make that local.
 
 The bubble. Each stage works R·M of the n iterations; the rest it idles (computes on a bubble):
   bubble = (S − 1) / (R·M + S − 1)   [GPipe, Huang et al. §2.3, with R repeats: Narayanan et al. §2.2]
@@ -54,13 +69,20 @@ discarded by selects; `poison_bubbles=True` fills every bubble slot with NaN ins
 that no bubble value reaches the result or the gradients.
 
 Memory. The scan stores, per iteration, what the backward pass of one stage step needs: with
-`remat="full"` only the stage input (one microbatch per iteration: R·M + S − 1 microbatches in all, the
-GPipe activation stash), with `"dots"` also the projections' outputs, with `"none"` every intermediate.
+`remat="full"` only the stage input (one microbatch per iteration, n in all: the GPipe activation
+stash), with `"dots"` also the projections' outputs, with `"none"` every intermediate. The remat wraps
+the stage compute only: the bookkeeping around it (slices, selects, the permute) is linear and stores
+nothing, so the I/O buffer is never saved per iteration.
 
-When it is worth it. Pipelining sends only a microbatch's activations point to point (b·s·h per stage
-boundary per microbatch) while a stage computes ≈ 24·b·s·h²·L/(R·S) FLOPs on it: compute-bound when
-12·h·L/(R·S) > FLOP/s ÷ link bandwidth (H100 over 50 GB/s InfiniBand: ≈ 2·10⁴, so h·L/(R·S) ≳ 1700 —
-any large model). So it is the strategy for the slowest links (across nodes), where FSDP's weight
+Not with context parallelism (yet). A layer that opens its own `jax.shard_map` — meshpar's attention does
+when the sequence is split over `sequence` — cannot run under `vmap(spmd_axis_name=...)` in jax 0.10
+(batching a partially manual shard_map with an spmd axis name fails), so the pipeline refuses such a mesh
+with a clear error when it happens. Layers that stay in GSPMD (constraints only) run on any mesh.
+
+When it is worth it. Pipelining sends only a microbatch's activations point to point (b·s·h values per
+stage boundary per microbatch, 2 bytes each in bf16) while a stage computes ≈ 24·b·s·h²·L/(R·S) FLOPs on
+them (≈ 12h² weights per layer): compute-bound when 12·h·L/(R·S) > FLOP/s ÷ link bandwidth (H100 over
+50 GB/s InfiniBand: ≈ 2·10⁴, so h·L/(R·S) ≳ 1700 — any large model). So it is the strategy for the slowest links (across nodes), where FSDP's weight
 gathers and TP's per-layer all-reduces would not hide, and for models whose layers do not fit one
 node's memory. Its costs are the bubble (buy it down with M, which costs activation memory, or with R,
 which costs R× the permutes) and the microbatch: B/M rows must still fill the data-parallel axes.
@@ -68,6 +90,8 @@ which costs R× the permutes) and the microbatch: B/M rows must still fill the d
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import math
 from typing import Any
 
@@ -85,15 +109,16 @@ _BATCH_AXES = ("data", "fsdp")  # what `batch` maps to in every rules preset; th
 
 
 def _projections_saveable(prim: Any, *_, **params: Any) -> bool:
-    """`dots_with_no_batch_dims_saveable` for a body vmapped over stages.
+    """`dots_with_no_batch_dims_saveable` for a body vmapped over stages and batch shards.
 
-    Under the stage vmap a projection `x @ w` (both operands per stage) becomes a dot_general with ONE
-    batch dimension, the stage; attention's score and value matmuls have more (batch, heads, stage).
-    Save the former, recompute the latter, as the plain policy does outside a vmap.
+    Under the two vmaps a projection `x @ w` (both operands per stage and per shard) becomes a dot_general
+    with TWO batch dimensions, stage and shard; attention's score and value matmuls have more (batch,
+    heads too). Save the former, recompute the latter, as the plain policy does outside a vmap (where it
+    would save nothing here: every dot has batch dimensions).
     """
     if prim is jax.lax.dot_general_p:
         (_, _), (lhs_batch, _) = params["dimension_numbers"]
-        return len(lhs_batch) <= 1
+        return len(lhs_batch) <= 2
     return False
 
 
@@ -188,21 +213,22 @@ def _check(L: int, B: int, *, mesh: Mesh, stages: int, microbatches: int, repeat
                          f"batch mesh axes {split} = {ways}")
 
 
-def pipeline(stack: nnx.Module, x_BTD: jax.Array, *, mesh: Mesh, stages: int, microbatches: int,
+def pipeline(stack: nnx.Module, x_BTD: jax.Array, *args: jax.Array, mesh: Mesh, stages: int, microbatches: int,
              repeats: int = 1, remat: str = "none", poison_bubbles: bool = False) -> jax.Array:
     """Apply the L stacked layers of `stack` to `x_BTD` in order, as a pipeline over the `stage` axis.
 
-    The same result as `meshpar.layers.scan(stack, x_BTD)`. `stages` S (a multiple of the mesh's stage
-    size), `microbatches` M (B/M rows each, divisible by the batch mesh axes), `repeats` R (circular
-    schedule; L divisible by S·R), `remat` the per-iteration rematerialisation ("none", "full", "dots").
-    `poison_bubbles=True` fills bubble slots with NaN (a test aid: a leak shows as NaN).
+    The same result as `meshpar.layers.scan(stack, x_BTD, *args)`; `args` (e.g. the positions `[T]`) go
+    to every layer unchanged, the same for every microbatch and stage. `stages` S (a multiple of the
+    mesh's stage size), `microbatches` M (B/M rows each, divisible by the batch mesh axes), `repeats` R
+    (circular schedule; L divisible by S·R), `remat` the per-iteration rematerialisation ("none", "full",
+    "dots"). `poison_bubbles=True` fills bubble slots with NaN (a test aid: a leak shows as NaN).
     """
-    return _run(stack, x_BTD, mesh=mesh, stages=stages, microbatches=microbatches, repeats=repeats,
+    return _run(stack, x_BTD, *args, mesh=mesh, stages=stages, microbatches=microbatches, repeats=repeats,
                 remat=remat, poison_bubbles=poison_bubbles)[0]
 
 
-def _run(stack: nnx.Module, x_BTD: jax.Array, *, mesh: Mesh, stages: int, microbatches: int, repeats: int,
-         remat: str, poison_bubbles: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _run(stack: nnx.Module, x_BTD: jax.Array, *args: jax.Array, mesh: Mesh, stages: int, microbatches: int,
+         repeats: int, remat: str, poison_bubbles: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`pipeline`, also returning the final stage buffer `[S, B/M, T, D]` and I/O buffer `[S, M, B/M, T, D]`."""
     graphdef, stacked = nnx.split(stack)
     leaves = jax.tree.leaves(stacked)
@@ -215,28 +241,43 @@ def _run(stack: nnx.Module, x_BTD: jax.Array, *, mesh: Mesh, stages: int, microb
     period = max(M, S)  # stage 0 starts microbatch m of repeat r at iteration r·period + m
     n_iter = iterations(S, M, R)
     batch = _batch_axes(mesh) or None
+    K = math.prod(mesh.shape[axis] for axis in batch or ())  # batch shards
     fill = jnp.nan if poison_bubbles else 0.0
 
-    # [L, ...] → [R, S, Lc, ...], stage dim on `stage`, gathered over fsdp here, once per step.
+    # [L, ...] → [R, S, Lc, ...] with S on `stage`, gathered over fsdp here, ONCE per step; then one copy
+    # per batch shard [K, R, S, Lc, ...] (K over the batch axes: still one copy per device), so that each
+    # shard accumulates its own weight gradients over the iterations and they are reduced once, after.
     def stage_view(variable: nnx.Variable) -> nnx.Variable:
         rest = _stage_weight_spec(variable, mesh)
-        value = _constrain(variable[...], mesh, "stage", *rest)
-        value = value.reshape(R, S, Lc, *variable[...].shape[1:])
-        return variable.replace(_constrain(value, mesh, None, "stage", None, *rest))
+        value = _constrain(variable[...], mesh, "stage", *rest)  # gather over fsdp in the at-rest layout
+        value = _constrain(value.reshape(R, S, Lc, *value.shape[1:]), mesh, None, "stage", None, *rest)
+        value = jnp.broadcast_to(value, (K, *value.shape))
+        return variable.replace(_constrain(value, mesh, batch, None, "stage", None, *rest))
 
     weights = jax.tree.map(stage_view, stacked, is_leaf=lambda v: isinstance(v, nnx.Variable))
+    compute = context.active()
+    # Inside the vmap over batch shards the batch mesh axes belong to the shard dimension.
+    local = None if compute is None else dataclasses.replace(compute, rules=dataclasses.replace(
+        compute.rules, activations=tuple((name, () if name == "batch" else axes)
+                                         for name, axes in compute.rules.activations)))
 
-    def one_stage(weights_RC: nnx.State, repeat: jax.Array, x: jax.Array) -> jax.Array:
-        """One stage step: its Lc layers of `repeat` on one microbatch (vmapped over stages)."""
+    def one_shard(weights_RC: nnx.State, repeat: jax.Array, x_bTD: jax.Array) -> jax.Array:
+        """One stage step on one batch shard: the stage's Lc layers of `repeat` on its rows of a microbatch."""
         chunk = jax.tree.map(lambda w: w[0] if R == 1 else jax.lax.dynamic_index_in_dim(w, repeat, 0, False),
                              weights_RC)
 
         def one_layer(x, layer):
-            return nnx.merge(graphdef, layer)(x), None
+            return nnx.merge(graphdef, layer)(x, *args), None
 
-        return jax.lax.scan(one_layer, x, chunk)[0]
+        with context.use(local) if local is not None else contextlib.nullcontext():
+            return jax.lax.scan(one_layer, x_bTD, chunk)[0]
 
-    all_stages = jax.vmap(one_stage, in_axes=(1, 0, 0), spmd_axis_name="stage")
+    def one_stage(weights_KRC: nnx.State, repeat: jax.Array, x_mTD: jax.Array) -> jax.Array:
+        x_KbTD = x_mTD.reshape(K, mb // K, T, D)  # local: the microbatch is split over the batch axes
+        y_KbTD = jax.vmap(one_shard, in_axes=(0, None, 0), spmd_axis_name=batch)(weights_KRC, repeat, x_KbTD)
+        return y_KbTD.reshape(mb, T, D)
+
+    all_stages = jax.vmap(one_stage, in_axes=(2, 0, 0), spmd_axis_name="stage")
     if remat != "none":
         all_stages = jax.checkpoint(all_stages, policy=_POLICIES[remat], prevent_cse=False)
 
@@ -274,6 +315,15 @@ def _run(stack: nnx.Module, x_BTD: jax.Array, *, mesh: Mesh, stages: int, microb
         io = _constrain(jax.lax.dynamic_update_index_in_dim(io, written, m_out, 1), mesh, "stage", None, batch, U, U)
         return (state, io), None
 
-    (state, io), _ = jax.lax.scan(iteration, (state, io), jnp.arange(n_iter))
+    try:
+        (state, io), _ = jax.lax.scan(iteration, (state, io), jnp.arange(n_iter))
+    except (ValueError, NameError) as error:
+        if mesh.shape.get("sequence", 1) == 1:
+            raise
+        raise ValueError(
+            f"pipeline: the layers failed under the stage and batch-shard vmaps with the sequence split over "
+            f"sequence={mesh.shape['sequence']}: a layer that opens its own jax.shard_map (meshpar's "
+            f"context-parallel attention does) cannot run under vmap(spmd_axis_name=...) in jax "
+            f"{jax.__version__}; pipeline and context parallelism do not compose yet ({error})") from error
     y_MbTD = _constrain(io[0], mesh, None, batch, U, U)
     return y_MbTD.swapaxes(0, 1).reshape(B, T, D), state, io

@@ -27,7 +27,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from meshpar import context, sharding
+from meshpar import attention, context, sharding
 from meshpar.rules import Rules
 
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -46,6 +46,7 @@ class TrainConfig:
     compute_dtype: str = "float32"
     remat: str = "none"
     grad_accum: int = 1
+    decay_steps: int = 0  # length of the cosine schedule; 0: train.steps. Fix it to extend a run by resuming.
 
     def __post_init__(self):
         if self.compute_dtype not in COMPUTE_DTYPES:
@@ -56,6 +57,8 @@ class TrainConfig:
         for name in ("steps", "global_batch", "seq_len", "grad_accum"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name} = {getattr(self, name)} must be >= 1")
+        if self.decay_steps < 0:
+            raise ValueError(f"train.decay_steps = {self.decay_steps} must be >= 0 (0: train.steps)")
         if self.warmup_steps < 0:
             raise ValueError(f"train.warmup_steps = {self.warmup_steps} must be >= 0")
         if self.global_batch % self.grad_accum:
@@ -71,7 +74,7 @@ def optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
     """Clip by global norm, then AdamW with linear warmup and cosine decay to a tenth of the peak."""
     schedule = optax.warmup_cosine_decay_schedule(
         init_value=cfg.lr / (cfg.warmup_steps + 1), peak_value=cfg.lr, warmup_steps=cfg.warmup_steps,
-        decay_steps=max(cfg.steps, cfg.warmup_steps + 1), end_value=cfg.lr / 10)
+        decay_steps=max(cfg.decay_steps or cfg.steps, cfg.warmup_steps + 1), end_value=cfg.lr / 10)
 
     def decayed(params: nnx.State) -> Any:  # no weight decay on norm scales
         return jax.tree_util.tree_map_with_path(
@@ -137,8 +140,20 @@ def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
 
 
 def next_token_loss(model: nnx.Module, tokens_BT: jax.Array) -> jax.Array:
-    """Cross-entropy of predicting tokens[:, 1:] from tokens[:, :-1]."""
-    return cross_entropy(model(tokens_BT[:, :-1]), tokens_BT[:, 1:])
+    """Cross-entropy of predicting tokens[:, 1:] from tokens[:, :-1].
+
+    With the sequence split over `sequence` and `load_balance` on, inputs, targets and positions are
+    put in zigzag order once, here: every shard then holds an early and a late chunk of each sequence,
+    so causal attention costs every shard the same. The mean loss does not depend on the order.
+    """
+    inputs_BT, targets_BT = tokens_BT[:, :-1], tokens_BT[:, 1:]
+    positions_T = jnp.arange(inputs_BT.shape[1])
+    compute = context.active()
+    if compute is not None and compute.mesh.shape["sequence"] > 1 and compute.rules.parallel.load_balance:
+        n = compute.mesh.shape["sequence"]
+        inputs_BT, targets_BT = attention.zigzag(inputs_BT, n), attention.zigzag(targets_BT, n)
+        positions_T = attention.zigzag_positions(inputs_BT.shape[1], n)
+    return cross_entropy(model(inputs_BT, positions_T), targets_BT)
 
 
 def _batch_axes(plan: Sharded) -> tuple[str, ...]:

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from meshpar import layers
-from meshpar.attention import causal_attention
+from meshpar.attention import attend
 from meshpar.sharding import constrain, gathered
 
 
@@ -77,11 +77,11 @@ class RMSNorm(nnx.Module):
         return (normed_BTD * gathered(self.scale, jnp.float32)).astype(self.dtype)
 
 
-def rotary(x_BTNH: jax.Array, theta: float) -> jax.Array:
-    """Rotate pairs (i, i + H/2) of each head by position-dependent angles (global positions 0..T-1)."""
-    T, H = x_BTNH.shape[1], x_BTNH.shape[3]
+def rotary(x_BTNH: jax.Array, positions_T: jax.Array, theta: float) -> jax.Array:
+    """Rotate pairs (i, i + H/2) of each head by angles set by each token's global position."""
+    H = x_BTNH.shape[3]
     inv_freq_h = theta ** (-jnp.arange(0, H // 2, dtype=jnp.float32) / (H // 2))
-    angles_Th = jnp.arange(T, dtype=jnp.float32)[:, None] * inv_freq_h[None, :]
+    angles_Th = positions_T.astype(jnp.float32)[:, None] * inv_freq_h[None, :]
     cos_T1h, sin_T1h = jnp.cos(angles_Th)[:, None, :], jnp.sin(angles_Th)[:, None, :]
     x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)
     rotated = jnp.concatenate([x1 * cos_T1h - x2 * sin_T1h, x2 * cos_T1h + x1 * sin_T1h], axis=-1)
@@ -98,13 +98,13 @@ class Attention(nnx.Module):
         self.wo_NHD = _param(rngs, (N, H, D), ("heads", "head_dim", "embed"), out_std)
         self.theta, self.dtype = cfg.rope_theta, dtype
 
-    def __call__(self, x_BTD: jax.Array) -> jax.Array:
+    def __call__(self, x_BTD: jax.Array, positions_T: jax.Array) -> jax.Array:
         cast = lambda w: gathered(w, self.dtype)
         x_BTD = constrain(x_BTD, REGION_INPUT)
         q_BTNH = constrain(jnp.einsum("btd,dnh->btnh", x_BTD, cast(self.wq_DNH)), ("batch", "seq", "heads", None))
         k_BTKH = constrain(jnp.einsum("btd,dkh->btkh", x_BTD, cast(self.wk_DKH)), ("batch", "seq", "kv_heads", None))
         v_BTKH = constrain(jnp.einsum("btd,dkh->btkh", x_BTD, cast(self.wv_DKH)), ("batch", "seq", "kv_heads", None))
-        out_BTNH = causal_attention(rotary(q_BTNH, self.theta), rotary(k_BTKH, self.theta), v_BTKH)
+        out_BTNH = attend(rotary(q_BTNH, positions_T, self.theta), rotary(k_BTKH, positions_T, self.theta), v_BTKH)
         return jnp.einsum("btnh,nhd->btd", out_BTNH, cast(self.wo_NHD))
 
 
@@ -133,8 +133,8 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg, dtype)
         self.mlp = MLP(cfg, dtype, rngs)
 
-    def __call__(self, x_BTD: jax.Array) -> jax.Array:
-        x_BTD = constrain(x_BTD + self.attn(self.attn_norm(x_BTD)), RESIDUAL)
+    def __call__(self, x_BTD: jax.Array, positions_T: jax.Array) -> jax.Array:
+        x_BTD = constrain(x_BTD + self.attn(self.attn_norm(x_BTD), positions_T), RESIDUAL)
         return constrain(x_BTD + self.mlp(self.mlp_norm(x_BTD)), RESIDUAL)
 
 
@@ -153,10 +153,13 @@ class Transformer(nnx.Module):
         if not cfg.tie_embeddings:
             self.head_DV = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.d_model**-0.5)
 
-    def __call__(self, tokens_BT: jax.Array) -> jax.Array:
-        """Logits `[B, T, V]` in float32 for int tokens `[B, T]`."""
+    def __call__(self, tokens_BT: jax.Array, positions_T: jax.Array | None = None) -> jax.Array:
+        """Logits `[B, T, V]` in float32 for int tokens `[B, T]` at global `positions_T` (default 0..T-1;
+        a load-balanced context-parallel step passes the tokens and their positions reordered)."""
+        if positions_T is None:
+            positions_T = jnp.arange(tokens_BT.shape[1])
         x_BTD = constrain(gathered(self.embed_VD, self.dtype)[tokens_BT], RESIDUAL)
-        x_BTD = self.final_norm(layers.scan(self.blocks, x_BTD))
+        x_BTD = self.final_norm(layers.scan(self.blocks, x_BTD, positions_T))
         head_DV = (gathered(self.embed_VD, self.dtype).T if self.cfg.tie_embeddings
                    else gathered(self.head_DV, self.dtype))
         logits_BTV = jnp.einsum("btd,dv->btv", x_BTD, head_DV,

@@ -25,7 +25,8 @@ EVERY = checkpoint.CheckpointConfig(every=2, keep=2)
 def train_to(spec: str, steps: int, directory=None, model=MODEL) -> list[dict]:
     """Train the test model to `steps` on the mesh `spec`, resuming from `directory` if it holds one."""
     mesh = mesh_lib.build(mesh_lib.parse(spec))
-    cfg = dataclasses.replace(TRAIN, steps=steps)
+    # one schedule whatever step the run stops at: a resumed run goes on exactly where it left off
+    cfg = dataclasses.replace(TRAIN, steps=steps, decay_steps=8)
     result = run(lambda rngs: Transformer(model, dtype=cfg.dtype, rngs=rngs), cfg, CORPUS, mesh, rules.default(),
                  checkpoint_dir=directory and str(directory), checkpoint=EVERY,
                  config={"model": dataclasses.asdict(model)}, progress=False)
@@ -146,3 +147,11 @@ def test_exported_parameters_load_onto_any_mesh(tmp_path):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     with pytest.raises(ValueError, match="holds no exported parameters"):
         checkpoint.load_params(tmp_path / "empty", params, target.plan.shardings["model"])
+
+
+def test_resume_between_pipelined_and_unpipelined_meshes(uninterrupted, tmp_path):
+    """The layers stay stacked [L, ...] on disk whatever the pipeline does with them."""
+    first = train_to("fsdp=8", 2, tmp_path)
+    middle = train_to("stage=2,data=4", 4, tmp_path)
+    last = train_to("data=8", 6, tmp_path)
+    np.testing.assert_allclose([r["loss"] for r in first + middle + last], uninterrupted["fsdp=8"], rtol=1e-4)

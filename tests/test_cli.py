@@ -125,3 +125,12 @@ def test_bad_mesh_in_process_names_the_device_count():
         main(["--config", "tiny", "--mesh", f"fsdp={2 * n}"])
     assert exit_info.value.code == f"error: mesh fsdp={2 * n} has {2 * n} devices, but {n} are present"
     assert jax.device_count() == n
+
+
+def test_mesh_auto_trains_with_the_planners_layout(tmp_path):
+    metrics = tmp_path / "m.jsonl"
+    proc = launch("--config", "tiny", "--cpu-devices", "8", "--mesh", "auto", "--steps", "2",
+                  "--set", "model.n_layers=1", "--metrics-file", str(metrics))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "--mesh auto: " in proc.stdout
+    assert len(metrics.read_text().splitlines()) == 2

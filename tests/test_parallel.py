@@ -185,3 +185,32 @@ def test_tensor_parallel_refuses_what_model_does_not_divide(model, culprit):
 def test_unknown_settings_are_refused(field, value):
     with pytest.raises(ValueError, match=f"train.{field} = '{value}' is not one of"):
         train.TrainConfig(**{field: value})
+
+
+# --- context parallelism and pipeline parallelism, whole model -----------------------------------------
+
+
+@pytest.mark.parametrize(("spec", "mode", "balanced"), [
+    ("sequence=8", "ring", True),
+    ("data=2,sequence=4", "ring", False),
+    ("data=2,sequence=4", "allgather", True),
+    ("fsdp=2,sequence=2,model=2", "ulysses", True),
+])
+def test_context_parallel_matches_one_device(reference, spec, mode, balanced):
+    require_devices(8)
+    parallel = ParallelConfig(context_attention=mode, load_balance=balanced)
+    assert_matches(Layout(spec, parallel=parallel), reference)
+
+
+@pytest.fixture(scope="module")
+def deep_reference():
+    return Layout("single", model=dataclasses.replace(MODEL, n_layers=4)).loss_and_grads()
+
+
+@pytest.mark.parametrize(("spec", "microbatches", "repeats"), [
+    ("stage=4,data=2", 4, 1), ("stage=2,fsdp=2,model=2", 2, 2), ("stage=2,data=2,fsdp=2", 1, 1)])
+def test_pipeline_matches_one_device(deep_reference, spec, microbatches, repeats):
+    require_devices(8)
+    layout = Layout(spec, model=dataclasses.replace(MODEL, n_layers=4),
+                    parallel=ParallelConfig(microbatches=microbatches, pipeline_repeats=repeats))
+    assert_matches(layout, deep_reference)

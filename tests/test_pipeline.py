@@ -1,6 +1,7 @@
 """The pipeline schedule against the plain layer scan: values and every gradient (float32), bubbles poisoned
-with NaN, the stage shift compiled to collective-permutes, FSDP weights gathered once per step, compile
-cost independent of the number of microbatches, and the errors."""
+with NaN, the stage shift compiled to collective-permutes, FSDP weights gathered (and gradients reduced)
+once per step, remat bounding activation memory, compile cost independent of the number of microbatches,
+the errors, and the bubble fraction."""
 
 import functools
 import re
@@ -49,28 +50,46 @@ def make_stack(kind: str, n_layers: int) -> nnx.Module:
         return stacked(nnx.Rngs(0))
 
 
+@functools.cache
+def weights(kind: str, n_layers: int) -> tuple[nnx.GraphDef, nnx.State]:
+    """The stack's graph (abstract init) and weights drawn on the host: no compile, the same for every mesh."""
+    graphdef, abstract = nnx.split(nnx.eval_shape(lambda: make_stack(kind, n_layers)))
+    rng = np.random.default_rng(0)
+
+    def draw(variable: nnx.Variable) -> nnx.Variable:
+        shape = variable.shape  # [L, ...]: norm scales [L, D] near 1, matrices scaled by their input size
+        if len(shape) == 2:
+            value = 1 + 0.1 * rng.standard_normal(shape)
+        else:
+            value = rng.standard_normal(shape) / np.sqrt(shape[1])
+        return variable.replace(jnp.asarray(value, jnp.float32))
+
+    return graphdef, jax.tree.map(draw, abstract, is_leaf=lambda v: isinstance(v, nnx.Variable))
+
+
 class Case:
     """A stack's weights placed on a mesh by the parameter rules (layers over stage, embed over fsdp, …)."""
 
     def __init__(self, spec: str, kind: str = "dense", n_layers: int = 8, batch: int = 16):
         self.mesh, self.rules = mesh_lib.build(mesh_lib.parse(spec)), rules_lib.default()
-        self.graphdef, state = nnx.split(make_stack(kind, n_layers))
+        self.graphdef, state = weights(kind, n_layers)
         self.state = jax.device_put(state, sharding.state_shardings(state, self.mesh, self.rules))
-        self.x = jax.random.normal(jax.random.key(1), (batch, T, D))
-        self.probe = jax.random.normal(jax.random.key(2), (batch, T, D))
+        rng = np.random.default_rng(1)
+        self.x, self.probe = (jnp.asarray(rng.standard_normal((batch, T, D)), jnp.float32) for _ in range(2))
+        self.args = (jnp.arange(T),) if kind == "transformer" else ()  # a Block also takes the positions
 
     def loss_and_grads(self, run):
         """jit(value_and_grad) of sum(probe ⊙ run(stack, x)) over the weights and x, under a Compute context."""
 
         def loss(state, x):
             with context.use(context.Compute(self.mesh, self.rules)):
-                y = run(nnx.merge(self.graphdef, state), x)
+                y = run(nnx.merge(self.graphdef, state), x, *self.args)
             return jnp.sum(self.probe * y), y
 
         return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
 
     def pipelined(self, **kwargs):
-        return self.loss_and_grads(lambda stack, x: pp.pipeline(stack, x, mesh=self.mesh, **kwargs))
+        return self.loss_and_grads(lambda stack, x, *args: pp.pipeline(stack, x, *args, mesh=self.mesh, **kwargs))
 
     def compiled(self, **kwargs):
         return self.pipelined(**kwargs).lower(self.state, self.x).compile()
@@ -111,7 +130,7 @@ CASES = [
                          ids=[f"{k}-{m}-S{s}-M{mb}-R{r}-{rm}{'-poison' if p else ''}"
                               for k, m, s, mb, r, rm, p in CASES])
 def test_matches_layer_scan(kind, spec, S, M, R, remat, poison):
-    n_layers, batch = max(8, S * R), max(16, 2 * M)
+    n_layers, batch = max(8, S * R), max(16, 4 * M)
     c = case(spec, kind, n_layers, batch)
     (_, y), (grads, grad_x) = c.pipelined(stages=S, microbatches=M, repeats=R, remat=remat,
                                           poison_bubbles=poison)(c.state, c.x)
@@ -155,30 +174,54 @@ def test_stage_shift_is_one_collective_permute_per_iteration():
 
 
 @pytest.mark.parametrize("spec,R", [("stage=2,fsdp=2,model=2", 1), ("stage=2,data=2,fsdp=2", 2)])
-def test_fsdp_weights_are_gathered_once_per_step(spec, R):
+def test_weights_gathered_and_gradients_reduced_once_per_step(spec, R):
     c = case(spec, batch=32)
-    gathers = {M: analysis.collectives(c.compiled(stages=2, microbatches=M, repeats=R).as_text())["all-gather"]
-               for M in (2, 8)}
-    assert gathers[2] == gathers[8]
+    counts = {M: analysis.collectives(c.compiled(stages=2, microbatches=M, repeats=R).as_text()) for M in (2, 8)}
+    assert counts[2]["all-gather"] == counts[8]["all-gather"]
+    # each weight once: its stage's share (/ stage, / model where mlp is split) made whole over fsdp
     weights = c.state["w_in_DF"][...], c.state["w_out_FD"][...]
-    gathered_bytes = sum(w.nbytes // c.mesh.shape["stage"] // c.mesh.shape["model"] for w in weights)
-    assert gathers[2]["count"] <= 2 * len(weights) and gathers[2]["bytes"] <= 2 * gathered_bytes
+    per_device = sum(w.nbytes // c.mesh.shape["stage"] // c.mesh.shape["model"] for w in weights)
+    assert counts[2]["all-gather"] == {"count": len(weights), "bytes": per_device}
+    if c.mesh.shape["model"] == 1:  # (tensor parallelism all-reduces inside every layer, per microbatch)
+        # one all-reduce of the weight gradients over data × fsdp (with the loss), one over stage (the
+        # result leaving stage 0 and x's gradient): neither runs inside the loop
+        assert counts[2]["all-reduce"] == counts[8]["all-reduce"]
+        assert counts[2]["all-reduce"]["count"] == 2
 
 
-def _instructions(hlo: str) -> int:
+def test_remat_bounds_activation_memory():
+    c = case("stage=4,data=2", batch=64)
+    temp = {remat: c.compiled(stages=4, microbatches=4, remat=remat).memory_analysis().temp_size_in_bytes
+            for remat in ("none", "dots", "full")}
+    # full keeps each iteration's stage input; dots also the projections (x·w_in, h·w_out): the policy
+    # must still see them under the stage and shard vmaps; none keeps everything
+    assert temp["full"] < temp["dots"] < temp["none"], temp
+
+
+def _hlo_instructions(hlo: str) -> int:
     return len(re.findall(r"^\s*(?:ROOT\s+)?%[\w.\-]+ = ", hlo, re.MULTILINE))
 
 
+def _stablehlo_ops(mlir: str) -> int:
+    return len(re.findall(r"^\s*(?:%[^=]+ = )?\"?[a-z_]+\.[a-z_.]+", mlir, re.MULTILINE))
+
+
 def test_compile_cost_does_not_grow_with_microbatches():
-    c = case("stage=4,data=2", batch=32)
-    seconds, instructions = {}, {}
-    for M in (2, 16, 2, 16):  # twice each, keep the faster: the machine is shared
+    c = case("stage=4,data=2", batch=64)
+
+    def measure(M):
         start = time.perf_counter()
-        compiled = c.compiled(stages=4, microbatches=M)
-        seconds[M] = min(seconds.get(M, np.inf), time.perf_counter() - start)
-        instructions[M] = _instructions(compiled.as_text())
-    assert instructions[2] == instructions[16]
-    assert seconds[16] < 2 * seconds[2] + 0.5, seconds
+        lowered = c.pipelined(stages=4, microbatches=M).lower(c.state, c.x)
+        compiled = lowered.compile()
+        return time.perf_counter() - start, _stablehlo_ops(lowered.as_text()), _hlo_instructions(compiled.as_text())
+
+    for attempt in range(2):  # the machine is shared: measure again once before blaming the program
+        (t2, ops2, instructions2), (t16, ops16, instructions16) = measure(2), measure(16)
+        if t16 < 2 * t2 + 0.5:
+            break
+    assert ops2 == ops16  # the traced program is the same; only shapes and the trip count differ
+    assert abs(instructions2 - instructions16) <= 0.02 * instructions2  # XLA simplifies tiny shapes
+    assert t16 < 2 * t2 + 0.5, (t2, t16)
 
 
 @pytest.mark.parametrize("kwargs,batch,message", [
@@ -199,6 +242,13 @@ def test_microbatch_must_divide_over_data_and_fsdp():
     c = case("stage=2,data=2,fsdp=2")
     with context.use(context.Compute(c.mesh, c.rules)), pytest.raises(ValueError, match=r"data=2 × fsdp=2 = 4"):
         pp.pipeline(nnx.merge(c.graphdef, c.state), c.x, mesh=c.mesh, stages=2, microbatches=8)
+
+
+def test_context_parallel_attention_is_refused_clearly():
+    # meshpar's attention opens a shard_map over `sequence`, which jax cannot batch under the stage vmap
+    c = case("stage=2,sequence=2,data=2", "transformer")
+    with pytest.raises(ValueError, match=r"pipeline and context parallelism do not compose"):
+        c.pipelined(stages=2, microbatches=2).lower(c.state, c.x)
 
 
 @pytest.mark.parametrize("M", [1, 4, 8, 16])

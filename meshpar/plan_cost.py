@@ -1,0 +1,486 @@
+"""The analytic model of one layout: per-device memory, collectives, compute and step time of OUR model.
+
+The model is `models/transformer.py` (taken duck-typed: vocab_size, d_model, n_layers, n_heads,
+n_kv_heads, d_ff, tie_embeddings): embedding V×D; per layer RMSNorm D, wq D×N×H, wk, wv D×K×H,
+wo N×H×D, RMSNorm D, SwiGLU gate/up D×F and down F×D; final RMSNorm D; head D×V unless tied. Which
+device holds which part of every tensor comes from `meshpar.rules.make` itself (the same tables the
+training step uses), so the parameter, gradient and optimizer bytes per device are exact.
+
+Letters: B global batch, T sequence, b = B/(data·fsdp·M·K) rows in one microbatch on one device
+(M pipeline microbatches, K gradient-accumulation steps), t = T/sequence positions per device,
+c compute-dtype bytes, N/K/F/V heads/kv heads/ffw/vocab split over `model` (N_l = N/model, ...).
+
+Memory per device (`Memory`):
+- params, optimizer: at rest, by the params/optimizer tables: float32 params 4 + Adam moments 8 bytes per
+  element (`precision="mixed"`, the ZeRO paper's convention: 2 + 12). These are XLA's argument bytes.
+- grads: what is alive at the peak: the whole gradient (over fsdp) for ZeRO 0/1 and under the pipeline
+  (each batch shard accumulates its stage's gradients whole); for ZeRO 2/3 its fsdp shard plus one
+  layer's and the embedding/head's whole gradients (the scan reduces layer by layer).
+- activations: saved tensors of every layer this device runs, per token of a microbatch (measured in
+  XLA's buffer assignment for this model, float32; in bf16 the matmul outputs are c bytes):
+  residual stream and norms 6·D (÷ model with Megatron SP), the attention/MLP region inputs 2·D,
+  q, k (rotated), v, attention output 2·(N_l + K_l)·H, scores and probabilities N_l·T_kv·(4 + c)
+  (T_kv = T: local, all-gather and Ulysses materialise [t, T] per query block; ring attention keeps
+  only its n step inputs, accumulators and K/V blocks), SwiGLU 6·F_l. `remat="dots"` keeps x, q, k, v,
+  the attention projection and gate/up; `"full"` keeps only x. Plus one layer's backward working set
+  (its activations at full T, the f32 logits slice with remat) — the peak is inside the last layer's
+  backward pass. The pipeline's scan keeps every iteration's stage residuals: (R·M + S − 1) microbatch
+  passes over L/(S·R) layers; gradient accumulation divides the rows per pass by K.
+- other: without remat the compute-dtype weights every layer used (all-gathered under ZeRO-3) are kept
+  for the backward pass (measured: the block weights, once); the optimizer update's temporaries (0.2×
+  its gradient shard); the accumulation buffer (one whole gradient, K > 1); the pipeline's stage weights,
+  gathered over fsdp, held for the step (stage > 1).
+
+Collectives per device per step (`Collective`: mesh axes, op, bytes, count). Bytes are the RESULT on
+one device (what `meshpar.analysis` counts); time uses the wire bytes of a ring over the axes, split into
+its part inside a host (NVLink) and across hosts (network), as `meshpar.mesh.host_split` lays them out:
+all-reduce 2(n−1)/n·size, all-gather / reduce-scatter (n−1)/n·size, all-to-all (n−1)/n·size,
+collective-permute size.
+- gradient sync over the weight-replica axes data × fsdp × sequence: ZeRO 0 all-reduce of 4Ψ_l; ZeRO 1
+  all-reduce + all-gather of the updated float32 params over fsdp; ZeRO 2 reduce-scatter over fsdp,
+  all-reduce over data × sequence, all-gather of params; ZeRO 3 reduce-scatter + all-reduce and the
+  weights all-gathered for compute (in c bytes): once per step for embedding/head, per microbatch for the
+  layers, again in the backward pass with remat (XLA re-gathers instead of keeping them). Overlapped
+  with compute (XLA's async collectives); only the excess over compute, at least one layer's share, shows.
+- tensor parallelism per layer per microbatch, a = b·t·D·c: all-reduces, 2 forward and 5 backward
+  (XLA reduces dq/dk/dv and dgate/dup input gradients separately; measured), +1 with full remat (the
+  attention output is recomputed; the layer output is not needed); plus the vocab-parallel embedding
+  (forward) and head (backward). With Megatron SP each all-reduce becomes a reduce-scatter, 6 all-gathers
+  of a per layer enter the regions (forward 2, backward 4; +2 when remat recomputes them), and GSPMD
+  adds all-to-alls in the backward that reshard attention's scores and softmax statistics between the
+  sequence- and head-split layouts: 1.28·a per layer measured on model=8 (T = 32; they grow with T², and
+  on CPU they do not shrink when data or fsdp also split the batch, so this under-counts there). Not
+  overlapped (critical path).
+- context parallelism per layer per microbatch: all-gather K, V (2·b·T·K_l·H·c) + reduce-scatter of
+  their gradients; ring: 2(n−1) collective-permutes of 2·b·t·K_l·H·c (forward K/V, backward dK/dV),
+  overlapped with the block matmuls, + the zigzag reorder (load_balance) ~2·b·t·(N_l+K_l)·H·c each way;
+  Ulysses: 8 all-to-alls of q, k, v, out. Plus the gradient sync over `sequence` above.
+- pipeline (meshpar.pipeline's table): 2 collective-permutes of b·t·D·c per schedule iteration (forward
+  and backward), the result leaving stage 0 and its gradient (all-reduces of M·b·t·D·c), with R > 1 the
+  stage weights and their gradients exchanged once (all-to-alls); exposed. The pipeline does not compose
+  with context parallelism yet (`check` refuses stage > 1 with sequence > 1).
+
+Compute: model FLOPs per token 6·N_mm + 12·L·N·H·T (PaLM, arXiv:2204.02311 App. B, N_mm the matmul
+parameters: every weight but the input embedding lookup and the norm scales; the attention term is the
+full T×T square, NOT halved for the causal mask — the convention MFU is reported in). What a device
+executes: forward 2·N_mm,l + 4·N_l·H·T_kv per token (local, all-gather and Ulysses attention compute the
+masked half too; zigzag ring only the visible blocks, ≈ half), backward twice that, +1 forward of the
+layers with full remat, +1 attention forward with dots and with ring (its steps are rematerialised).
+Time = FLOPs / (peak · efficiency) + HBM traffic of the non-matmul tensors (3 passes over the
+activations, / HBM bandwidth) per microbatch, times the pipeline schedule's (R·M + S − 1)/(R·M), plus the
+exposed communication, plus the optimizer update (memory-bound).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+from meshpar.mesh import AXES, host_split
+from meshpar.plan_hardware import Hardware
+from meshpar.rules import ParallelConfig, make as make_rules
+
+REMATS = ("none", "dots", "full")
+MODES = ("allgather", "ring", "ulysses")
+PRECISIONS = {"fp32": (4, 4, 8), "mixed": (2, 2, 12)}  # bytes per element: params, grads, optimizer
+EFFICIENCY = 0.6  # achieved / peak matmul FLOP/s: a stated default, not fitted (see the published-run tests)
+TP_ALL_REDUCES = (2, 5)  # per layer: forward, backward (measured in the compiled step, see the docstring)
+PIPELINE_WITH_CONTEXT = False  # meshpar.pipeline refuses a split sequence (attention's shard_map under vmap)
+SP_ALL_TO_ALL = 1.28  # per layer, × a: GSPMD's attention reshards under Megatron SP (measured, model=8)
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """The transformer's dimensions (from any object with the TransformerConfig field names)."""
+
+    vocab: int
+    d_model: int
+    layers: int
+    heads: int
+    kv_heads: int
+    d_ff: int
+    tied: bool = False
+
+    @classmethod
+    def of(cls, cfg) -> Shape:
+        if isinstance(cfg, Shape):
+            return cfg
+        return cls(cfg.vocab_size, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.d_ff,
+                   bool(getattr(cfg, "tie_embeddings", False)))
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.heads
+
+    def tensors(self) -> list[tuple[int, tuple[str, ...]]]:
+        """(elements, logical axes) of every parameter, layer tensors stacked under `layers`."""
+        V, D, L, N, K, F, H = self.vocab, self.d_model, self.layers, self.heads, self.kv_heads, self.d_ff, self.head_dim
+        out = [(V * D, ("vocab", "embed"))]
+        out += [(L * n, ("layers", *names)) for n, names in (
+            (D, ("embed",)), (D * N * H, ("embed", "heads", "head_dim")),
+            (D * K * H, ("embed", "kv_heads", "head_dim")), (D * K * H, ("embed", "kv_heads", "head_dim")),
+            (N * H * D, ("heads", "head_dim", "embed")),
+            (D, ("embed",)), (D * F, ("embed", "mlp")), (D * F, ("embed", "mlp")), (F * D, ("mlp", "embed")))]
+        out.append((D, ("embed",)))
+        if not self.tied:
+            out.append((D * V, ("embed", "vocab")))
+        return out
+
+    @property
+    def params(self) -> int:
+        return sum(n for n, _ in self.tensors())
+
+    @property
+    def layer_params(self) -> int:
+        return sum(n for n, names in self.tensors() if names[0] == "layers") // self.layers
+
+    @property
+    def matmul_params(self) -> int:
+        """Parameters that take part in a matmul: all but the embedding lookup and the norm scales."""
+        D, N, K, F, H = self.d_model, self.heads, self.kv_heads, self.d_ff, self.head_dim
+        return self.layers * (2 * D * N * H + 2 * D * K * H + 3 * D * F) + D * self.vocab
+
+    def model_flops_per_token(self, seq_len: int) -> float:
+        """PaLM's 6N + 12·L·H·Q·T (full attention square, not halved for the causal mask)."""
+        return palm_flops_per_token(self.matmul_params, self.layers, self.heads, self.head_dim, seq_len)
+
+
+def palm_flops_per_token(params: float, layers: int, heads: int, head_dim: int, seq_len: int) -> float:
+    """Model FLOPs per token, PaLM (arXiv:2204.02311) App. B: 6N + 12·L·H·Q·T."""
+    return 6 * params + 12 * layers * heads * head_dim * seq_len
+
+
+def mfu(flops_per_token: float, tokens_per_s: float, devices: int, peak_flops: float) -> float:
+    """Model FLOPs utilisation (PaLM §4.1): achieved model FLOP/s over the devices' peak FLOP/s."""
+    return flops_per_token * tokens_per_s / (devices * peak_flops)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Mesh sizes and the settings that change memory or communication (ParallelConfig/TrainConfig names)."""
+
+    data: int = 1
+    stage: int = 1
+    fsdp: int = 1
+    sequence: int = 1
+    model: int = 1
+    zero_stage: int = 3
+    sequence_parallel: bool = False
+    context_attention: str = "ring"
+    load_balance: bool = True
+    microbatches: int = 0  # 0: twice the stages (ParallelConfig's default)
+    pipeline_repeats: int = 1
+    remat: str = "none"
+    grad_accum: int = 1
+
+    @property
+    def sizes(self) -> dict[str, int]:
+        return {axis: getattr(self, axis) for axis in AXES}
+
+    @property
+    def devices(self) -> int:
+        return math.prod(self.sizes.values())
+
+    @property
+    def M(self) -> int:
+        """Pipeline microbatches (1 without a pipeline)."""
+        return 1 if self.stage == 1 else (self.microbatches or 2 * self.stage)
+
+    @property
+    def R(self) -> int:
+        return 1 if self.stage == 1 else self.pipeline_repeats
+
+    def describe(self) -> str:
+        return ",".join(f"{a}={n}" for a, n in self.sizes.items() if n > 1) or "data=1"
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    global_batch: int
+    seq_len: int
+    compute_dtype: str = "bfloat16"
+    precision: str = "fp32"
+    efficiency: float = EFFICIENCY
+    flash_attention: bool = False  # True only to compare with runs that never materialise the scores
+
+    @property
+    def c(self) -> int:
+        return 2 if self.compute_dtype == "bfloat16" else 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+    axes: tuple[str, ...]
+    op: str  # all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute
+    bytes: float  # result bytes per device, one call (reduce-scatter: its input, what the CPU all-reduces)
+    count: float
+    kind: str  # dp (overlapped), tp, cp, ring (overlapped with its blocks), pp
+
+
+def check(shape: Shape, lay: Layout, run: Run) -> list[str]:
+    """Every divisibility rule meshpar enforces for this layout, as messages (empty: it builds).
+
+    Mirrors the checks of `meshpar.sharding.spec_for` (a dimension its mesh axes do not divide), the
+    pipeline (`L % (S·R)`, the batch into M microbatches over data × fsdp), gradient accumulation and
+    context attention (T over `sequence`, 2·sequence for the zigzag order, heads for Ulysses).
+    """
+    s, m, n, B, T = shape, lay.model, lay.sequence, run.global_batch, run.seq_len
+    rules = (
+        (min(lay.sizes.values()) >= 1 and lay.grad_accum >= 1 and lay.microbatches >= 0 and lay.pipeline_repeats >= 1,
+         lambda: f"sizes, grad_accum and pipeline_repeats must be >= 1 and microbatches >= 0 ({lay})"),
+        (lay.zero_stage in (0, 1, 2, 3), lambda: f"zero_stage {lay.zero_stage} is not one of 0, 1, 2, 3"),
+        (lay.remat in REMATS, lambda: f"remat '{lay.remat}' is not one of {', '.join(REMATS)}"),
+        (lay.context_attention in MODES,
+         lambda: f"context_attention '{lay.context_attention}' is not one of {', '.join(MODES)}"),
+        (s.heads % m == 0 and s.kv_heads % m == 0,
+         lambda: f"n_heads {s.heads} and n_kv_heads {s.kv_heads} must be divisible by model = {m}"),
+        (s.d_ff % m == 0, lambda: f"d_ff {s.d_ff} must be divisible by model = {m}"),
+        (s.vocab % m == 0, lambda: f"vocab_size {s.vocab} must be divisible by model = {m}"),
+        (lay.fsdp == 1 or lay.zero_stage == 0 or s.d_model % lay.fsdp == 0,
+         lambda: f"d_model {s.d_model} (the 'embed' axis) must be divisible by fsdp = {lay.fsdp}"),
+        (s.layers % (lay.stage * lay.R) == 0,
+         lambda: f"n_layers {s.layers} must be divisible by stage {lay.stage} × pipeline_repeats {lay.R}"),
+        (B % (lay.data * lay.fsdp * lay.M * lay.grad_accum) == 0,
+         lambda: f"global batch {B} must be divisible by data·fsdp {lay.data * lay.fsdp} × microbatches {lay.M} "
+                 f"× grad_accum {lay.grad_accum}"),
+        (T % (n * (m if lay.sequence_parallel else 1)) == 0,
+         lambda: f"seq_len {T} must be divisible by sequence {n}" + (f" × model {m} (sequence parallelism)"
+                                                                      if lay.sequence_parallel else "")),
+        (n == 1 or lay.context_attention != "ring" or not lay.load_balance or T % (2 * n) == 0,
+         lambda: f"seq_len {T} must be divisible by 2·sequence = {2 * n} (zigzag load balancing)"),
+        (n == 1 or lay.context_attention != "ulysses" or ((s.heads // m) % n == 0 and (s.kv_heads // m) % n == 0),
+         lambda: f"ulysses: heads per model shard ({s.heads // m} q, {s.kv_heads // m} kv) must be divisible by "
+                 f"sequence = {n}"),
+        (PIPELINE_WITH_CONTEXT or lay.stage == 1 or n == 1,
+         lambda: f"stage = {lay.stage} with sequence = {n}: the pipeline and context-parallel attention do not "
+                 f"compose yet (meshpar.pipeline)"),
+    )
+    return [message() for ok, message in rules if not ok]
+
+
+@functools.lru_cache(maxsize=None)
+def _tables(zero_stage: int) -> dict[str, dict[str, tuple[str, ...]]]:
+    rules = make_rules(ParallelConfig(zero_stage=zero_stage))
+    return {kind: rules.table(kind) for kind in ("params", "grads", "optimizer", "activations")}
+
+
+def local_elements(shape: Shape, lay: Layout, kind: str, only_layers: bool = False) -> float:
+    """Parameter elements on one device under a rules table (`activations`: the gathered compute form)."""
+    return _local_elements(shape, lay.zero_stage, lay.stage, lay.fsdp, lay.model, kind, only_layers)
+
+
+@functools.lru_cache(maxsize=65536)
+def _local_elements(shape: Shape, zero: int, stage: int, fsdp: int, model: int, kind: str, only_layers: bool) -> float:
+    table, sizes = _tables(zero)[kind], {"stage": stage, "fsdp": fsdp, "model": model}
+    total = 0.0
+    for n, names in shape.tensors():  # params are never split over data or sequence
+        if only_layers and names[0] != "layers":
+            continue
+        total += n / math.prod(sizes.get(a, 1) for name in names for a in table.get(name, ()))
+    return total
+
+
+@dataclasses.dataclass(frozen=True)
+class Memory:
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    other: float
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + self.activations + self.other
+
+    @property
+    def states(self) -> float:
+        return self.params + self.optimizer
+
+
+def iterations(stages: int, microbatches: int, repeats: int = 1) -> int:
+    """Pipeline schedule length, (R−1)·max(M, S) + M + S − 1 (as `meshpar.pipeline.iterations`)."""
+    return (repeats - 1) * max(microbatches, stages) + microbatches + stages - 1
+
+
+def local_dims(shape: Shape, lay: Layout, run: Run):
+    m = lay.model
+    b = run.global_batch / (lay.data * lay.fsdp * lay.M * lay.grad_accum)  # rows per microbatch per device
+    t = run.seq_len / lay.sequence
+    return b, t, shape.heads / m, shape.kv_heads / m, shape.d_ff / m, shape.vocab / m
+
+
+def layer_bytes_per_token(shape: Shape, lay: Layout, run: Run, *, saved: bool = True) -> float:
+    """Activation bytes of one layer per local token (saved for the backward pass, or all of it)."""
+    D, H, c, T, n = shape.d_model, shape.head_dim, run.c, run.seq_len, lay.sequence
+    _, _, N, K, F, _ = local_dims(shape, lay, run)
+    sp = lay.model if (lay.sequence_parallel and saved) else 1
+    resid = (2 * c + 4 * 4) * D / sp  # x, x1 (c); two norms' float32 statistics and outputs
+    inputs, attn, mlp = 2 * D * c, 2 * (N + K) * H * c, 6 * F * c
+    if run.flash_attention:
+        scores = 2 * N * 4  # log-sum-exp statistics only
+    elif n > 1 and lay.context_attention == "ring":
+        # n steps' saved inputs: f32 output accumulator, max and denominator, K/V block
+        scores = n * (N * H * 4 + 2 * N * 4 + 2 * K * H * c)
+    else:
+        scores = N * T * (4 + c)  # [t, T] scores (f32) and probabilities per device
+        if n > 1 and lay.context_attention == "allgather":
+            scores += 2 * n * K * H * c  # the gathered K, V
+        if n > 1 and lay.context_attention == "ulysses":
+            scores += 2 * (N + K) * H * c  # q, k, v, out in the head-split layout
+    full = resid + inputs + attn + scores + mlp
+    if not saved and n > 1 and lay.context_attention == "ring" and not run.flash_attention:
+        full += N * (T / n) * (4 + c)  # the [t, t] score block of the step being computed
+    if not saved or lay.remat == "none":
+        return full
+    x = D * c / (lay.model if lay.sequence_parallel else 1)
+    if lay.remat == "full":
+        return x
+    return x + (N + 2 * K) * H * c + D * c + 2 * F * c  # dots: x, q, k, v, attention projection, gate, up
+
+
+def memory(shape: Shape, lay: Layout, run: Run) -> Memory:
+    pb, gb, ob = PRECISIONS[run.precision]
+    params = pb * local_elements(shape, lay, "params")
+    optimizer = ob * local_elements(shape, lay, "optimizer")
+    whole = local_elements(shape, lay, "activations")  # gathered over fsdp, split by model and stage
+    layer_whole = local_elements(shape, lay, "activations", only_layers=True)
+    if lay.zero_stage >= 2 and lay.fsdp > 1 and lay.stage == 1:
+        per_layer = layer_whole / shape.layers
+        grads = gb * (local_elements(shape, lay, "grads") + (whole - layer_whole) + per_layer)
+    else:  # ZeRO 0/1; and the pipeline, whose stage gradients accumulate whole over fsdp (pipeline.py)
+        grads = gb * whole
+    b, t, _, _, _, V = local_dims(shape, lay, run)
+    tokens = b * t  # one microbatch on this device
+    per_layer = layer_bytes_per_token(shape, lay, run)
+    working = layer_bytes_per_token(shape, lay, run, saved=False)
+    if lay.remat != "none":
+        working += 4 * V - (per_layer if lay.remat == "dots" else 0)
+    if lay.stage > 1:  # every schedule iteration keeps its stage step's residuals, plus the I/O buffer
+        S, M, R = lay.stage, lay.M, lay.R
+        saved = iterations(S, M, R) * (shape.layers / (S * R)) * per_layer * tokens + M * tokens * shape.d_model * run.c
+    else:
+        saved = shape.layers * per_layer * tokens
+    activations = saved + working * tokens
+    other = 0.2 * gb * local_elements(shape, lay, "grads" if lay.zero_stage >= 2 else "optimizer")
+    if lay.remat == "none" or lay.stage > 1:
+        # the compute-dtype (gathered) layer weights kept for the backward pass; the pipeline holds a
+        # stage's weights, gathered over fsdp, for the whole step (pipeline.py)
+        other += run.c * layer_whole
+    if lay.grad_accum > 1:
+        other += 4 * whole  # the float32 accumulator, one whole gradient (train._accumulated)
+    return Memory(params, grads, optimizer, activations, other)
+
+
+def collectives(shape: Shape, lay: Layout, run: Run, *, cpu: bool = False) -> list[Collective]:
+    """What one step communicates per device. `cpu=True`: the forms XLA's CPU backend emits (reduce-scatter
+    as all-reduce of the whole input then a slice; weights gathered in float32, then cast)."""
+    out: list[Collective] = []
+    pb, gb, _ = PRECISIONS[run.precision]
+    c, D, H = run.c, shape.d_model, shape.head_dim
+    b, t, N, K, F, V = local_dims(shape, lay, run)
+    rs = "all-reduce" if cpu else "reduce-scatter"
+    passes = lay.grad_accum * (iterations(lay.stage, lay.M, lay.R) if lay.stage > 1 else 1)
+    layer_steps = passes * shape.layers / (lay.stage * lay.R)  # layer applications on this device per step
+
+    # gradient sync over the replicas of the weights, and ZeRO's parameter all-gathers
+    whole = local_elements(shape, lay, "activations")
+    layer_whole = local_elements(shape, lay, "activations", only_layers=True)
+    replicas = tuple(a for a in ("data", "sequence") if lay.sizes[a] > 1)
+    fsdp = ("fsdp",) if lay.fsdp > 1 else ()
+    G = gb * whole
+    if lay.zero_stage <= 1 or not fsdp:
+        if replicas + fsdp:
+            out.append(Collective(replicas + fsdp, "all-reduce", G, 1, "dp"))
+    elif cpu:
+        out.append(Collective(replicas + fsdp, "all-reduce", G, 1, "dp"))
+    else:
+        out.append(Collective(fsdp, "reduce-scatter", G, 1, "dp"))
+        if replicas:
+            out.append(Collective(replicas, "all-reduce", G / lay.fsdp, 1, "dp"))
+    if fsdp and lay.zero_stage in (1, 2):
+        out.append(Collective(fsdp, "all-gather", pb * whole, 1, "dp"))  # the updated parameters
+    if fsdp and lay.zero_stage == 3:
+        g = pb if cpu else min(c, pb)
+        regather = 2 if lay.remat != "none" and lay.stage == 1 else 1
+        layers_gathers = lay.grad_accum * regather
+        out.append(Collective(fsdp, "all-gather", g * (whole - layer_whole), 1, "dp"))
+        out.append(Collective(fsdp, "all-gather", g * layer_whole, layers_gathers, "dp"))
+
+    if lay.model > 1:  # Megatron tensor parallelism, per layer per microbatch pass (bubbles included)
+        a = b * t * D * c
+        fwd, bwd = TP_ALL_REDUCES
+        reduces = fwd + bwd + (1 if lay.remat == "full" else 0)  # recompute: attention output (x1) again
+        mb = passes if lay.stage > 1 else lay.grad_accum
+        if lay.sequence_parallel:
+            gathers = 6 + (2 if lay.remat != "none" else 0)  # recompute re-gathers both region inputs
+            out.append(Collective(("model",), rs, a, reduces * layer_steps, "tp"))
+            out.append(Collective(("model",), "all-gather", a, gathers * layer_steps, "tp"))
+            out.append(Collective(("model",), "all-to-all", SP_ALL_TO_ALL * a, layer_steps, "tp"))
+            out.append(Collective(("model",), rs, a, mb, "tp"))  # embedding output
+            out.append(Collective(("model",), "all-gather", a, 2 * mb, "tp"))  # into the head, and back
+        else:
+            out.append(Collective(("model",), "all-reduce", a, reduces * layer_steps, "tp"))
+            out.append(Collective(("model",), "all-reduce", a, 2 * mb, "tp"))  # embedding fwd, head bwd
+        out.append(Collective(("model",), "all-reduce", 3 * b * t * 4, mb, "tp"))  # softmax max, sum, target
+
+    n = lay.sequence
+    if n > 1:  # context-parallel attention, per layer per microbatch pass
+        kv = 2 * b * t * K * H * c
+        if lay.context_attention == "allgather":
+            out.append(Collective(("sequence",), "all-gather", n * kv, layer_steps, "cp"))
+            out.append(Collective(("sequence",), rs, n * kv, layer_steps, "cp"))
+        elif lay.context_attention == "ring":
+            out.append(Collective(("sequence",), "collective-permute", kv, 2 * (n - 1) * layer_steps, "ring"))
+            if lay.load_balance:
+                out.append(Collective(("sequence",), "collective-permute", b * t * (N + K) * H * c,
+                                      4 * layer_steps, "cp"))
+        else:
+            qkvo = b * t * 2 * (N + K) * H * c
+            out.append(Collective(("sequence",), "all-to-all", qkvo, 2 * layer_steps, "cp"))
+
+    if lay.stage > 1:  # pipeline.py's table: the shifts, the result leaving stage 0 (and its gradient)
+        out.append(Collective(("stage",), "collective-permute", b * t * D * c, 2 * passes, "pp"))
+        out.append(Collective(("stage",), "all-reduce", lay.M * b * t * D * c, 2 * lay.grad_accum, "pp"))
+        if lay.R > 1:  # contiguous stage blocks at rest → the interleaved view, and the gradients back
+            out.append(Collective(("stage",), "all-to-all", pb * layer_whole, 1, "pp"))
+            out.append(Collective(("stage",), "all-to-all", gb * layer_whole, 1, "pp"))
+    return out
+
+
+def totals(colls: list[Collective]) -> dict[str, float]:
+    """Result bytes per op kind, the unit `meshpar.analysis.collectives` counts."""
+    out: dict[str, float] = {}
+    for x in colls:
+        out[x.op] = out.get(x.op, 0.0) + x.bytes * x.count
+    return out
+
+
+@functools.lru_cache(maxsize=65536)
+def _host_split(*sizes_and_host: int) -> tuple[dict[str, int], dict[str, int]]:
+    *sizes, devices_per_host = sizes_and_host
+    return host_split(dict(zip(AXES, sizes)), devices_per_host)
+
+
+def collective_time(x: Collective, lay: Layout, hw: Hardware, devices_per_host: int) -> tuple[float, float]:
+    """(wire bytes per device, seconds) of one collective on a hierarchical ring: host, then network."""
+    inside, across = _host_split(lay.data, lay.stage, lay.fsdp, lay.sequence, lay.model, devices_per_host)
+    n_in = math.prod(inside[a] for a in x.axes)
+    n_out = math.prod(across[a] for a in x.axes)
+    n = n_in * n_out
+    if n == 1:
+        return 0.0, 0.0
+    link, net = hw.link_bw * hw.net_efficiency, hw.net_bw * hw.net_efficiency
+    S = x.bytes
+    lat = lambda k, lat_: lat_ * math.ceil(math.log2(k)) if k > 1 else 0.0
+    if x.op == "collective-permute":
+        return S, S / (net if n_out > 1 else link) + (hw.net_latency if n_out > 1 else hw.link_latency)
+    if x.op == "all-to-all":
+        wire = S * (n - 1) / n
+        seconds = S * (n_in - 1) / n / link + S * (n - n_in) / n / net  # the part for other hosts uses the NIC
+        return wire, seconds + lat(n_in, hw.link_latency) + lat(n_out, hw.net_latency)
+    factor = 2 if x.op == "all-reduce" else 1
+    wire = factor * S * (n - 1) / n
+    seconds = factor * (S * (n_in - 1) / n_in / link + (S / n_in) * (n_out - 1) / n_out / net
+                        + lat(n_in, hw.link_latency) + lat(n_out, hw.net_latency))
+    return wire, seconds

@@ -1,0 +1,90 @@
+"""Accelerator presets for the planner, and a custom spec from the command line.
+
+Every number is per GPU and in bytes, bytes/s or FLOP/s (decimal units: 1 GB = 1e9 bytes, as the
+datasheets print them). `link_bw` is NVLink (inside a host), one direction; `net_bw` is the network
+(across hosts) per GPU, one direction: one 400 Gb/s (H100, H200) or 200 Gb/s (A100) NIC per GPU, as in
+the DGX systems. Collective times use these with `net_efficiency` (NCCL reaches ~80% of a link's
+bandwidth on large messages) and a per-step latency (`link_latency`, `net_latency`).
+
+    h100                     the presets below
+    h100,hbm=94e9            a preset with fields replaced
+    flops=312e12,hbm=40e9,hbm_bw=1.6e12,link_bw=300e9,net_bw=25e9   every field given
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    name: str
+    flops: float  # peak dense bf16 FLOP/s (no sparsity)
+    hbm: float  # memory bytes
+    hbm_bw: float  # memory bandwidth, bytes/s
+    link_bw: float  # NVLink bandwidth per GPU per direction, bytes/s
+    net_bw: float  # network bandwidth per GPU per direction, bytes/s
+    link_latency: float = 5e-6  # seconds per step of a collective inside a host
+    net_latency: float = 15e-6  # seconds per step across hosts
+    net_efficiency: float = 0.8  # fraction of link bandwidth a large collective reaches
+    fp32_flops: float = 0.0  # float32 matmul FLOP/s (0: bf16 peak / 2); JAX runs f32 matmuls as TF32 on GPUs
+
+    def __post_init__(self):
+        for field in ("flops", "hbm", "hbm_bw", "link_bw", "net_bw"):
+            if not getattr(self, field) > 0:
+                raise ValueError(f"hardware '{self.name}': {field} = {getattr(self, field)} must be > 0")
+
+    def peak(self, dtype_bytes: int) -> float:
+        """Peak matmul FLOP/s for the compute dtype (2 bytes: bf16; 4: float32)."""
+        return self.flops if dtype_bytes <= 2 else (self.fp32_flops or self.flops / 2)
+
+
+PRESETS = {
+    # NVIDIA H100 SXM5 80GB datasheet: BF16 Tensor Core 1,979 TFLOPS *with sparsity* → 989 dense;
+    # HBM3 80 GB at 3.35 TB/s; NVLink 4 900 GB/s per GPU (both directions) → 450 GB/s each way.
+    # DGX H100 datasheet: 8× ConnectX-7 400 Gb/s (one per GPU) → 50 GB/s per GPU each way.
+    # TF32 Tensor Core 989 TFLOPS sparse → 494 dense (JAX's default precision for f32 matmuls on GPUs).
+    "h100": Hardware("h100", flops=989e12, hbm=80e9, hbm_bw=3.35e12, link_bw=450e9, net_bw=50e9,
+                     fp32_flops=494e12),
+    # NVIDIA H200 SXM datasheet: same compute as H100 (BF16 1,979 TFLOPS sparse → 989 dense);
+    # HBM3e 141 GB at 4.8 TB/s; NVLink 900 GB/s. DGX H200: 8× 400 Gb/s ConnectX-7.
+    "h200": Hardware("h200", flops=989e12, hbm=141e9, hbm_bw=4.8e12, link_bw=450e9, net_bw=50e9,
+                     fp32_flops=494e12),
+    # NVIDIA A100 80GB SXM datasheet: BF16 Tensor Core 312 TFLOPS dense (624 sparse); HBM2e 80 GB at
+    # 2,039 GB/s; NVLink 3 600 GB/s per GPU → 300 each way. DGX A100: 8× 200 Gb/s HDR InfiniBand
+    # (one per GPU) → 25 GB/s each way. TF32 156 TFLOPS dense.
+    "a100": Hardware("a100", flops=312e12, hbm=80e9, hbm_bw=2.039e12, link_bw=300e9, net_bw=25e9,
+                     fp32_flops=156e12),
+}
+ALIASES = {"h100-sxm": "h100", "h100_sxm": "h100", "a100-80gb": "a100", "a100_80gb": "a100"}
+_FIELDS = [f.name for f in dataclasses.fields(Hardware) if f.name != "name"]
+
+
+def parse(text: str) -> Hardware:
+    """A preset name, `preset,key=value,...`, or a full `key=value,...` spec (see the module docstring)."""
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if not items:
+        raise ValueError(f"empty hardware spec; presets: {', '.join(PRESETS)}")
+    base, changes = None, {}
+    if "=" not in items[0]:
+        name = ALIASES.get(items[0].lower(), items[0].lower())
+        if name not in PRESETS:
+            raise ValueError(f"unknown hardware '{items[0]}'; presets: {', '.join(PRESETS)}, or a custom spec "
+                             f"'flops=...,hbm=...,hbm_bw=...,link_bw=...,net_bw=...'")
+        base, items = PRESETS[name], items[1:]
+    for item in items:
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or key not in _FIELDS:
+            raise ValueError(f"hardware spec item '{item}': expected KEY=VALUE with KEY one of {', '.join(_FIELDS)}")
+        try:
+            changes[key] = float(value)
+        except ValueError:
+            raise ValueError(f"hardware spec item '{item}': '{value}' is not a number") from None
+    if base is not None:
+        return dataclasses.replace(base, name=text, **changes) if changes else base
+    missing = [f for f in ("flops", "hbm", "hbm_bw", "link_bw", "net_bw") if f not in changes]
+    if missing:
+        raise ValueError(f"custom hardware spec '{text}' lacks {', '.join(missing)} (or start from a preset: "
+                         f"{', '.join(PRESETS)})")
+    return Hardware(name="custom", **changes)

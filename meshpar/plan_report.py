@@ -1,0 +1,136 @@
+"""Presenting plans: the ranked table, the one-line reason, JSON rows, and the memory-by-strategy picture."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from meshpar.plan_cost import Layout, Run, Shape, memory
+from meshpar.plan_hardware import Hardware
+from meshpar.plan_time import Estimate, estimate
+
+GB = 1e9
+KINDS = {"tp": "tensor-parallel", "cp": "context-parallel", "pp": "pipeline", "dp": "data-parallel/ZeRO"}
+
+
+def _attention(lay: Layout) -> str:
+    if lay.sequence == 1:
+        return "-"
+    return lay.context_attention + ("+zigzag" if lay.context_attention == "ring" and lay.load_balance else "")
+
+
+def _comm(e: Estimate) -> str:
+    parts = [f"{axes} {b / GB:.1f}/{s:.2f}" for axes, (b, s) in sorted(e.comm.items(), key=lambda kv: -kv[1][1])]
+    return ", ".join(parts) or "-"
+
+
+def header(shape: Shape, run: Run, hw: Hardware, devices: int, devices_per_host: int, mem_fraction: float,
+           name: str = "model") -> str:
+    hosts = max(1, devices // devices_per_host)
+    return (f"{name} ({shape.params / 1e9:.2f}B parameters) on {devices} × {hw.name} ({hosts} host(s) of "
+            f"{min(devices, devices_per_host)}), global batch {run.global_batch} × {run.seq_len} tokens, "
+            f"{run.compute_dtype} compute, "
+            f"{'fp32 master weights + Adam' if run.precision == 'fp32' else 'mixed precision (ZeRO paper)'}\n"
+            f"memory per device in GB (1e9 bytes), usable {hw.hbm * mem_fraction / GB:.1f} "
+            f"({mem_fraction:.0%} of {hw.hbm / GB:.0f}); comm per mesh axis: GB on the wire / seconds per step; "
+            f"MFU: PaLM's 6N + 12·L·H·Q·T per token (full attention square)")
+
+
+def table(estimates: list[Estimate]) -> str:
+    head = ["#", "mesh", "zero", "sp", "attention", "M/R", "remat", "accum", "params", "grads", "optim", "acts",
+            "other", "total", "fits", "comm per axis (GB/s)", "compute s", "step s", "tokens/s", "MFU"]
+    rows = [head]
+    for i, e in enumerate(estimates, 1):
+        lay, m = e.layout, e.memory
+        sp = "yes" if lay.sequence_parallel and lay.model > 1 else "-"
+        rows.append([str(i), lay.describe(), str(lay.zero_stage), sp,
+                     _attention(lay), f"{lay.M}/{lay.R}" if lay.stage > 1 else "-", lay.remat, str(lay.grad_accum),
+                     *(f"{x / GB:.1f}" for x in (m.params, m.grads, m.optimizer, m.activations, m.other, m.total)),
+                     "yes" if e.fits else "NO", _comm(e), f"{e.compute_s:.2f}", f"{e.step_s:.2f}",
+                     f"{e.tokens_per_s:,.0f}", f"{e.mfu:.1%}"])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    left = {1, 4, 6, 15}
+    fmt = lambda r: "  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+    return "\n".join(fmt(r).rstrip() for r in rows)
+
+
+def _parts(e: Estimate) -> dict[str, float]:
+    return {"compute": e.compute_s, **{k: v for k, v in e.exposed.items()}, "optimizer": e.optimizer_s}
+
+
+def why(ranked: list[Estimate], shape: Shape | None = None, run: Run | None = None) -> str:
+    """One line: what the best layout's step is made of, what it needs to fit, why the runner-up is slower."""
+    best = ranked[0]
+    lay, m = best.layout, best.memory
+    kind, seconds = max(best.exposed.items(), key=lambda kv: kv[1]) if best.exposed else ("dp", 0.0)
+    text = (f"why: #1 fits ({m.total / GB:.1f} of {best.budget / GB:.1f} GB) and its {best.step_s:.2f} s step is "
+            f"{best.compute_s:.2f} s of compute" + (f" ({lay.remat} remat" if lay.remat != "none" else " (")
+            + (f", pipeline bubble {best.bubble:.0%})" if lay.stage > 1 else ")").replace(" ()", "")
+            + f" + {best.exposed_s:.2f} s of exposed communication (most: {KINDS[kind]} {seconds:.2f} s)")
+    if shape is not None and run is not None and (lay.remat != "none" or lay.grad_accum > 1):
+        plain = memory(shape, dataclasses.replace(lay, remat="none", grad_accum=1), run).total
+        text += f"; without remat and accumulation it would need {plain / GB:.0f} GB"
+    if len(ranked) > 1:
+        other = ranked[1]
+        diff = {k: _parts(other).get(k, 0.0) - v for k, v in _parts(best).items()}
+        diff.update({k: v for k, v in _parts(other).items() if k not in diff})
+        key = max(diff, key=diff.get)
+        reason = {"compute": "more compute" + (" (recompute)" if other.layout.remat != lay.remat else "")
+                  + (" (pipeline bubble)" if other.bubble > best.bubble else ""),
+                  "optimizer": "a larger optimizer update"}.get(
+                      key, f"more exposed {KINDS.get(key, key)} communication")
+        text += (f"; #2 ({other.layout.describe()}, {other.layout.remat} remat) is "
+                 f"{other.step_s / best.step_s - 1:.1%} slower: {reason} (+{diff[key]:.2f} s)")
+    return text
+
+
+def plot_memory(path: str, shape: Shape, run: Run, hw: Hardware, devices: int, devices_per_host: int,
+                mem_fraction: float, title: str, pick: Estimate | None = None) -> list[tuple[str, Estimate]]:
+    """Stacked bars of predicted per-device memory for one strategy per family (remat full, one sequence
+    per microbatch), and the planner's pick; a line at the usable memory. Needs matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n, h = devices, min(devices, devices_per_host)
+    bars = []
+    families = [("DP", dict(data=n), 0), ("ZeRO-1", dict(fsdp=n), 1), ("ZeRO-2", dict(fsdp=n), 2),
+                ("ZeRO-3 / FSDP", dict(fsdp=n), 3), (f"TP{h}", dict(data=n // h, model=h), 0),
+                (f"TP{h}+SP", dict(data=n // h, model=h), 0), (f"FSDP+TP{h}", dict(fsdp=n // h, model=h), 3),
+                (f"FSDP+CP{h} ring", dict(fsdp=n // h, sequence=h), 3),
+                (f"FSDP+PP{h}", dict(fsdp=n // h, stage=h), 3)]
+    for label, sizes, zero in families:
+        rows = run.global_batch // (sizes.get("data", 1) * sizes.get("fsdp", 1))
+        M = 2 * sizes.get("stage", 1) if sizes.get("stage", 1) > 1 else 0
+        lay = Layout(**sizes, zero_stage=zero, sequence_parallel=label.endswith("+SP"), microbatches=M,
+                     remat="full", grad_accum=max(1, rows // max(1, M)))
+        bars.append((label, estimate(shape, lay, run, hw, devices_per_host, mem_fraction=mem_fraction, strict=False)))
+    if pick is not None:
+        lay = pick.layout
+        bars.append((f"planner's pick\n{lay.describe()}\nremat={lay.remat}, accum={lay.grad_accum}", pick))
+    parts = {"params": "parameters", "grads": "gradients (alive at the peak)", "optimizer": "Adam moments",
+             "activations": "activations (saved + one layer's working set)",
+             "other": "other: accumulation buffer, kept / gathered weights, update"}
+    fig, ax = plt.subplots(figsize=(13, 5.5))
+    bottom = [0.0] * len(bars)
+    for part, label in parts.items():
+        values = [getattr(e.memory, part) / GB for _, e in bars]
+        ax.bar(range(len(bars)), values, bottom=bottom, label=label)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    for i, (_, e) in enumerate(bars):
+        ax.text(i, bottom[i], f"{e.memory.total / GB:.0f}", ha="center", va="bottom", fontsize=8)
+    ax.axhline(hw.hbm * mem_fraction / GB, color="red", linestyle="--", label=f"usable {hw.name} memory")
+    ax.set_xticks(range(len(bars)), [label for label, _ in bars], fontsize=8)
+    ax.set_ylabel("predicted GB per device")
+    ax.set_ylim(0, max(3 * hw.hbm * mem_fraction / GB, 1.05 * min(max(bottom), 6 * hw.hbm / GB)))
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return bars
+
+
+def as_json(estimates: list[Estimate]) -> list[dict]:
+    return [dict(e.row(), rank=i, describe=e.layout.describe()) for i, e in enumerate(estimates, 1)]
+

@@ -1,0 +1,139 @@
+"""Step time of one layout from its FLOPs, HBM traffic and collectives (see `meshpar.plan_cost`).
+
+Overlap, stated: tensor-parallel, Ulysses / all-gather context-parallel and pipeline transfers are on the
+critical path (the next matmul needs them); ring attention's K/V permutes hide behind the block matmuls
+(exposed: what exceeds the attention compute); data-parallel / ZeRO traffic (gradient reduction, ZeRO-3
+weight gathers) runs asynchronously beside compute — exposed is what exceeds the step's compute, and at
+least one layer's share (the last gradients are reduced after the last backward layer).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from meshpar.plan_cost import (PRECISIONS, Layout, Memory, Run, Shape, check, collective_time, collectives,
+                               iterations, layer_bytes_per_token, local_dims, local_elements, memory, mfu)
+from meshpar.plan_hardware import Hardware
+
+
+def bubble(lay: Layout) -> float:
+    """Idle fraction of the pipeline: (S − 1)/(R·M + S − 1) (GPipe; Narayanan et al. with R chunks)."""
+    if lay.stage == 1:
+        return 0.0
+    return 1.0 - lay.R * lay.M / iterations(lay.stage, lay.M, lay.R)
+
+
+@dataclasses.dataclass(frozen=True)
+class Estimate:
+    layout: Layout
+    memory: Memory
+    budget: float  # usable bytes per device
+    comm: dict[str, tuple[float, float]]  # axis → (wire bytes per device per step, seconds)
+    compute_s: float  # matmul + HBM time of the step, bubbles included
+    exposed_s: float  # communication not hidden behind compute
+    step_s: float
+    tokens_per_s: float
+    mfu: float
+    bubble: float
+    problems: tuple[str, ...] = ()
+    exposed: dict[str, float] = dataclasses.field(default_factory=dict)  # kind → exposed seconds
+    optimizer_s: float = 0.0
+
+    @property
+    def fits(self) -> bool:
+        return self.memory.total <= self.budget and not self.problems
+
+    def row(self) -> dict:
+        lay, mem = self.layout, self.memory
+        return {
+            "mesh": lay.sizes, "zero_stage": lay.zero_stage, "sequence_parallel": lay.sequence_parallel,
+            "context_attention": lay.context_attention if lay.sequence > 1 else None,
+            "load_balance": lay.load_balance if lay.sequence > 1 else None,
+            "microbatches": lay.M if lay.stage > 1 else None, "pipeline_repeats": lay.R if lay.stage > 1 else None,
+            "remat": lay.remat, "grad_accum": lay.grad_accum,
+            "memory_bytes": {"params": mem.params, "grads": mem.grads, "optimizer": mem.optimizer,
+                             "activations": mem.activations, "other": mem.other, "total": mem.total},
+            "fits": self.fits, "budget_bytes": self.budget,
+            "comm": {axis: {"bytes": b, "seconds": s} for axis, (b, s) in self.comm.items()},
+            "compute_s": self.compute_s, "exposed_comm_s": self.exposed_s, "exposed_by_kind_s": self.exposed,
+            "optimizer_s": self.optimizer_s, "step_s": self.step_s,
+            "tokens_per_s": self.tokens_per_s, "mfu": self.mfu, "bubble": self.bubble,
+            "problems": list(self.problems),
+        }
+
+
+def layer_flops_per_token(shape: Shape, lay: Layout, run: Run) -> tuple[float, float]:
+    """(projection, attention) matmul FLOPs of one layer's forward pass per local token, on one device."""
+    D, H, T, n = shape.d_model, shape.head_dim, run.seq_len, lay.sequence
+    _, _, N, K, F, _ = local_dims(shape, lay, run)
+    proj = 2 * (2 * D * N * H + 2 * D * K * H + 3 * D * F)
+    if run.flash_attention:
+        keys = T / 2  # a fused kernel skips the masked blocks
+    elif n > 1 and lay.context_attention == "ring" and lay.load_balance:
+        keys = T * (n + 1) / (2 * n)  # zigzag: the local block whole, then two visible half blocks per step
+    else:
+        keys = T  # the whole masked square is computed (and the busiest ring device does all blocks)
+    return proj, 4 * N * H * keys
+
+
+def compute_seconds(shape: Shape, lay: Layout, run: Run, hw: Hardware) -> tuple[float, float]:
+    """(compute seconds of the step, attention seconds): matmuls at peak·efficiency plus HBM traffic.
+
+    Every microbatch pass through this device's layers counts, pipeline bubbles included (they compute
+    on zeros); the head and loss run outside the pipeline, on every stage.
+    """
+    peak = hw.peak(run.c) * run.efficiency
+    b, t, _, _, _, V = local_dims(shape, lay, run)
+    tokens = b * t  # one microbatch on one device
+    proj, attn = layer_flops_per_token(shape, lay, run)
+    ring = lay.sequence > 1 and lay.context_attention == "ring"
+    recompute = {"none": 0.0, "dots": attn, "full": proj + attn}[lay.remat]
+    recompute += attn if ring and lay.remat != "full" else 0.0  # ring steps are rematerialised anyway
+    flops_layer = (3 * (proj + attn) + recompute) * tokens
+    act = layer_bytes_per_token(shape, lay, run, saved=False)
+    if ring and not run.flash_attention:  # every step's [t, t] score block goes through HBM, not just one
+        N, n = shape.heads / lay.model, lay.sequence
+        act += N * (attn / (4 * N * shape.head_dim) - run.seq_len / n) * (4 + run.c)
+    hbm_layer = 3 * act * tokens * (2 if lay.remat == "full" else 1) / hw.hbm_bw
+    S, M, R, Kacc = lay.stage, lay.M, lay.R, lay.grad_accum
+    layer_steps = Kacc * (iterations(S, M, R) if S > 1 else 1) * shape.layers / (S * R)
+    head = (3 * 2 * shape.d_model * V / peak + 3 * 4 * V / hw.hbm_bw) * tokens * Kacc * M
+    return layer_steps * (flops_layer / peak + hbm_layer) + head, 3 * attn * tokens / peak * layer_steps
+
+
+def estimate(model, lay: Layout, run: Run, hw: Hardware, devices_per_host: int, *,
+             mem_fraction: float = 0.9, strict: bool = True) -> Estimate:
+    """Predicted memory, communication and time of `lay` for `model` (a TransformerConfig or Shape).
+
+    `strict=False` skips the divisibility rules (to compare with published runs of other shapes).
+    """
+    shape = Shape.of(model)
+    problems = tuple(check(shape, lay, run)) if strict else ()
+    mem = memory(shape, lay, run)
+    compute, attn_s = compute_seconds(shape, lay, run, hw)
+    timed = [(x, *collective_time(x, lay, hw, devices_per_host)) for x in collectives(shape, lay, run)]
+    kind_s = {kind: sum(sec * x.count for x, _, sec in timed if x.kind == kind)
+              for kind in ("dp", "tp", "cp", "ring", "pp")}
+    exposed = {"tp": kind_s["tp"], "cp": kind_s["cp"] + max(0.0, kind_s["ring"] - attn_s), "pp": kind_s["pp"]}
+    critical = sum(exposed.values())
+    dp = kind_s["dp"]
+    exposed["dp"] = max(dp / max(1.0, shape.layers / lay.stage), dp - compute - critical)
+    _, _, ob = PRECISIONS[run.precision]
+    optimizer_s = local_elements(shape, lay, "optimizer") * (4 + 4 + ob + 4 + ob) / hw.hbm_bw  # r p,g,m,v; w p,m,v
+    step = compute + sum(exposed.values()) + optimizer_s
+    comm: dict[str, list[float]] = {}
+    for x, wire, sec in timed:
+        entry = comm.setdefault("×".join(x.axes), [0.0, 0.0])
+        entry[0] += wire * x.count
+        entry[1] += sec * x.count
+    tokens_step = run.global_batch * run.seq_len
+    return Estimate(layout=lay, memory=mem, budget=hw.hbm * mem_fraction,
+                    comm={k: (v[0], v[1]) for k, v in comm.items()}, compute_s=compute,
+                    exposed_s=sum(exposed.values()), step_s=step, tokens_per_s=tokens_step / step,
+                    mfu=mfu(shape.model_flops_per_token(run.seq_len), tokens_step / step, lay.devices,
+                            hw.peak(run.c)), bubble=bubble(lay),
+                    problems=problems, exposed=exposed, optimizer_s=optimizer_s)
+
+
+__all__ = ["Estimate", "estimate", "bubble", "compute_seconds", "iterations", "layer_flops_per_token"]
+

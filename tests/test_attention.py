@@ -1,0 +1,332 @@
+"""Context-parallel attention (all-gather K/V, ring, Ulysses) against dense causal attention: values and
+gradients (float32), the zigzag order and its balance, errors, collectives in the compiled HLO, and the
+ring's per-device memory.
+
+Programs are compiled with `xla_backend_optimization_level=0` (CPU: no LLVM optimisation of the generated
+code): the HLO, its collectives and XLA's buffer assignment (temp bytes) are the same, compiling is ~2× faster.
+"""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from conftest import require_devices
+from meshpar import analysis, attention, context, mesh as mesh_lib, rules as rules_lib
+
+B, T, H = 2, 32, 8
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
+FUNCTIONS = {"allgather": attention.allgather_attention, "ring": attention.ring_attention,
+             "ulysses": attention.ulysses_attention}
+
+
+@dataclasses.dataclass(frozen=True)
+class ComputeCP(context.Compute):
+    """`Compute` with the two fields `attend` reads first (before `rules.parallel`)."""
+
+    context_attention: str = "ring"
+    load_balance: bool = True
+
+
+def make_mesh(spec: str):
+    sizes = mesh_lib.parse(spec)
+    n = np.prod(list(sizes.sizes().values()))
+    require_devices(n)
+    return mesh_lib.build(sizes, jax.devices()[:n])
+
+
+def inputs(N: int, K: int, b: int = B, t: int = T, dtype=jnp.float32, seed: int = 0):
+    """q, k, v and a fixed random cotangent for the output."""
+    rng = np.random.default_rng(seed)
+    shapes = [(b, t, N, H), (b, t, K, H), (b, t, K, H), (b, t, N, H)]
+    return [jnp.asarray(rng.standard_normal(s), dtype) for s in shapes]
+
+
+def value_and_grads(f):
+    """(out, (dq, dk, dv)) of f for a cotangent: the grads of sum(out · ct) with respect to q, k, v."""
+    def run(q, k, v, ct):
+        out, vjp = jax.vjp(f, q, k, v)
+        return out, vjp(ct)
+    return run
+
+
+def run_fast(f, *args):
+    """jit, compile with FAST_COMPILE and run."""
+    return jax.jit(f).lower(*args).compile(compiler_options=FAST_COMPILE)(*args)
+
+
+def relative_error(a, b) -> float:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+@functools.lru_cache(maxsize=None)
+def dense(N: int, K: int):
+    q, k, v, ct = inputs(N, K)
+    out, grads = run_fast(value_and_grads(attention.causal_attention), q, k, v, ct)
+    return [np.asarray(x) for x in (out, *grads)]
+
+
+@functools.lru_cache(maxsize=None)
+def sharded(mode: str, mesh_spec: str, balanced: bool, N: int, K: int, spec: tuple = (None, "sequence", None, None)):
+    """Outputs and grads of one mode (natural order, numpy), its collectives and the output's sharding."""
+    mesh = make_mesh(mesh_spec)
+    n = mesh.shape["sequence"]
+    sharding = NamedSharding(mesh, P(*spec))
+    args = inputs(N, K)
+    if balanced:
+        args = [attention.zigzag(x, n) for x in args]
+    args = [jax.device_put(x, sharding) for x in args]
+    f = functools.partial(FUNCTIONS[mode], mesh=mesh, load_balanced=balanced)
+    compiled = jax.jit(value_and_grads(f)).lower(*args).compile(compiler_options=FAST_COMPILE)
+    out, grads = compiled(*args)
+    results = [out, *grads]
+    if balanced:
+        results = [attention.unzigzag(x, n) for x in results]
+    return [np.asarray(x) for x in results], analysis.collectives(compiled.as_text()), out.sharding
+
+
+def assert_matches_dense(results, N: int, K: int, rtol: float = 1e-5):
+    for name, got, want in zip(("out", "dq", "dk", "dv"), results, dense(N, K)):
+        assert got.shape == want.shape, name
+        assert relative_error(got, want) < rtol, f"{name}: relative error {relative_error(got, want):.2e}"
+
+
+# --- the zigzag order --------------------------------------------------------------------------------------
+
+
+def test_zigzag_chunk_layout_for_two_shards():
+    # 4 chunks of 2: shard 0 holds chunks 0 and 3, shard 1 holds chunks 1 and 2.
+    expected = [0, 1, 6, 7, 2, 3, 4, 5]
+    assert np.asarray(attention.zigzag(jnp.arange(8)[None], 2)).tolist() == [expected]
+    assert np.asarray(attention.zigzag_positions(8, 2)).tolist() == expected
+    assert attention.zigzag_positions(8, 2).dtype == jnp.int32
+    assert np.asarray(attention.unzigzag(jnp.asarray(expected)[None], 2)).tolist() == [list(range(8))]
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+def test_zigzag_round_trip(n):
+    x = jnp.asarray(np.random.default_rng(n).standard_normal((3, 16 * n, 2)))
+    assert np.array_equal(attention.unzigzag(attention.zigzag(x, n), n), x)
+    assert np.array_equal(attention.unzigzag(attention.zigzag(x, n, axis=-2), n, axis=-2), x)
+    y = jnp.moveaxis(x, 1, 0)
+    assert np.array_equal(attention.zigzag(y, n, axis=0), jnp.moveaxis(attention.zigzag(x, n), 1, 0))
+    positions = np.asarray(attention.zigzag_positions(16 * n, n))
+    assert sorted(positions.tolist()) == list(range(16 * n))
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_zigzag_balances_causal_work(n):
+    """Unmasked (query, key) pairs per shard: query at position p sees p + 1 keys."""
+    T_ = 64 * n
+    work = lambda positions: (positions.reshape(n, -1) + 1).sum(axis=1)
+    contiguous = work(np.arange(T_))
+    zigzagged = work(np.asarray(attention.zigzag_positions(T_, n)))
+    assert (np.diff(contiguous) > 0).all()
+    assert 2 * n - 2 < contiguous[-1] / contiguous[0] <= 2 * n - 1  # → 2n − 1 as t grows
+    assert (zigzagged == zigzagged[0]).all()
+    assert zigzagged.sum() == contiguous.sum() == T_ * (T_ + 1) // 2
+
+
+# --- every mode against dense attention ---------------------------------------------------------------------
+
+
+def heads_for(mode: str, n: int) -> tuple[int, int]:
+    """8 query heads; 2 kv heads (GQA, G = 4), except that Ulysses needs K divisible by n."""
+    return (8, max(2, n)) if mode == "ulysses" else (8, 2)
+
+
+@pytest.mark.parametrize("balanced", [False, True], ids=["contiguous", "zigzag"])
+@pytest.mark.parametrize("n", [2, 4, 8])
+@pytest.mark.parametrize("mode", list(FUNCTIONS))
+def test_matches_dense_attention(mode, n, balanced):
+    N, K = heads_for(mode, n)
+    results, _, out_sharding = sharded(mode, f"sequence={n}", balanced, N, K)
+    assert_matches_dense(results, N, K)
+    assert out_sharding.spec[1] == "sequence"
+
+
+def test_multi_query_ring():
+    """K = 1 (every query head shares one kv head), ring on 4 devices."""
+    results, _, _ = sharded("ring", "sequence=4", False, 4, 1)
+    assert_matches_dense(results, 4, 1)
+
+
+@pytest.mark.parametrize("mode,balanced", [("allgather", False), ("ring", False), ("ring", True), ("ulysses", True)])
+def test_composes_with_data_and_model_axes(mode, balanced):
+    """data=2, sequence=2, model=2: batch on data and heads on model are left to the compiler."""
+    spec = ("data", "sequence", "model", None)
+    results, collectives, out_sharding = sharded(mode, "data=2,sequence=2,model=2", balanced, 8, 4, spec)
+    assert_matches_dense(results, 8, 4)
+    if mode == "ring":  # the ring needs nothing but its permutes, whatever the other axes do
+        assert set(collectives) == {"collective-permute"}
+
+
+def test_output_dtype_is_v_dtype():
+    mesh = make_mesh("sequence=2")
+    q, k, v, _ = inputs(4, 2, dtype=jnp.bfloat16)
+    reference = np.asarray(attention.causal_attention(q.astype(jnp.float32), k.astype(jnp.float32),
+                                                      v.astype(jnp.float32)))
+    zig = lambda x: attention.zigzag(x, 2)
+    out = run_fast(functools.partial(attention.ring_attention, mesh=mesh, load_balanced=True), zig(q), zig(k), zig(v))
+    assert out.dtype == jnp.bfloat16
+    out = attention.unzigzag(out, 2)
+    assert relative_error(out.astype(jnp.float32), reference) < 2e-2
+    for f in FUNCTIONS.values():  # the others by abstract evaluation (no compile)
+        assert jax.eval_shape(functools.partial(f, mesh=mesh), q, k, v.astype(jnp.float32)).dtype == jnp.float32
+        assert jax.eval_shape(functools.partial(f, mesh=mesh), q, k, v).dtype == jnp.bfloat16
+
+
+# --- attend: the model's dispatcher -------------------------------------------------------------------------
+
+
+def test_attend_without_context_or_sequence_axis_is_dense():
+    q, k, v, _ = inputs(8, 2)
+    expected = np.asarray(attention.causal_attention(q, k, v))
+    assert np.array_equal(attention.attend(q, k, v), expected)
+    mesh = make_mesh("data=2,model=4")
+    with context.use(ComputeCP(mesh, rules_lib.make(), context_attention="ulysses")):
+        assert np.array_equal(attention.attend(q, k, v), expected)
+
+
+@pytest.mark.parametrize("mode,balance", [("allgather", True), ("ring", False), ("ring", True), ("ulysses", True)])
+def test_attend_on_a_composed_mesh(mode, balance):
+    """Settings from `rules.parallel`; with load_balance the activations come (and go) in zigzag order.
+    The shard_map is manual over data and model too, so no collective but the mode's own runs (a
+    partially manual all-gather / all-to-all would gather batch and heads first)."""
+    mesh = make_mesh("data=2,sequence=2,model=2")
+    rules = rules_lib.make(rules_lib.ParallelConfig(context_attention=mode, load_balance=balance))
+    compute = context.Compute(mesh, rules)
+
+    def f(q, k, v):
+        with context.use(compute):
+            return attention.attend(q, k, v)
+
+    sharding = NamedSharding(mesh, P("data", "sequence", "model", None))
+    order = (lambda x: attention.zigzag(x, 2)) if balance else (lambda x: x)
+    args = [jax.device_put(order(x), sharding) for x in inputs(8, 4)]
+    compiled = jax.jit(value_and_grads(f)).lower(*args).compile(compiler_options=FAST_COMPILE)
+    out, grads = compiled(*args)
+    unorder = (lambda x: attention.unzigzag(x, 2)) if balance else (lambda x: x)
+    assert_matches_dense([np.asarray(unorder(x)) for x in (out, *grads)], 8, 4)
+    collectives = analysis.collectives(compiled.as_text())
+    expected = {"allgather": {"all-gather", "reduce-scatter"}, "ring": {"collective-permute"},
+                "ulysses": {"all-to-all"}}[mode]
+    assert set(collectives) == expected
+    if mode == "allgather":  # K and V forward only: nothing else is gathered
+        assert collectives["all-gather"]["count"] == 2
+
+
+def test_attend_settings_and_errors():
+    mesh = make_mesh("sequence=4")
+    q, k, v, _ = inputs(8, 2)
+    # A Compute field wins over rules.parallel: here ulysses (rules say ring), balanced by default.
+    compute = ComputeCP(mesh, rules_lib.make(), context_attention="ulysses")
+    with context.use(compute):
+        with pytest.raises(ValueError, match="2 kv heads K are not divisible by 4"):
+            attention.attend(q, k, v)
+    q8, k8, v8, _ = [attention.zigzag(x, 4) for x in inputs(8, 8)]
+    with context.use(compute):
+        compiled = jax.jit(attention.attend).lower(q8, k8, v8).compile(compiler_options=FAST_COMPILE)
+    out = attention.unzigzag(compiled(q8, k8, v8), 4)
+    assert "all-to-all" in analysis.collectives(compiled.as_text())
+    assert relative_error(out, dense(8, 8)[0]) < 1e-5
+    with context.use(ComputeCP(mesh, rules_lib.make(), context_attention="flash")):
+        with pytest.raises(ValueError, match="'flash' is not one of allgather, ring, ulysses"):
+            attention.attend(q, k, v)
+    q12, k12, v12, _ = inputs(8, 2, t=12)  # 12 = 3 per device, not divisible by 2·4 = 8
+    with context.use(context.Compute(mesh, rules_lib.make())):  # ring, load_balance from ParallelConfig
+        with pytest.raises(ValueError, match="T = 12 is not divisible by 8"):
+            attention.attend(q12, k12, v12)
+
+
+# --- errors -------------------------------------------------------------------------------------------------
+
+
+def test_errors():
+    mesh = make_mesh("sequence=4")
+    with pytest.raises(ValueError, match=r"2·n = 8 chunks, but T = 12 is not divisible by 8"):
+        attention.zigzag(jnp.zeros((1, 12)), 4)
+    with pytest.raises(ValueError, match=r"T = 20 is not divisible by 8"):
+        attention.zigzag_positions(20, 4)
+    q, k, v, _ = inputs(8, 2, t=12)
+    for f in FUNCTIONS.values():
+        with pytest.raises(ValueError, match=r"T = 12 is not divisible by 8"):
+            f(q, k, v, mesh=mesh, load_balanced=True)
+    q, k, v, _ = inputs(8, 2, t=18)
+    with pytest.raises(ValueError, match=r"T = 18 is not divisible by mesh axis 'sequence' of size 4"):
+        attention.ring_attention(q, k, v, mesh=mesh)
+    q, k, v, _ = inputs(8, 2)
+    with pytest.raises(ValueError, match=r"the 2 kv heads K are not divisible by 4"):
+        attention.ulysses_attention(q, k, v, mesh=mesh)
+    q, k, v, _ = inputs(6, 6)
+    with pytest.raises(ValueError, match=r"the 6 query heads N are not divisible by 4"):
+        attention.ulysses_attention(q, k, v, mesh=mesh)
+    q, k, v, _ = inputs(8, 3)
+    with pytest.raises(ValueError, match=r"8 query heads are not divisible by 3 kv heads"):
+        attention.ring_attention(q, k, v, mesh=mesh)
+    with pytest.raises(ValueError, match=r"mesh has no axis 'ctx'"):
+        attention.ring_attention(*inputs(8, 2)[:3], mesh=mesh, axis="ctx")
+
+
+# --- what the compiler says ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("balanced", [False, True], ids=["contiguous", "zigzag"])
+def test_collectives(balanced):
+    """Values and grads on sequence=4: ring = 3 K/V permutes forward + 3 dK/dV permutes backward, and no
+    all-gather; allgather = 2 all-gathers (K, V) + 2 reduce-scatters; ulysses = 4 + 4 all-to-alls."""
+    n = 4
+    ring = sharded("ring", f"sequence={n}", balanced, *heads_for("ring", n))[1]
+    assert set(ring) == {"collective-permute"}
+    assert ring["collective-permute"]["count"] == 2 * (n - 1)
+    assert ring["collective-permute"]["bytes"] == 2 * (n - 1) * 2 * B * (T // n) * 2 * H * 4  # [2, B, t, K, H] f32
+    allgather = sharded("allgather", f"sequence={n}", balanced, *heads_for("allgather", n))[1]
+    assert allgather["all-gather"]["count"] == 2
+    assert allgather["all-gather"]["bytes"] == 2 * B * T * 2 * H * 4
+    assert allgather["reduce-scatter"]["count"] == 2
+    assert "collective-permute" not in allgather
+    ulysses = sharded("ulysses", f"sequence={n}", balanced, *heads_for("ulysses", n))[1]
+    assert ulysses["all-to-all"]["count"] == 8
+    assert "all-gather" not in ulysses and "collective-permute" not in ulysses
+
+
+MEMORY_T, MEMORY_N, MEMORY_K, MEMORY_H = 512, 8, 2, 4
+
+
+def attention_temp_bytes(mode: str, n: int, balanced: bool = False) -> int:
+    """XLA's temp bytes per device of jit(value_and_grad) of sum(attention · ct), T = 512 fixed."""
+    mesh = make_mesh(f"sequence={n}")
+    sharding = NamedSharding(mesh, P(None, "sequence", None, None))
+    f = functools.partial(FUNCTIONS[mode], mesh=mesh, load_balanced=balanced)
+    loss = lambda q, k, v, ct: jnp.sum(f(q, k, v) * ct)
+    shapes = [(1, MEMORY_T, MEMORY_N, MEMORY_H), (1, MEMORY_T, MEMORY_K, MEMORY_H),
+              (1, MEMORY_T, MEMORY_K, MEMORY_H), (1, MEMORY_T, MEMORY_N, MEMORY_H)]
+    args = [jax.ShapeDtypeStruct(s, jnp.float32, sharding=sharding) for s in shapes]
+    compiled = jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2))).lower(*args).compile(
+        compiler_options=FAST_COMPILE)
+    return compiled.memory_analysis().temp_size_in_bytes
+
+
+@pytest.fixture(scope="module")
+def allgather_temp():
+    return {n: attention_temp_bytes("allgather", n) for n in (2, 8)}
+
+
+@pytest.mark.parametrize("balanced", [False, True], ids=["contiguous", "zigzag"])
+def test_ring_memory_scales_with_block_not_sequence(allgather_temp, balanced):
+    """At fixed T, going from n = 2 to n = 8 shrinks a [t, t] block 16× and a [t, T] row 4×: the ring's
+    forward + backward temp memory must fall by more than 8× (it holds no [t, T] or [T, T] scores; its
+    saved step inputs, O(T·(N+K)·H), are what keeps it from 16×), all-gather's by about 4×."""
+    ring = {n: attention_temp_bytes("ring", n, balanced) for n in (2, 8)}
+    assert ring[2] / ring[8] > 8, ring
+    assert 3 < allgather_temp[2] / allgather_temp[8] < 5, allgather_temp
+    for n in (2, 8):
+        assert ring[n] < allgather_temp[n] / 2, (ring, allgather_temp)
+    # and in absolute terms: a few f32 score blocks [N, t, t] at n = 8, far below one [N, t, T] row
+    t = MEMORY_T // 8
+    assert ring[8] < MEMORY_N * t * MEMORY_T * 4

@@ -1,0 +1,413 @@
+"""The planner (meshpar.plan*): exact parameter counts, predictions against the compiler on 8 fake CPU
+devices, against published numbers, and a search whose every proposal builds; the launch.plan CLI."""
+
+import dataclasses
+import json
+import math
+import re
+import time
+import warnings
+
+import jax
+import pytest
+from conftest import require_devices
+from flax import nnx
+from layouts import MODEL, TRAIN, Layout as Compiled
+
+import configs
+from launch import plan as plan_cli
+from meshpar import attention, mesh as mesh_lib, pipeline, plan, rules as rules_lib, sharding, train
+from meshpar.plan_cost import Layout, Run, Shape, check, collectives, memory, mfu, palm_flops_per_token, totals
+from models.transformer import Transformer
+
+# --- the parameter count is exact ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", configs.names())
+def test_parameter_count_equals_the_nnx_model(name):
+    model = configs.load(name).model
+    with nnx.use_eager_sharding(False):
+        abstract = nnx.eval_shape(lambda: Transformer(model, rngs=nnx.Rngs(0)))
+    params = nnx.state(abstract, nnx.Param)
+    assert Shape.of(model).params == sum(math.prod(x.shape) for x in jax.tree.leaves(params))
+
+
+def test_parameter_count_with_tied_embeddings_drops_the_head():
+    tied, untied = (Shape.of(dataclasses.replace(MODEL, tie_embeddings=t)) for t in (True, False))
+    assert untied.params - tied.params == MODEL.d_model * MODEL.vocab_size
+
+
+# --- predictions against the compiler (8 fake CPU devices, float32, the test model of tests/layouts.py) ---
+#
+# Units: model states = XLA's argument bytes (float32 params + Adam moments, sharded by the params and
+# optimizer tables, + the token batch); temp = gradients + activations + other (in float32 all are XLA
+# temporaries); collectives = result bytes per device per step, per op kind, as meshpar.analysis counts
+# them. The CPU backend emits no reduce-scatter: GSPMD all-reduces the whole gradient and slices it
+# (ZeRO 2/3 gradients, Megatron SP's region outputs), and gathers FSDP weights in float32 then casts;
+# `collectives(..., cpu=True)` predicts those forms. Op kinds under 1% of the bytes are not compared
+# (TP+SP's two collective-permutes of 224 bytes).
+
+CASES = {  # name: (mesh, ParallelConfig fields, TrainConfig fields)
+    "dp (zero 0)": ("data=8", {}, {}),
+    "zero 1": ("fsdp=8", {"zero_stage": 1}, {}),
+    "zero 2": ("fsdp=8", {"zero_stage": 2}, {}),
+    "zero 3 (fsdp)": ("fsdp=8", {"zero_stage": 3}, {}),
+    "fsdp + remat full": ("fsdp=8", {"zero_stage": 3}, {"remat": "full"}),
+    "tp": ("model=8", {}, {}),
+    "tp + sp": ("model=8", {"sequence_parallel": True}, {}),
+}
+_compiled: dict[str, dict] = {}
+
+
+def compiler_report(name: str) -> dict:
+    require_devices(8)
+    if name not in _compiled:
+        spec, par, tr = CASES[name]
+        layout = Compiled(spec, cfg=dataclasses.replace(TRAIN, **tr), parallel=rules_lib.ParallelConfig(**par))
+        _compiled[name] = layout.report()
+    return _compiled[name]
+
+
+def predicted(name: str):
+    spec, par, tr = CASES[name]
+    lay = Layout(**mesh_lib.parse(spec).sizes(), zero_stage=par.get("zero_stage", 3),
+                 sequence_parallel=par.get("sequence_parallel", False), remat=tr.get("remat", "none"))
+    run = Run(TRAIN.global_batch, TRAIN.seq_len, compute_dtype="float32")
+    shape = Shape.of(MODEL)
+    assert not check(shape, lay, run)
+    return lay, memory(shape, lay, run), totals(collectives(shape, lay, run, cpu=True))
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_model_states_match_argument_bytes(name):
+    lay, mem, _ = predicted(name)
+    tokens = TRAIN.global_batch // (lay.data * lay.fsdp) * (TRAIN.seq_len + 1) * 4
+    arguments = compiler_report(name)["memory_per_device"]["arguments_bytes"]
+    assert abs(mem.params + mem.optimizer + tokens - arguments) / arguments < 0.05
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_activations_and_gradients_match_temp_bytes(name):
+    _, mem, _ = predicted(name)
+    temp = compiler_report(name)["memory_per_device"]["temp_bytes"]
+    assert abs(mem.grads + mem.activations + mem.other - temp) / temp < 0.25
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_collective_bytes_match_the_hlo(name):
+    _, _, expected = predicted(name)
+    measured = {op: v["bytes"] for op, v in compiler_report(name)["collectives"].items()}
+    big = {op for op, b in measured.items() if b > 0.01 * sum(measured.values())}
+    assert big == {op for op, b in expected.items() if b > 0.01 * sum(measured.values())}
+    for op in big:
+        assert abs(expected[op] - measured[op]) / measured[op] < 0.10, op
+
+
+def test_what_the_cpu_emits_instead_of_reduce_scatter():
+    """On a GPU the ZeRO-3 gradient is reduce-scattered (result 1/8 of the gradient); the CPU backend
+    all-reduces the whole gradient (result = the gradient) and slices it: the measured all-reduce bytes
+    are the whole float32 gradient, 4Ψ."""
+    lay, _, cpu = predicted("zero 3 (fsdp)")
+    gpu = totals(collectives(Shape.of(MODEL), lay, Run(TRAIN.global_batch, TRAIN.seq_len, "float32")))
+    four_psi = 4 * Shape.of(MODEL).params
+    assert "reduce-scatter" not in compiler_report("zero 3 (fsdp)")["collectives"]
+    assert cpu["all-reduce"] == pytest.approx(four_psi) and gpu["reduce-scatter"] == pytest.approx(four_psi)
+    assert abs(compiler_report("zero 3 (fsdp)")["collectives"]["all-reduce"]["bytes"] - four_psi) / four_psi < 0.01
+
+
+def test_remat_makes_fsdp_gather_the_layers_twice():
+    once, twice = (compiler_report(name)["collectives"]["all-gather"]["bytes"]
+                   for name in ("zero 3 (fsdp)", "fsdp + remat full"))
+    layers = 4 * Shape.of(MODEL).layer_params * MODEL.n_layers
+    assert twice - once == pytest.approx(layers, rel=0.01)  # forward + recompute; embedding and head once
+
+
+# --- published numbers --------------------------------------------------------------------------------------
+
+GB = 1e9  # the ZeRO paper's GB (arXiv:1910.02054 quotes decimal gigabytes)
+
+
+@pytest.mark.parametrize(("stage", "published_gb"), [(0, 120), (1, 31.4), (2, 16.6), (3, 1.9)])
+def test_zero_paper_figure_1(stage, published_gb):
+    """ZeRO (Rajbhandari et al., arXiv:1910.02054) Figure 1: Ψ = 7.5B, N_d = 64, K = 12 (mixed precision
+    Adam): baseline 120 GB, P_os 31.4 GB, P_os+g 16.6 GB, P_os+g+p 1.9 GB per device (rounded to 0.1)."""
+    total = plan.model_states(7.5e9, stage, 64, "mixed")["total"] / GB
+    assert total == pytest.approx(published_gb, abs=0.05 + 0.005 * published_gb)
+
+
+def test_zero_paper_table_1_trillion_parameters_on_1024_gpus():
+    """ZeRO Table 1: a 1T-parameter model with P_os+g+p over N_d = 1024 needs 15.6 GB per device
+    (16 bytes × 1e12 / 1024, the cell truncated to 0.1 GB), 16 TB without ZeRO."""
+    assert plan.model_states(1e12, 3, 1024, "mixed")["total"] / GB == pytest.approx(15.6, abs=0.05)
+    assert plan.model_states(1e12, 0, 1024, "mixed")["total"] / GB == pytest.approx(16_000)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "mixed"])
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_layout_model_states_are_the_zero_formula_split_by_tp_and_pp(zero, precision):
+    """The per-tensor accounting of a TP × PP × ZeRO layout is the ZeRO formula over fsdp, divided by model
+    (everything) and by stage (the layer stack; the embedding and head sit outside the pipeline), up to the
+    norm scales, which tensor parallelism does not split (< 0.1% of Ψ)."""
+    shape = Shape.of(configs.load("llama_8b").model)
+    mem = memory(shape, Layout(fsdp=8, stage=4, model=8, zero_stage=zero), Run(64, 4096, precision=precision))
+    layers = shape.layer_params * shape.layers
+    states = lambda n: (lambda z: z["params"] + z["optimizer"])(plan.model_states(n, zero, 8, precision))
+    assert mem.params + mem.optimizer == pytest.approx(states(layers) / 32 + states(shape.params - layers) / 8, rel=1e-3)
+
+
+def test_meshpar_precision_has_the_same_total_split_differently():
+    fp32, mixed = (plan.model_states(1e9, 0, 1, p) for p in ("fp32", "mixed"))
+    assert fp32["total"] == mixed["total"] == 16e9
+    assert (fp32["params"], fp32["grads"], fp32["optimizer"]) == (4e9, 4e9, 8e9)
+
+
+@pytest.mark.parametrize(("stages", "microbatches"), [(4, 1), (4, 4), (4, 16), (8, 32)])
+def test_gpipe_bubble(stages, microbatches):
+    """GPipe (Huang et al., arXiv:1811.06965 §2.3): the bubble is (K − 1)/(M + K − 1) of the time;
+    meshpar's pipeline computes the same."""
+    expected = (stages - 1) / (microbatches + stages - 1)
+    lay = Layout(stage=stages, microbatches=microbatches)
+    assert plan.bubble(lay) == pytest.approx(expected)
+    assert pipeline.bubble_fraction(stages, microbatches) == pytest.approx(expected)
+    assert plan.iterations(stages, microbatches) == pipeline.iterations(stages, microbatches)
+
+
+@pytest.mark.parametrize(("p", "m", "v"), [(4, 8, 2), (8, 32, 4), (16, 64, 2)])
+def test_megatron_interleaved_bubble(p, m, v):
+    """Narayanan et al. (arXiv:2104.04473 §2.2.2): with v model chunks per device the bubble is
+    (1/v)·(p − 1)/m of the ideal time (m ≥ p): bubble / (1 − bubble) with R = v repeats."""
+    f = plan.bubble(Layout(stage=p, microbatches=m, pipeline_repeats=v))
+    assert f / (1 - f) == pytest.approx((p - 1) / (v * m))
+
+
+def test_palm_mfu_definition():
+    """PaLM (Chowdhery et al., arXiv:2204.02311 §4.1, App. B): model FLOPs per token 6N + 12·L·H·Q·T;
+    PaLM 540B (N = 540.35B, L = 118, H = 48 heads, Q = 256, T = 2048) trained at 238.3K tokens/s on 6144
+    TPU v4 chips (275 TFLOP/s bf16 peak each): MFU 46.2%."""
+    flops = palm_flops_per_token(540.35e9, 118, 48, 256, 2048)
+    assert mfu(flops, 238.3e3, 6144, 275e12) == pytest.approx(0.462, abs=0.001)
+
+
+def _gpt(hidden: int, heads: int, layers: int) -> Shape:
+    """Megatron's GPT (vocab 51200, tied embeddings) in our shape: a SwiGLU of d_ff = 8h/3 has the 4h GeLU
+    MLP's 8h² weights, so the FLOPs per token are the same (within 0.01%)."""
+    return Shape(vocab=51200, d_model=hidden, layers=layers, heads=heads, kv_heads=heads,
+                 d_ff=round(8 * hidden / 3), tied=True)
+
+
+# Narayanan et al. 2021 (arXiv:2104.04473) Table 1, A100 80GB (312 TFLOP/s bf16), sequence 2048, full
+# activation recomputation: (label, heads, hidden, layers, tensor, pipeline, GPUs, batch, % of peak).
+# The % counts Eq. 3's FLOPs, 96·B·s·l·h²(1 + s/6h + V/16lh), which include the recomputed forward pass;
+# PaLM's MFU counts 6N + 12·l·h·s per token, so MFU = % × (PaLM FLOPs / Eq. 3 FLOPs) ≈ % × 0.75.
+MEGATRON = [("1008B", 160, 25600, 128, 8, 64, 3072, 3072, 0.52), ("145.6B", 96, 12288, 80, 8, 8, 1536, 2304, 0.47)]
+
+
+@pytest.mark.parametrize("row", MEGATRON, ids=[r[0] for r in MEGATRON])
+def test_predicted_mfu_next_to_megatron_2021(row):
+    """The model's MFU for the published layout (microbatch of 1 sequence and the non-interleaved
+    bubble assumed; the table does not list them), converted to PaLM's MFU: below the published one and
+    within 30% of it. It is a prediction of MESHPAR's program on that layout, which communicates more
+    than Megatron's: 7 all-reduces per layer where Megatron does 4, every tensor-parallel rank sending
+    the whole microbatch between stages (no scatter/gather), and the pipeline's output all-reduced over
+    the stages (pipeline.py)."""
+    label, heads, hidden, layers, tp, pp, gpus, batch, fraction = row
+    shape, s = _gpt(hidden, heads, layers), 2048
+    eq3 = 96 * hidden**2 * layers * (1 + s / (6 * hidden) + 51200 / (16 * layers * hidden))
+    published = fraction * shape.model_flops_per_token(s) / eq3
+    dp = gpus // (tp * pp)
+    lay = Layout(data=dp, stage=pp, model=tp, zero_stage=0, microbatches=batch // dp, remat="full")
+    est = plan.estimate(shape, lay, Run(batch, s), plan.parse_hardware("a100"), 8, strict=False)
+    assert shape.params / 1e9 == pytest.approx(float(label[:-1]), rel=0.01)
+    assert 0.7 * published < est.mfu < published, (est.mfu, published)
+
+
+def test_predicted_mfu_next_to_llama3_405b():
+    """Llama 3 (arXiv:2407.21783) Table 4: 405B on 8,192 H100s, TP 8, PP 16, DP 64, sequence 8192,
+    16M tokens per batch (32 sequences per DP rank, taken as 32 microbatches), BF16 MFU 43%, with flash
+    attention (modelled: no materialised scores, the causal half of the attention FLOPs) and an
+    interleaved pipeline whose depth is not given: the best of R = 1..7 repeats (126/16 layers per stage)
+    is below the published MFU and within 30% of it, for the same reasons as Megatron's rows."""
+    shape = Shape(vocab=128256, d_model=16384, layers=126, heads=128, kv_heads=8, d_ff=53248)
+    run = Run(2048, 8192, flash_attention=True)
+    best = max(plan.estimate(shape, Layout(fsdp=64, stage=16, model=8, microbatches=32, pipeline_repeats=r),
+                             run, plan.parse_hardware("h100"), 8, strict=False).mfu for r in range(1, 8))
+    assert shape.params / 1e9 == pytest.approx(405, rel=0.01)
+    assert 0.7 * 0.43 < best < 0.43, best
+
+
+# --- the search ------------------------------------------------------------------------------------------
+
+
+class FakeDevice:
+    """Enough of a jax Device for meshpar.mesh.build to lay out a mesh of any size."""
+
+    def __init__(self, index: int, process: int):
+        self.id, self.process_index = index, process
+
+    def __repr__(self) -> str:
+        return f"fake:{self.id}"
+
+
+def assert_builds(model_cfg, est: plan.Estimate, global_batch: int, seq_len: int, devices: list) -> None:
+    """Everything meshpar checks when it builds this layout: the mesh (host layout), the rules, the
+    shardings of every parameter, gradient and optimizer moment, the token batch, the activations, the
+    pipeline, gradient accumulation and context attention."""
+    lay = est.layout
+    mesh = mesh_lib.build(mesh_lib.MeshConfig(**lay.sizes).resolve(len(devices)), devices)
+    parallel = rules_lib.ParallelConfig(zero_stage=lay.zero_stage, sequence_parallel=lay.sequence_parallel,
+                                        context_attention=lay.context_attention, load_balance=lay.load_balance,
+                                        microbatches=lay.microbatches, pipeline_repeats=lay.pipeline_repeats)
+    rules = rules_lib.make(parallel)
+    cfg = train.TrainConfig(global_batch=global_batch, seq_len=seq_len, remat=lay.remat, grad_accum=lay.grad_accum)
+    with nnx.use_eager_sharding(False):
+        state = nnx.state(nnx.eval_shape(lambda: train.TrainState(Transformer(model_cfg, rngs=nnx.Rngs(0)),
+                                                                   train.optimizer(cfg))))
+    sharding.state_specs(state, mesh, rules)  # params and Adam moments: raises on a dimension not divisible
+    sharding.state_specs(nnx.state(state["model"], nnx.Param), mesh, rules, "grads")
+    shards = lay.data * lay.fsdp
+    assert global_batch % (shards * cfg.grad_accum) == 0  # train._accumulated
+    rows = global_batch // cfg.grad_accum  # one accumulation step
+    sharding.spec_for(("batch", None), (rows, seq_len + 1), rules.table("activations"), mesh, "tokens")
+    if lay.stage > 1:
+        pipeline._check(model_cfg.n_layers, rows, mesh=mesh, stages=lay.stage, microbatches=lay.M,
+                        repeats=lay.R, remat=lay.remat)
+        rows //= lay.M
+    D, N, K, H = model_cfg.d_model, model_cfg.n_heads, model_cfg.n_kv_heads, model_cfg.d_model // model_cfg.n_heads
+    table = rules.table("activations")
+    for logical, shape in [(("batch", "resid_seq", "embed"), (rows, seq_len, D)),
+                           (("batch", "seq", "embed"), (rows, seq_len, D)),
+                           (("batch", "seq", "heads", None), (rows, seq_len, N, H)),
+                           (("batch", "seq", "kv_heads", None), (rows, seq_len, K, H)),
+                           (("batch", "seq", "mlp"), (rows, seq_len, model_cfg.d_ff)),
+                           (("batch", "seq", "vocab"), (rows, seq_len, model_cfg.vocab_size))]:
+        sharding.spec_for(logical, shape, table, mesh, f"activation {logical}")
+    if lay.sequence > 1:
+        q, kv = (jax.ShapeDtypeStruct((rows, seq_len, n, H), "float32") for n in (N, K))
+        attention._check(q, kv, kv, lay.sequence, "sequence", lay.context_attention == "ring" and lay.load_balance)
+        if lay.context_attention == "ulysses":
+            assert (N // lay.model) % lay.sequence == 0 and (K // lay.model) % lay.sequence == 0
+
+
+@pytest.mark.parametrize(("name", "devices", "batch", "seq"), [
+    ("llama_8b", 64, 512, 8192), ("llama_70b", 512, 1024, 8192), ("llama_1b", 16, 64, 4096)])
+def test_every_proposed_layout_builds(name, devices, batch, seq):
+    model = configs.load(name).model
+    result = plan.search(model, devices=devices, devices_per_host=8, hardware="h100", global_batch=batch,
+                         seq_len=seq, top=15)
+    assert result.ranked and all(e.fits for e in result.ranked)
+    assert [e.step_s for e in result.ranked] == sorted(e.step_s for e in result.ranked)
+    fake = [FakeDevice(i, i // 8) for i in range(devices)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a sequence axis across hosts is allowed (and priced)
+        for est in result.ranked:
+            assert_builds(model, est, batch, seq, fake)
+
+
+def test_layouts_for_the_test_model_build_on_the_real_devices():
+    require_devices(8)
+    result = plan.search(MODEL, devices=8, devices_per_host=8, hardware="h100", global_batch=TRAIN.global_batch,
+                         seq_len=TRAIN.seq_len, top=20)
+    for est in result.ranked:
+        assert_builds(MODEL, est, TRAIN.global_batch, TRAIN.seq_len, jax.devices())
+
+
+def test_search_respects_what_the_model_cannot_split():
+    model = dataclasses.replace(MODEL, n_heads=6, n_kv_heads=2, d_model=96, d_ff=192, n_layers=3)
+    result = plan.search(model, devices=8, devices_per_host=8, hardware="h100", global_batch=12, seq_len=24, top=50)
+    for est in result.ranked:
+        lay = est.layout
+        assert 2 % lay.model == 0 and 3 % lay.stage == 0 and 12 % (lay.data * lay.fsdp * lay.M * lay.grad_accum) == 0
+
+
+def test_search_of_4096_devices_takes_under_2_seconds():
+    model = configs.load("llama_70b").model
+    start = time.perf_counter()
+    result = plan.search(model, devices=4096, devices_per_host=8, hardware="h100", global_batch=1024,
+                         seq_len=8192, top=10)
+    assert time.perf_counter() - start < 2.0
+    assert len(result.ranked) == 10 and result.considered > 1_000
+
+
+def test_best_layout_gives_a_mesh_and_valid_overrides():
+    from meshpar import config as config_lib
+
+    sizes, overrides = plan.best_layout(configs.load("llama_8b").model, devices=64, devices_per_host=8,
+                                        hardware="h100", global_batch=512, seq_len=8192)
+    assert math.prod(mesh_lib.MeshConfig(**sizes).resolve(64).sizes().values()) == 64
+    cfg = config_lib.apply(configs.load("llama_8b"), [f"{k}={v}" for k, v in overrides.items()])
+    assert cfg.train.remat == overrides["train.remat"] and cfg.parallel.zero_stage == overrides["parallel.zero_stage"]
+
+
+# --- bad input ----------------------------------------------------------------------------------------------
+
+
+def test_unknown_hardware_is_refused():
+    with pytest.raises(ValueError, match="unknown hardware 'h300'; presets: h100, h200, a100"):
+        plan.parse_hardware("h300")
+    with pytest.raises(ValueError, match="lacks hbm_bw"):
+        plan.parse_hardware("flops=1e15,hbm=8e10,link_bw=4e11,net_bw=5e10")
+    assert plan.parse_hardware("h100,hbm=94e9").hbm == 94e9
+
+
+def test_devices_not_divisible_by_devices_per_host_are_refused():
+    with pytest.raises(ValueError, match="12 devices are not divisible by 8 devices per host"):
+        plan.search(MODEL, devices=12, devices_per_host=8, hardware="h100", global_batch=16, seq_len=32)
+
+
+def test_a_model_that_fits_no_layout_gets_the_smallest_requirement():
+    with pytest.raises(plan.NothingFits, match=r"nothing fits: the smallest layout needs [\d.]+ GB per device "
+                                               r"\(.*\), but h100 has 72.0 GB usable") as err:
+        plan.search(configs.load("llama_70b").model, devices=8, devices_per_host=8, hardware="h100",
+                    global_batch=8, seq_len=8192)
+    assert err.value.smallest.memory.total > 72e9
+
+
+# --- the command line ------------------------------------------------------------------------------------
+
+
+def test_cli_ranked_table(capsys):
+    plan_cli.main(["--config", "llama_8b", "--devices", "64", "--devices-per-host", "8", "--hardware", "h100",
+                   "--global-batch", "512", "--seq-len", "8192", "--top", "3"])
+    out = capsys.readouterr().out
+    for column in ("mesh", "zero", "sp", "attention", "M/R", "remat", "params", "grads", "optim", "acts", "total",
+                   "fits", "comm per axis", "compute s", "step s", "tokens/s", "MFU"):
+        assert column in out
+    assert re.findall(r"^ *(\d+)  \w+=", out, re.M) == ["1", "2", "3"]
+    assert "why: #1 fits" in out
+
+
+def test_cli_json_and_one_mesh(capsys):
+    plan_cli.main(["--config", "llama_8b", "--devices", "64", "--mesh", "fsdp=8,model=8", "--json",
+                   "--set", "parallel.sequence_parallel=true", "--set", "train.remat=full",
+                   "--set", "train.grad_accum=8"])
+    out = json.loads(capsys.readouterr().out)
+    (row,) = out["layouts"]
+    assert row["mesh"] == {"data": 1, "stage": 1, "fsdp": 8, "sequence": 1, "model": 8}
+    assert row["sequence_parallel"] and row["remat"] == "full" and row["grad_accum"] == 8
+    assert set(row["comm"]) == {"fsdp", "model"} and row["step_s"] > 0
+
+
+def test_cli_params_only(capsys):
+    plan_cli.main(["--params", "7.5e9", "--shards", "64", "--precision", "mixed"])
+    out = capsys.readouterr().out
+    assert "120.00" in out and "31.41" in out and "16.64" in out and "1.88" in out
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--config", "llama_8b", "--devices", "64", "--hardware", "tpu"], "unknown hardware 'tpu'"),
+    (["--config", "llama_8b", "--devices", "12"], "12 devices are not divisible by 8 devices per host"),
+    (["--config", "llama_70b", "--devices", "8", "--global-batch", "8"], "nothing fits: the smallest layout needs"),
+    (["--config", "llama_8b", "--devices", "64", "--set", "train.remat=full"], "layout settings need --mesh"),
+    (["--config", "llama_8b", "--devices", "64", "--mesh", "data=4,model=16"],
+     "does not build: n_heads 32 and n_kv_heads 8 must be divisible by model = 16"),
+])
+def test_cli_bad_input(argv, message):
+    with pytest.raises(SystemExit, match=message):
+        plan_cli.main(argv)
+
+
+def test_cli_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    path = tmp_path / "memory.png"
+    plan_cli.main(["--config", "llama_8b", "--devices", "64", "--top", "1", "--plot", str(path)])
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
