@@ -7,7 +7,7 @@
         --set parallel.sequence_parallel=true --set train.remat=full             # one layout
     python -m launch.plan --params 7.5e9 --zero-stage 3 --shards 64 --precision mixed   # model states only
     python -m launch.plan --config llama_8b --devices 64 --plot launch/plan_memory.png
-    python -m launch.plan --config llama_70b --devices 512 --flash-attention    # what-if: fused attention
+    python -m launch.plan --config llama_70b --devices 512 --set train.attention_kernel=dense   # what-if: T² scores
 
 `--hardware`: h100, h200, a100, `h100,hbm=94e9` (a preset with fields replaced) or a full custom spec
 `flops=...,hbm=...,hbm_bw=...,link_bw=...,net_bw=...` (see meshpar/plan_hardware.py). The model is in
@@ -23,7 +23,7 @@ import sys
 
 SETTINGS = ("parallel.zero_stage", "parallel.sequence_parallel", "parallel.context_attention",
             "parallel.load_balance", "parallel.microbatches", "parallel.pipeline_repeats", "train.remat",
-            "train.grad_accum")
+            "train.grad_accum")  # chosen by the search; train.attention_kernel is not (it is a what-if)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -46,8 +46,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mem-fraction", type=float, default=0.9, help="usable fraction of device memory (default "
                    "0.9; JAX preallocates 0.75 unless XLA_PYTHON_CLIENT_MEM_FRACTION says more)")
     p.add_argument("--efficiency", type=float, help="achieved/peak matmul FLOP/s (default 0.6)")
-    p.add_argument("--flash-attention", action="store_true",
-                   help="what-if: attention that never materialises its T×T scores (meshpar's does today)")
     p.add_argument("--plot", metavar="PNG", help="also draw predicted per-device memory by strategy")
     p.add_argument("--params", type=float, help="model-state memory of a bare parameter count (no --config)")
     p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), help="with --params (default: all stages)")
@@ -90,7 +88,7 @@ def main(argv: list[str] | None = None) -> None:
 def run(args: argparse.Namespace) -> None:
     import configs
     from meshpar import config as config_lib, mesh as mesh_lib, plan, plan_report
-    from meshpar.plan_cost import EFFICIENCY, Layout, Run, Shape
+    from meshpar.plan_cost import EFFICIENCY, Shape
 
     if not args.config or not args.devices:
         raise ValueError("give --config NAME and --devices N (or --params N for model states only)")
@@ -108,19 +106,14 @@ def run(args: argparse.Namespace) -> None:
     cfg = config_lib.apply(cfg, [*args.set, *flags])
     shape = Shape.of(cfg.model)
     t = cfg.train
-    runp = Run(t.global_batch, t.seq_len, t.compute_dtype, args.precision, args.efficiency or EFFICIENCY,
-               args.flash_attention)
+    runp = plan.run_of(t, "gpu", args.precision, args.efficiency or EFFICIENCY)
     head = plan_report.header(shape, runp, hw, args.devices, dph, args.mem_fraction, args.config)
 
     if args.mesh:
         sizes = mesh_lib.parse(args.mesh).resolve(args.devices).sizes()
         plan.check_cluster(args.devices, args.devices_per_host)
         mesh_lib.host_split(sizes, dph)
-        p = cfg.parallel
-        lay = Layout(**sizes, zero_stage=p.zero_stage, sequence_parallel=p.sequence_parallel,
-                     context_attention=p.context_attention, load_balance=p.load_balance,
-                     microbatches=p.microbatches, pipeline_repeats=p.pipeline_repeats, remat=t.remat,
-                     grad_accum=t.grad_accum)
+        lay = plan.layout_of(sizes, cfg.parallel, t)
         estimates = [plan.estimate(shape, lay, runp, hw, dph, mem_fraction=args.mem_fraction)]
         if estimates[0].problems:
             raise ValueError(f"layout {plan.describe(lay)} does not build: {'; '.join(estimates[0].problems)}")
@@ -131,7 +124,7 @@ def run(args: argparse.Namespace) -> None:
         result = plan.search(shape, devices=args.devices, devices_per_host=args.devices_per_host, hardware=hw,
                              global_batch=t.global_batch, seq_len=t.seq_len, compute_dtype=t.compute_dtype,
                              precision=args.precision, top=args.top, mem_fraction=args.mem_fraction,
-                             efficiency=runp.efficiency, flash_attention=args.flash_attention)
+                             efficiency=runp.efficiency, flash_attention=runp.flash_attention)
         estimates = result.ranked
         summary = plan_report.why(estimates, shape, runp)
     if args.plot:

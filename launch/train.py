@@ -36,20 +36,62 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def auto_layout(cfg, hardware: str):
-    """The planner's fastest layout that fits the devices present (meshpar.plan), applied to `cfg`."""
+GB = 1e9
+
+
+def device_budget(hardware: str, mem_fraction: float = 0.9) -> float:
+    """Bytes a step may use per device: what the accelerator's allocator reports, else (fake CPU devices)
+    `mem_fraction` of the planner's `hardware`."""
+    import jax
+
+    from meshpar import plan
+
+    stats = jax.local_devices()[0].memory_stats() or {}
+    return stats.get("bytes_limit") or plan.parse_hardware(hardware).hbm * mem_fraction
+
+
+def planned_layouts(cfg, hardware: str, top: int):
+    """The planner's `top` layouts for the devices present (meshpar.plan), each applied to `cfg`, with
+    the planner's estimate: [(config, estimate)], fastest first."""
     import jax
 
     from meshpar import config as config_lib, mesh as mesh_lib, plan
 
-    sizes, overrides = plan.best_layout(cfg.model, devices=jax.device_count(), devices_per_host=jax.local_device_count(),
-                                        hardware=hardware, global_batch=cfg.train.global_batch,
-                                        seq_len=cfg.train.seq_len, compute_dtype=cfg.train.compute_dtype)
-    chosen = dataclasses.replace(cfg, mesh=mesh_lib.MeshConfig(**sizes))
-    chosen = config_lib.apply(chosen, [f"{key}={value}" for key, value in overrides.items()])
-    print(f"--mesh auto: {mesh_lib.describe(sizes)} "
-          + " ".join(f"{key}={value}" for key, value in overrides.items()), flush=True)
-    return chosen
+    result = plan.search(cfg.model, devices=jax.device_count(), devices_per_host=jax.local_device_count(),
+                         hardware=hardware, global_batch=cfg.train.global_batch, seq_len=cfg.train.seq_len,
+                         compute_dtype=cfg.train.compute_dtype, top=top,
+                         flash_attention=plan.run_of(cfg.train).flash_attention)
+    out = []
+    for est in result.ranked:
+        chosen = dataclasses.replace(cfg, mesh=mesh_lib.MeshConfig(**est.layout.sizes))
+        out.append((config_lib.apply(chosen, [f"{k}={v}" for k, v in plan.overrides(est.layout).items()]), est))
+    return out
+
+
+def auto_layout(cfg, hardware: str, top: int = 5):
+    """The planner's fastest layout that the compiler confirms fits (`meshpar.fit`: the real step compiled
+    for abstract state on these devices), trying the planner's top `top` in order."""
+    from meshpar import fit, mesh as mesh_lib, plan, rules
+
+    budget = device_budget(hardware)
+    for chosen, est in planned_layouts(cfg, hardware, top):
+        mesh = mesh_lib.build(chosen.mesh)
+        report = fit.compile_step(model_factory(chosen), chosen.train, mesh, rules.make(chosen.parallel))
+        peak = report["memory_per_device"]["peak_bytes"]
+        fits = peak <= budget
+        print(f"--mesh auto: {plan.describe(est.layout)}: compiler peak {peak / GB:.1f} GB per device (planner "
+              f"{est.memory.total / GB:.1f}), {budget / GB:.1f} GB usable: {'fits' if fits else 'does not fit'}",
+              flush=True)
+        if fits:
+            return chosen
+    raise ValueError(f"--mesh auto: none of the planner's top {top} layouts fits {budget / GB:.1f} GB per device "
+                     f"once compiled; use more devices, a smaller batch or sequence, or set the layout with --mesh")
+
+
+def model_factory(cfg):
+    from models.transformer import Transformer
+
+    return lambda rngs: Transformer(cfg.model, dtype=cfg.train.dtype, rngs=rngs)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -63,31 +105,36 @@ def main(argv: list[str] | None = None) -> None:
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", args.cpu_devices)
 
-    import configs
-    from meshpar import config as config_lib, distributed, mesh as mesh_lib, rules
+    from meshpar import distributed
     from meshpar.run import run
-    from models.transformer import Transformer
 
     try:
         print(distributed.initialize(distributed.from_environment(
             coordinator=args.coordinator, num_processes=args.num_processes, process_id=args.process_id)), flush=True)
-        cfg = configs.load(args.config)
-        if args.mesh not in (None, "auto"):
-            cfg = dataclasses.replace(cfg, mesh=mesh_lib.parse(args.mesh))
         steps = [] if args.steps is None else [f"train.steps={args.steps}"]
-        cfg = config_lib.apply(cfg, [*args.set, *steps])
-        if args.mesh == "auto":
-            cfg = auto_layout(cfg, args.hardware)
-        mesh = mesh_lib.build(cfg.mesh)
+        cfg, mesh, rules, make_model = configure(args.config, args.mesh, [*args.set, *steps], args.hardware)
     except ValueError as err:
         sys.exit(f"error: {err}")
 
     try:
-        run(lambda rngs: Transformer(cfg.model, dtype=cfg.train.dtype, rngs=rngs), cfg.train, cfg.data, mesh,
-            rules.make(cfg.parallel), metrics_file=args.metrics_file, report_file=args.report,
+        run(make_model, cfg.train, cfg.data, mesh, rules, metrics_file=args.metrics_file, report_file=args.report,
             checkpoint_dir=args.checkpoint_dir, checkpoint=cfg.checkpoint, config=dataclasses.asdict(cfg))
     except ValueError as err:  # bad input found while building the run: say what, without a traceback
         sys.exit(f"error: {err}")
+
+
+def configure(name: str, mesh_text: str | None, overrides: list[str], hardware: str = "h100"):
+    """(config, mesh, rules, model factory) of a preset with `--mesh` and `--set` applied."""
+    import configs
+    from meshpar import config as config_lib, mesh as mesh_lib, rules
+
+    cfg = configs.load(name)
+    if mesh_text not in (None, "auto"):
+        cfg = dataclasses.replace(cfg, mesh=mesh_lib.parse(mesh_text))
+    cfg = config_lib.apply(cfg, overrides)
+    if mesh_text == "auto":
+        cfg = auto_layout(cfg, hardware)
+    return cfg, mesh_lib.build(cfg.mesh), rules.make(cfg.parallel), model_factory(cfg)
 
 
 if __name__ == "__main__":

@@ -199,16 +199,20 @@ def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
 
 
 def memory_per_device(compiled: Any) -> dict[str, int]:
-    """Argument, output, temporary and aliased bytes per device, from XLA's memory analysis."""
+    """Argument, output, temporary and aliased bytes per device, from XLA's memory analysis, and the
+    peak they imply: arguments + temp + outputs − aliased (outputs that reuse a donated argument's
+    buffer count once). XLA's own `peak_memory_in_bytes` is not meaningful on CPU (arguments only)."""
     stats = compiled.memory_analysis()
     if stats is None:
         raise ValueError("this backend gives no memory analysis")
-    return {
+    out = {
         "arguments_bytes": stats.argument_size_in_bytes,
         "outputs_bytes": stats.output_size_in_bytes,
         "temp_bytes": stats.temp_size_in_bytes,
         "alias_bytes": stats.alias_size_in_bytes,
     }
+    out["peak_bytes"] = out["arguments_bytes"] + out["temp_bytes"] + out["outputs_bytes"] - out["alias_bytes"]
+    return out
 
 
 def flops_per_device(compiled: Any) -> float:
@@ -220,11 +224,13 @@ def flops_per_device(compiled: Any) -> float:
     return float(cost.get("flops", 0.0))
 
 
-def compile_report(jitted: Any, *args: Any, **kwargs: Any) -> tuple[Any, dict[str, Any]]:
-    """Lowers and compiles `jitted` for these arguments; returns the compiled step and its report."""
+def compile_report(jitted: Any, *args: Any, compiler_options: dict | None = None,
+                   **kwargs: Any) -> tuple[Any, dict[str, Any]]:
+    """Lowers and compiles `jitted` for these arguments (concrete, or `jax.ShapeDtypeStruct`s with
+    shardings: nothing is allocated); returns the compiled step and its report."""
     lowered = jitted.lower(*args, **kwargs)
     start = time.perf_counter()
-    compiled = lowered.compile()
+    compiled = lowered.compile(compiler_options=compiler_options)
     compile_s = time.perf_counter() - start
     hlo_text = compiled.as_text()
     if hlo_text is None:

@@ -7,6 +7,15 @@ device's t positions are two chunks of c = t / 2. Scores and softmax statistics 
 the compute dtype; the probabilities are cast back to the compute dtype for the value matmul; the
 output has v's dtype.
 
+Every schedule below computes its attention with ONE block kernel, `block_attention`, which returns the
+f32 output and the log-sum-exp of each query row (what merging blocks needs), with `kernel`:
+- `dense`: the masked [T, S] scores in one piece (XLA keeps them, f32, for the backward pass);
+- `blockwise`: `meshpar.flash`, an online softmax over key blocks with a custom backward pass that
+  recomputes block scores from the saved output and log-sum-exp: memory linear in T, fully masked
+  blocks skipped;
+- `auto`: the fastest for the platform and shape (`resolve_kernel`).
+`cudnn` is reserved for GPUs and refused here.
+
 With heads split over `model` (K divisible by the axis) each device attends over its own heads and no
 collective runs; with the batch split, likewise. With the sequence split there are three schedules
 (context parallelism), each a `jax.shard_map` that is manual over the one sequence axis only, so that
@@ -17,10 +26,12 @@ ppermutes are unaffected. `attend`, which knows the layout from the rules, goes 
 
 | mode      | collectives per layer (forward; backward)            | attention memory per device | needs       |
 |-----------|-------------------------------------------------------|-----------------------------|-------------|
-| allgather | all-gather K,V (2·B·T·K·H); reduce-scatter dK,dV      | scores [t, T], K,V [T]      | T % n       |
-| ring      | n−1 collective-permutes of K,V (2·B·t·K·H each);      | scores [t, t] (fwd and bwd) | T % n (2n)  |
-|           | as many of dK,dV the other way                        |                             |             |
-| ulysses   | all-to-all q,k,v (B·t·(N+2K)·H) and out (B·t·N·H); ×2 | scores [T, T], N/n heads    | N, K % n    |
+| allgather | all-gather K,V (2·B·T·K·H); reduce-scatter dK,dV      | K,V [T]; dense: scores [t, T]  | T % n      |
+| ring      | n−1 collective-permutes of K,V (2·B·t·K·H each);      | K,V blocks; dense: [t, t]      | T % n (2n) |
+|           | as many of dK,dV the other way                        |                                |            |
+| ulysses   | all-to-all q,k,v (B·t·(N+2K)·H) and out (B·t·N·H); ×2 | N/n heads; dense: [T, T]       | N, K % n   |
+
+(With the blockwise kernel no schedule keeps a score matrix: a [block, block] tile at a time.)
 
 Per device, ring and all-gather receive the other devices' K and V, (n−1)·2·B·t·K·H elements (growing
 with n at fixed t); Ulysses sends (n−1)/n of its q, k, v and output slices, B·t·2(N+K)·H elements (flat in
@@ -33,6 +44,7 @@ order (`zigzag`) gives each device chunks i and 2n−1−i of 2n chunks, which b
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -42,30 +54,111 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
-from meshpar import context, sharding
+from meshpar import context, flash, sharding
 
 MODES = ("allgather", "ring", "ulysses")
+KERNELS = ("auto", "dense", "blockwise", "cudnn")
+# Blockwise tile edge per platform. CPU, measured (value and grads of one attention, B = 2, N = 8,
+# H = 16 and 64): 128 beat 256 and 512 from T = 256 to 2048.
+BLOCK = {"cpu": 128}
+DEFAULT_BLOCK = 512
+# CPU, measured the same way: dense won only at T ≤ 128 (one tile), blockwise from T = 256 on.
+DENSE_MAX_T = {"cpu": 128}
 
 
-def causal_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array) -> jax.Array:
-    """softmax(q kᵀ / √H + causal mask) v, with each group of G query heads sharing one kv head."""
+# --- the block kernel ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Causal:
+    """The causal mask of one kernel call: query t sees key s iff q_T[t] >= k_S[s] (global positions).
+
+    `q_T`, `k_S` may be traced (a device's positions depend on its index in a shard_map); `layouts` are
+    the same positions as numpy arrays for every variant the program runs (one per device when devices
+    differ), from which the blockwise kernel decides, at trace time, which tiles to skip or leave unmasked.
+    """
+
+    q_T: jax.Array
+    k_S: jax.Array
+    layouts: tuple[tuple[np.ndarray, np.ndarray], ...]
+
+    @classmethod
+    def static(cls, q_T: np.ndarray, k_S: np.ndarray) -> Causal:
+        return cls(jnp.asarray(q_T, jnp.int32), jnp.asarray(k_S, jnp.int32), ((q_T, k_S),))
+
+
+def platform_of(mesh: Mesh | None) -> str:
+    return mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+
+
+def resolve_kernel(kernel: str, S: int, platform: str) -> str:
+    """The kernel `block_attention` runs: `auto` becomes `dense` up to the platform's measured length
+    (`DENSE_MAX_T`, by the keys one query sees), `blockwise` above; `cudnn` is refused off GPUs."""
+    if kernel not in KERNELS:
+        raise ValueError(f"attention kernel '{kernel}' is not one of {', '.join(KERNELS)}")
+    if kernel == "cudnn":
+        raise ValueError(f"attention kernel 'cudnn' needs a GPU; this mesh runs on '{platform}' "
+                         f"(use auto, dense or blockwise)")
+    if kernel == "auto":
+        return "dense" if S <= DENSE_MAX_T.get(platform, 0) else "blockwise"
+    return kernel
+
+
+def block_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, causal: Causal | None, *,
+                    kernel: str = "auto", platform: str | None = None) -> tuple[jax.Array, jax.Array]:
+    """GQA attention of T queries over S keys: (out f32 [B, T, N, H], log-sum-exp f32 [B, T, N]).
+
+    `causal` None: every key is visible to every query (a ring's off-diagonal block). The log-sum-exp
+    lets partial results over disjoint key sets merge exactly (`merge`). A row with no visible key has
+    out 0 and lse −inf (blockwise) — the schedules never produce one.
+    """
     T, S = q_BTNH.shape[1], k_BSKH.shape[1]
-    return _masked_attention(q_BTNH, k_BSKH, v_BSKH, jnp.arange(T), jnp.arange(S))
+    platform = platform or jax.default_backend()
+    kernel = resolve_kernel(kernel, S, platform)
+    if kernel == "dense":
+        return _dense(q_BTNH, k_BSKH, v_BSKH, causal)
+    bt = flash.block_size(T, BLOCK.get(platform, DEFAULT_BLOCK))
+    bs = flash.block_size(S, BLOCK.get(platform, DEFAULT_BLOCK))
+    if causal is None:
+        pattern = np.full((T // bt, S // bs), flash.FULL, np.int8)
+        q_T, k_S = jnp.zeros(T, jnp.int32), jnp.zeros(S, jnp.int32)
+    else:
+        pattern = flash.block_pattern([q for q, _ in causal.layouts], causal.layouts[0][1], bt, bs)
+        for _, k in causal.layouts[1:]:  # the key layout differs by device too: a tile skipped by all
+            pattern = np.maximum(pattern, flash.block_pattern([q for q, _ in causal.layouts], k, bt, bs))
+        q_T, k_S = causal.q_T, causal.k_S
+    return flash.attention(q_BTNH, k_BSKH, v_BSKH, q_T, k_S, pattern)
 
 
-def _masked_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
-                      pos_T: jax.Array, pos_S: jax.Array) -> jax.Array:
-    """Causal GQA attention where query t sees key s iff pos_T[t] >= pos_S[s] (global positions)."""
+def _dense(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, causal: Causal | None):
     B, T, N, H = q_BTNH.shape
     K = k_BSKH.shape[2]
     q_BTKGH = q_BTNH.reshape(B, T, K, N // K, H)
     scores_BKGTS = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BSKH,
                               preferred_element_type=jnp.float32) / jnp.sqrt(H).astype(jnp.float32)
-    causal_TS = pos_T[:, None] >= pos_S[None, :]
-    scores_BKGTS = jnp.where(causal_TS, scores_BKGTS, -jnp.inf)
-    probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1).astype(v_BSKH.dtype)
-    out_BTKGH = jnp.einsum("bkgts,bskh->btkgh", probs_BKGTS, v_BSKH)
-    return out_BTKGH.reshape(B, T, N, H)
+    if causal is not None:
+        scores_BKGTS = jnp.where(causal.q_T[:, None] >= causal.k_S[None, :], scores_BKGTS, -jnp.inf)
+    lse_BKGT = jax.nn.logsumexp(scores_BKGTS, axis=-1)
+    probs_BKGTS = jnp.exp(scores_BKGTS - lse_BKGT[..., None])
+    out_BTKGH = jnp.einsum("bkgts,bskh->btkgh", probs_BKGTS.astype(v_BSKH.dtype), v_BSKH,
+                           preferred_element_type=jnp.float32)
+    return out_BTKGH.reshape(B, T, N, H), jnp.moveaxis(lse_BKGT, -1, 1).reshape(B, T, N)
+
+
+def merge(a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+    """Combine (out, lse) of the same queries over two disjoint key sets: weights exp(lse_i − lse)."""
+    (o1, l1), (o2, l2) = a, b
+    lse = jnp.logaddexp(l1, l2)
+    return o1 * jnp.exp(l1 - lse)[..., None] + o2 * jnp.exp(l2 - lse)[..., None], lse
+
+
+def causal_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, *, kernel: str = "auto",
+                     platform: str | None = None) -> jax.Array:
+    """softmax(q kᵀ / √H + causal mask) v on one device, each group of G query heads sharing a kv head."""
+    T, S = q_BTNH.shape[1], k_BSKH.shape[1]
+    out_BTNH, _ = block_attention(q_BTNH, k_BSKH, v_BSKH, Causal.static(np.arange(T), np.arange(S)),
+                                  kernel=kernel, platform=platform)
+    return out_BTNH.astype(v_BSKH.dtype)
 
 
 # --- zigzag (load-balanced) sequence order -------------------------------------------------------------
@@ -113,17 +206,16 @@ def zigzag_positions(T: int, n_shards: int) -> jax.Array:
     return zigzag(jnp.arange(T, dtype=jnp.int32), n_shards, axis=0)
 
 
-def _local_positions(i: jax.Array, t: int, n: int, balanced: bool) -> jax.Array:
-    """Global positions of the t positions device i holds (contiguous or zigzag)."""
+def _local_positions(i, t: int, n: int, balanced: bool, xp=jnp):
+    """Global positions of the t positions device i holds (contiguous or zigzag); `xp=np` for a static i."""
     if not balanced:
-        return i * t + jnp.arange(t, dtype=jnp.int32)
+        return i * t + xp.arange(t, dtype=np.int32)
     c = t // 2
-    return jnp.concatenate([i * c + jnp.arange(c, dtype=jnp.int32),
-                            (2 * n - 1 - i) * c + jnp.arange(c, dtype=jnp.int32)])
+    return xp.concatenate([i * c + xp.arange(c, dtype=np.int32), (2 * n - 1 - i) * c + xp.arange(c, dtype=np.int32)])
 
 
-def _global_positions(T: int, n: int, balanced: bool) -> jax.Array:
-    return zigzag_positions(T, n) if balanced else jnp.arange(T, dtype=jnp.int32)
+def _global_positions(T: int, n: int, balanced: bool) -> np.ndarray:
+    return np.concatenate([_local_positions(i, T // n, n, balanced, np) for i in range(n)])
 
 
 # --- checks and the shard_map wrapper -------------------------------------------------------------------
@@ -155,11 +247,14 @@ def _spec_axes(spec: P) -> list[str]:
 
 
 def _context_attention(mode: str, q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, *, mesh: Mesh,
-                       axis: str, load_balanced: bool, q_spec: P | None = None, kv_spec: P | None = None) -> jax.Array:
+                       axis: str, load_balanced: bool, kernel: str, q_spec: P | None = None, kv_spec: P | None = None,
+                       vmapped: tuple[str, ...] = ()) -> jax.Array:
     """Run one schedule in a shard_map over `axis` and the other axes that `q_spec` / `kv_spec` name.
 
     Default specs: P(None, axis, None, None), manual over `axis` alone (partial-manual: the other mesh
-    axes stay with the compiler).
+    axes stay with the compiler). `vmapped`: mesh axes that an enclosing `vmap(spmd_axis_name=...)` owns
+    (gradient accumulation's replicas, the pipeline's stages); the shard_map must be manual over them too,
+    or JAX cannot batch it.
     """
     n = _axis_size(mesh, axis)
     q_spec = P(None, axis, None, None) if q_spec is None else q_spec
@@ -174,25 +269,47 @@ def _context_attention(mode: str, q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: 
                 raise ValueError(f"ulysses attention splits heads over mesh axis '{axis}' of size {n}, "
                                  f"but the {heads} {what}{per} are not divisible by {n}")
     local = {"allgather": _allgather_local, "ring": _ring_local, "ulysses": _ulysses_local}[mode]
-    body = functools.partial(local, axis=axis, n=n, balanced=load_balanced)
-    names = set(_spec_axes(q_spec)) | set(_spec_axes(kv_spec))
+    body = functools.partial(local, axis=axis, n=n, balanced=load_balanced, kernel=kernel,
+                             platform=platform_of(mesh))
+    names = set(_spec_axes(q_spec)) | set(_spec_axes(kv_spec)) | set(vmapped)
     return jax.shard_map(body, mesh=mesh, axis_names=names, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec,
-                         check_vma=True)(q_BTNH, k_BTKH, v_BTKH)
+                         check_vma=not vmapped)(q_BTNH, k_BTKH, v_BTKH)
 
 
 # --- all-gather K/V ---------------------------------------------------------------------------------------
 
 
-def _allgather_local(q_BtNH, k_BtKH, v_BtKH, *, axis: str, n: int, balanced: bool):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1,))
+def _gather_sequence(x_BtKH: jax.Array, axis: str) -> jax.Array:
+    """All-gather along T; the gradient is reduce-scattered back in float32 whatever x's dtype (more
+    exact, and XLA's CPU backend cannot compile the bfloat16 reduce-scatter)."""
+    return lax.all_gather(x_BtKH, axis, axis=1, tiled=True)
+
+
+def _gather_sequence_fwd(x_BtKH, axis):
+    return _gather_sequence(x_BtKH, axis), None
+
+
+def _gather_sequence_bwd(axis, _, g_BTKH):
+    return (lax.psum_scatter(g_BTKH.astype(jnp.float32), axis, scatter_dimension=1, tiled=True).astype(g_BTKH.dtype),)
+
+
+_gather_sequence.defvjp(_gather_sequence_fwd, _gather_sequence_bwd)
+
+
+def _allgather_local(q_BtNH, k_BtKH, v_BtKH, *, axis: str, n: int, balanced: bool, kernel: str, platform: str):
     t = q_BtNH.shape[1]
-    k_BTKH = lax.all_gather(k_BtKH, axis, axis=1, tiled=True)
-    v_BTKH = lax.all_gather(v_BtKH, axis, axis=1, tiled=True)
-    pos_t = _local_positions(lax.axis_index(axis), t, n, balanced)
-    return _masked_attention(q_BtNH, k_BTKH, v_BTKH, pos_t, _global_positions(t * n, n, balanced))
+    k_BTKH, v_BTKH = _gather_sequence(k_BtKH, axis), _gather_sequence(v_BtKH, axis)
+    pos_T = _global_positions(t * n, n, balanced)
+    # Device i's queries see a different part of the keys: a tile is skipped only if every device skips it.
+    layouts = tuple((_local_positions(d, t, n, balanced, np), pos_T) for d in range(n))
+    causal = Causal(_local_positions(lax.axis_index(axis), t, n, balanced), jnp.asarray(pos_T), layouts)
+    out_BtNH, _ = block_attention(q_BtNH, k_BTKH, v_BTKH, causal, kernel=kernel, platform=platform)
+    return out_BtNH.astype(v_BtKH.dtype)
 
 
 def allgather_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, *, mesh: Mesh,
-                        axis: str = "sequence", load_balanced: bool = False) -> jax.Array:
+                        axis: str = "sequence", load_balanced: bool = False, kernel: str = "auto") -> jax.Array:
     """Causal GQA attention with T split over `axis` (size n): queries stay, K and V are all-gathered.
 
     Sharded: q, k, v and the output along T ([B, t, ·, H] per device, t = T/n); other mesh axes are
@@ -200,81 +317,55 @@ def allgather_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array,
     with the causal mask of global positions, and keeps its t outputs.
     Collectives per layer: forward, 2 all-gathers over `axis` (K and V, B·T·K·H·bytes each received);
     backward, 2 reduce-scatters of dK, dV (same sizes in, B·t·K·H out).
-    Memory per device: K, V of the whole sequence (2·B·T·K·H) and the f32 scores [B, N, t, T]
-    (kept for the backward pass): t·T, i.e. T²/n, which is what ring attention avoids.
+    Memory per device: K, V of the whole sequence (2·B·T·K·H); with the dense kernel also the f32
+    scores [B, N, t, T] (kept for the backward pass): t·T, i.e. T²/n, which blockwise and ring avoid.
     With the batch or heads also split over other (automatic) axes, XLA gathers those dimensions
     before the all-gather (a partially manual region); `attend` avoids that.
-    Work: every device computes all t·T scores, masked or not, so the zigzag order changes nothing
-    here; `load_balanced=True` only tells it that q, k, v (and the output) are in zigzag order.
+    Work: the dense kernel computes all t·T scores, masked or not; the blockwise kernel skips the tiles
+    that every device skips (the program is the same on every device), so with zigzag little is saved.
+    `load_balanced=True` tells it that q, k, v (and the output) are in zigzag order.
     """
-    return _context_attention("allgather", q_BTNH, k_BTKH, v_BTKH, mesh=mesh, axis=axis, load_balanced=load_balanced)
+    return _context_attention("allgather", q_BTNH, k_BTKH, v_BTKH, mesh=mesh, axis=axis, load_balanced=load_balanced,
+                              kernel=kernel)
 
 
 # --- ring -------------------------------------------------------------------------------------------------
 
-# Online softmax over key blocks. A partial result for a set of queries is (o, m, l): the f32 output
-# accumulator Σ exp(s − m)·v [B, t, K, G, H], the running max m and denominator l = Σ exp(s − m), both
-# [B, K, G, t]. The max is under stop_gradient: out = o / l does not depend on m, so treating it as a
-# constant gives the exact gradient and keeps max() out of the backward pass.
+# A partial result for a set of queries is (out, lse): the f32 output over the keys seen so far and the
+# log-sum-exp of their scores; `merge` adds the keys of another block exactly.
 
 
-def _block(q_BtKGH: jax.Array, k_BsKH: jax.Array, v_BsKH: jax.Array, mask_ts: jax.Array | None):
-    """(o, m, l) of one query block against one key block; `mask_ts` None means fully visible."""
-    H = q_BtKGH.shape[-1]
-    s_BKGts = jnp.einsum("btkgh,bskh->bkgts", q_BtKGH, k_BsKH,
-                         preferred_element_type=jnp.float32) / jnp.sqrt(H).astype(jnp.float32)
-    if mask_ts is not None:
-        s_BKGts = jnp.where(mask_ts, s_BKGts, -jnp.inf)  # every row keeps its diagonal: m stays finite
-    m_BKGt = lax.stop_gradient(jnp.max(s_BKGts, axis=-1))
-    p_BKGts = jnp.exp(s_BKGts - m_BKGt[..., None])
-    l_BKGt = jnp.sum(p_BKGts, axis=-1)
-    o_BtKGH = jnp.einsum("bkgts,bskh->btkgh", p_BKGts.astype(v_BsKH.dtype), v_BsKH,
-                         preferred_element_type=jnp.float32)
-    return o_BtKGH, m_BKGt, l_BKGt
-
-
-def _merge(a, b):
-    """Combine two partial results for the same queries (rescale both to the larger max)."""
-    (o1, m1, l1), (o2, m2, l2) = a, b
-    m = jnp.maximum(m1, m2)
-    a1, a2 = jnp.exp(m1 - m), jnp.exp(m2 - m)
-    to_o = lambda w_BKGt: jnp.moveaxis(w_BKGt, -1, 1)[..., None]  # → [B, t, K, G, 1]
-    return o1 * to_o(a1) + o2 * to_o(a2), m, l1 * a1 + l2 * a2
-
-
-def _add_block(acc, q_BtKGH, k_BsKH, v_BsKH):
-    return _merge(acc, _block(q_BtKGH, k_BsKH, v_BsKH, None))
-
-
-def _ring_local(q_BtNH, k_BtKH, v_BtKH, *, axis: str, n: int, balanced: bool):
+def _ring_local(q_BtNH, k_BtKH, v_BtKH, *, axis: str, n: int, balanced: bool, kernel: str, platform: str):
     B, t, N, H = q_BtNH.shape
-    K = k_BtKH.shape[2]
-    G = N // K
     i = lax.axis_index(axis)
-    q_BtKGH = q_BtNH.reshape(B, t, K, G, H)
+    attend_block = functools.partial(block_attention, kernel=kernel, platform=platform)
 
-    # Step 0: the local (diagonal) block, the only one that needs a mask; every query sees itself,
-    # so the accumulators start finite. Steps 1..n−1 handle the blocks that arrive by ring.
+    # Step 0: the local (diagonal) block, the only one that needs a mask; every query sees itself, so
+    # the log-sum-exp starts finite. Its tile pattern is the same on every device (`Causal.layouts`).
     pos_t = _local_positions(i, t, n, balanced)
-    acc = jax.checkpoint(_block)(q_BtKGH, k_BtKH, v_BtKH, pos_t[:, None] >= pos_t[None, :])
+    layouts = tuple((p, p) for p in (_local_positions(d, t, n, balanced, np) for d in range(n)))
+    diagonal = Causal(pos_t, pos_t, layouts)
+    acc = jax.checkpoint(lambda q, k, v: attend_block(q, k, v, diagonal))(q_BtNH, k_BtKH, v_BtKH)
     if n == 1:
-        o_BtKGH, _, l_BKGt = acc
-        return (o_BtKGH / jnp.moveaxis(l_BKGt, -1, 1)[..., None]).reshape(B, t, N, H).astype(v_BtKH.dtype)
+        return acc[0].astype(v_BtKH.dtype)
+
+    def add(acc, q, k, v):
+        return merge(acc, attend_block(q, k, v, None))
 
     # Every block that arrives is either fully visible or fully masked (its positions are all before
     # or all after this device's, in both orders), so no mask is built after step 0. The compute of a
     # step is rematerialised in the backward pass (jax.checkpoint), so only the step's inputs (the
-    # accumulators and the K/V block) are saved, never a score block: O(t·t) scores forward and backward.
+    # accumulators and the K/V block) are saved, never a score block.
     if not balanced:
         # Contiguous order: the block from src = i − s is visible iff src < i, else skipped with
         # lax.cond: the skip is a data-dependent (per-device) branch, and a conditional is the only way
         # to not do the work (arithmetic selection would compute and discard it). The devices still
         # wait for the busiest one (device n−1 computes every block), which is what zigzag fixes.
-        update = jax.checkpoint(_add_block, prevent_cse=False)
+        update = jax.checkpoint(add, prevent_cse=False)
 
         def compute(acc, kv_2BtKH, s):
             visible = (i - s) % n < i
-            return lax.cond(visible, lambda a: update(a, q_BtKGH, kv_2BtKH[0], kv_2BtKH[1]), lambda a: a, acc)
+            return lax.cond(visible, lambda a: update(a, q_BtNH, kv_2BtKH[0], kv_2BtKH[1]), lambda a: a, acc)
     else:
         # Zigzag order: queries (q0, q1) = chunks (i, 2n−1−i), keys (k0, k1) = chunks (src, 2n−1−src).
         # If src < i, q0·k0 and q1·k0 are visible; if src > i, q1·k0 and q1·k1; the other two blocks are
@@ -282,23 +373,22 @@ def _ring_local(q_BtNH, k_BtKH, v_BtKH, *, axis: str, n: int, balanced: bool):
         # every device, equal work, and the choice is a dynamic index (arithmetic), not a conditional:
         # nothing masked is computed and no device runs a different program.
         c = t // 2
-        halves = lambda a, ax: jnp.moveaxis(a.reshape(a.shape[:ax] + (2, c) + a.shape[ax + 1:]), ax, 0)
-        q_2BcKGH = halves(q_BtKGH, 1)
-        o, m, l = acc
-        acc = (halves(o, 1), halves(m, 3), halves(l, 3))  # each with a leading half axis
+        halves = lambda a: jnp.moveaxis(a.reshape(a.shape[:1] + (2, c) + a.shape[2:]), 1, 0)  # T → [2, ..c..]
+        q_2BcNH = halves(q_BtNH)
+        acc = tuple(halves(a) for a in acc)  # out [2, B, c, N, H], lse [2, B, c, N]
 
-        def balanced_step(acc, q_2BcKGH, kv_2BtKH, x):
-            k_2BcKH, v_2BcKH = halves(kv_2BtKH[0], 1), halves(kv_2BtKH[1], 1)
+        def balanced_step(acc, q_2BcNH, kv_2BtKH, x):
+            k_2BcKH, v_2BcKH = halves(kv_2BtKH[0]), halves(kv_2BtKH[1])
             pick = lambda a: lax.dynamic_index_in_dim(a, x, 0, keepdims=False)
-            acc1 = _add_block(tuple(a[1] for a in acc), q_2BcKGH[1], k_2BcKH[0], v_2BcKH[0])
+            acc1 = add(tuple(a[1] for a in acc), q_2BcNH[1], k_2BcKH[0], v_2BcKH[0])
             acc = tuple(a.at[1].set(a1) for a, a1 in zip(acc, acc1))
-            accx = _add_block(tuple(pick(a) for a in acc), pick(q_2BcKGH), pick(k_2BcKH), pick(v_2BcKH))
+            accx = add(tuple(pick(a) for a in acc), pick(q_2BcNH), pick(k_2BcKH), pick(v_2BcKH))
             return tuple(lax.dynamic_update_index_in_dim(a, ax, x, 0) for a, ax in zip(acc, accx))
 
         update = jax.checkpoint(balanced_step, prevent_cse=False)
 
         def compute(acc, kv_2BtKH, s):
-            return update(acc, q_2BcKGH, kv_2BtKH, ((i - s) % n > i).astype(jnp.int32))
+            return update(acc, q_2BcNH, kv_2BtKH, ((i - s) % n > i).astype(jnp.int32))
 
     # The shift for step s+1 is issued before the compute of step s and does not depend on it, so the
     # transfer can overlap the block matmuls; the last step is peeled off so that exactly n−1 shifts run.
@@ -312,53 +402,51 @@ def _ring_local(q_BtNH, k_BtKH, v_BtKH, *, axis: str, n: int, balanced: bool):
     kv_2BtKH = lax.ppermute(jnp.stack([k_BtKH, v_BtKH]), axis, ring)  # one ppermute per step for both
     if n > 2:
         (acc, kv_2BtKH), _ = lax.scan(step, (acc, kv_2BtKH), jnp.arange(1, n - 1))
-    acc = compute(acc, kv_2BtKH, n - 1)
+    out = compute(acc, kv_2BtKH, n - 1)[0]
     if balanced:
-        whole = lambda a, ax: jnp.moveaxis(a, 0, ax).reshape(a.shape[1:ax + 1] + (t,) + a.shape[ax + 2:])
-        o_BtKGH, l_BKGt = whole(acc[0], 1), whole(acc[2], 3)
-    else:
-        o_BtKGH, _, l_BKGt = acc
-
-    out_BtKGH = o_BtKGH / jnp.moveaxis(l_BKGt, -1, 1)[..., None]
-    return out_BtKGH.reshape(B, t, N, H).astype(v_BtKH.dtype)
+        out = jnp.moveaxis(out, 0, 1).reshape(B, t, N, H)
+    return out.astype(v_BtKH.dtype)
 
 
 def ring_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, *, mesh: Mesh,
-                   axis: str = "sequence", load_balanced: bool = False) -> jax.Array:
+                   axis: str = "sequence", load_balanced: bool = False, kernel: str = "auto") -> jax.Array:
     """Causal GQA attention with T split over `axis` (size n): K/V blocks travel around a ring.
 
     Sharded: q, k, v and the output along T ([B, t, ·, H] per device, t = T/n); other mesh axes are
     the compiler's. Each device keeps its queries and, over n steps (a `lax.scan` of n−1 shifts after
-    the local block), sees every K/V block once, combining them with an online softmax (f32 running
-    max, denominator and output accumulator). Fully masked blocks are skipped: with the contiguous
+    the local block), sees every K/V block once, merging each block's (output, log-sum-exp) from the
+    block kernel into its running f32 result (`merge`). Fully masked blocks are skipped: with the contiguous
     order by `lax.cond` (device i computes i+1 blocks), with `load_balanced=True` (zigzag order, see
     `zigzag`) every step is two unmasked half blocks on every device (equal work, no conditional).
     Collectives per layer: forward, n−1 collective-permutes of the stacked K,V block (2·B·t·K·H·bytes
     each, 2·(n−1)/n·B·T·K·H in all, as much as an all-gather of K and V, but overlappable with the
     block matmuls); backward, the same for the dK, dV accumulators flowing the other way.
-    Memory per device: one [B, N, t, t] f32 score block at a time, forward and backward (the step's
-    compute is rematerialised by `jax.checkpoint` in the backward pass, ~1/3 more attention FLOPs),
-    plus the saved step inputs: n·(accumulators + K/V block) = O(B·T·(N+K)·H) — linear in T.
+    Memory per device: one block's scores at a time, forward and backward — [B, N, t, t] f32 with the
+    dense kernel, a [block, block] tile with the blockwise one (the step's compute is rematerialised by
+    `jax.checkpoint` in the backward pass, ~1/3 more attention FLOPs), plus the saved step inputs:
+    n·(accumulators + K/V block) = O(B·T·(N+K)·H) — linear in T.
     Compute-bound when a step's matmuls (4·B·t²·N·H FLOPs for a whole block, half that for the two
     zigzag half blocks) outlast a permute of 2·B·t·K·H·bytes: t ≳ (K/N)·bytes·(peak FLOP/s)/(link B/s)
     with zigzag (half that contiguous, but there the busiest device does every block).
     """
-    return _context_attention("ring", q_BTNH, k_BTKH, v_BTKH, mesh=mesh, axis=axis, load_balanced=load_balanced)
+    return _context_attention("ring", q_BTNH, k_BTKH, v_BTKH, mesh=mesh, axis=axis, load_balanced=load_balanced,
+                              kernel=kernel)
 
 
 # --- Ulysses (all-to-all: sequence-sharded → head-sharded) -----------------------------------------------
 
 
-def _ulysses_local(q_BtNH, k_BtKH, v_BtKH, *, axis: str, n: int, balanced: bool):
+def _ulysses_local(q_BtNH, k_BtKH, v_BtKH, *, axis: str, n: int, balanced: bool, kernel: str, platform: str):
     to_heads = lambda x: lax.all_to_all(x, axis, split_axis=2, concat_axis=1, tiled=True)  # [B, T, ·/n, H]
     q_BTnH, k_BTkH, v_BTkH = to_heads(q_BtNH), to_heads(k_BtKH), to_heads(v_BtKH)
     pos_T = _global_positions(q_BTnH.shape[1], n, balanced)
-    out_BTnH = _masked_attention(q_BTnH, k_BTkH, v_BTkH, pos_T, pos_T)
-    return lax.all_to_all(out_BTnH, axis, split_axis=1, concat_axis=2, tiled=True)
+    out_BTnH, _ = block_attention(q_BTnH, k_BTkH, v_BTkH, Causal.static(pos_T, pos_T), kernel=kernel,
+                                  platform=platform)
+    return lax.all_to_all(out_BTnH.astype(v_BtKH.dtype), axis, split_axis=1, concat_axis=2, tiled=True)
 
 
 def ulysses_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, *, mesh: Mesh,
-                      axis: str = "sequence", load_balanced: bool = False) -> jax.Array:
+                      axis: str = "sequence", load_balanced: bool = False, kernel: str = "auto") -> jax.Array:
     """Causal GQA attention with T split over `axis` (size n), computed head-parallel (DeepSpeed Ulysses).
 
     Sharded: q, k, v and the output along T outside; inside, an all-to-all turns [B, t, N, H] into
@@ -368,14 +456,15 @@ def ulysses_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, *
     Collectives per layer: forward, 4 all-to-alls (q, k, v in: B·t·(N+2K)·H·bytes per device, of which
     (n−1)/n leave it; out: B·t·N·H); backward, 4 more of the same sizes. The bytes per device do not grow
     with n at fixed t, unlike ring / all-gather, whose K/V traffic is (n−1)·2·B·t·K·H.
-    Memory per device: f32 scores [B, N/n, T, T] (kept for the backward pass): T²·N/n, the same as
-    all-gather's [B, N, t, T], and q, k, v of the whole sequence for N/n heads. The work is the full
+    Memory per device: q, k, v of the whole sequence for N/n heads, and with the dense kernel the f32
+    scores [B, N/n, T, T] (kept for the backward pass): T²·N/n, the same as all-gather's [B, N, t, T]. The work is the full
     causal square for every device, so the zigzag order changes nothing; `load_balanced=True` only
     says the inputs (and output) are zigzagged. With the batch or heads also split over other
     (automatic) axes, XLA gathers those before the all-to-all (a partially manual region); `attend`
     avoids that.
     """
-    return _context_attention("ulysses", q_BTNH, k_BTKH, v_BTKH, mesh=mesh, axis=axis, load_balanced=load_balanced)
+    return _context_attention("ulysses", q_BTNH, k_BTKH, v_BTKH, mesh=mesh, axis=axis, load_balanced=load_balanced,
+                              kernel=kernel)
 
 
 # --- the model's entry point ------------------------------------------------------------------------------
@@ -391,10 +480,11 @@ def _setting(compute: context.Compute, name: str, default):
 def attend(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array) -> jax.Array:
     """Causal GQA attention as the model calls it, with T maybe split over the mesh axis `sequence`.
 
-    Reads the active `meshpar.context.Compute`. With none (eager use of a model), or when its mesh's
-    `sequence` axis has size 1, this is `causal_attention` (batch / head sharding need no collective).
-    Otherwise the schedule comes from two settings, each read from the `Compute` object if it has the
-    field, else from `compute.rules.parallel` (`rules.ParallelConfig`), else these defaults:
+    Reads the active `meshpar.context.Compute`: its `attention_kernel` is the block kernel (`auto` with
+    none). With none (eager use of a model), or when its mesh's `sequence` axis has size 1, this is
+    `causal_attention` (batch / head sharding need no collective). Otherwise the schedule comes from two
+    settings, each read from the `Compute` object if it has the field, else from
+    `compute.rules.parallel` (`rules.ParallelConfig`), else these defaults:
 
     - `context_attention: str = "ring"` — one of "allgather", "ring", "ulysses" (see those functions);
       anything else is a ValueError.
@@ -415,8 +505,11 @@ def attend(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array) -> jax.Array
     """
     compute = context.active()
     axis = "sequence"
-    if compute is None or compute.mesh.shape.get(axis, 1) == 1:
+    if compute is None:
         return causal_attention(q_BTNH, k_BTKH, v_BTKH)
+    kernel = compute.attention_kernel
+    if compute.mesh.shape.get(axis, 1) == 1:
+        return causal_attention(q_BTNH, k_BTKH, v_BTKH, kernel=kernel, platform=platform_of(compute.mesh))
     mode = _setting(compute, "context_attention", "ring")
     if mode not in MODES:
         raise ValueError(f"context_attention = {mode!r} is not one of {', '.join(MODES)}")
@@ -429,4 +522,4 @@ def attend(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array) -> jax.Array
         raise ValueError(f"context-parallel attention needs the activation rule 'seq' to map to mesh axis "
                          f"'{axis}' alone; it gives {q_spec[1]!r}")
     return _context_attention(mode, q_BTNH, k_BTKH, v_BTKH, mesh=mesh, axis=axis, load_balanced=balanced,
-                              q_spec=q_spec, kv_spec=kv_spec)
+                              kernel=kernel, q_spec=q_spec, kv_spec=kv_spec, vmapped=compute.vmapped)

@@ -1,9 +1,10 @@
 """How the model's forward pass runs on the mesh, set while a step is traced.
 
-Models call meshpar helpers (`sharding.constrain`, `sharding.gathered`, `layers.scan`) that read the
-active `Compute`: the mesh, the rules and the rematerialisation policy. Outside a step (plain eager
-use of a model) there is none, and the helpers do nothing special. A jitted function enters the
-context inside its traced body, so the settings are part of what was traced, never stale.
+Models call meshpar helpers (`sharding.constrain`, `sharding.gathered`, `layers.scan`, `attention.attend`)
+that read the active `Compute`: the mesh, the rules, the rematerialisation policy and the attention
+kernel. Outside a step (plain eager use of a model) there is none, and the helpers do nothing special.
+A jitted function enters the context inside its traced body, so the settings are part of what was
+traced, never stale.
 """
 
 from __future__ import annotations
@@ -22,9 +23,15 @@ REMAT_POLICIES = ("none", "full", "dots")
 
 @dataclasses.dataclass(frozen=True)
 class Compute:
+    """`vmapped`: mesh axes that an enclosing `vmap(spmd_axis_name=...)` owns (gradient accumulation's
+    replicas, the pipeline's stages and batch shards): a `shard_map` opened inside must be manual over
+    them too, or JAX cannot batch it."""
+
     mesh: Mesh
     rules: Rules
     remat: str = "none"
+    attention_kernel: str = "auto"
+    vmapped: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.remat not in REMAT_POLICIES:

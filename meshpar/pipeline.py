@@ -74,10 +74,10 @@ stash), with `"dots"` also the projections' outputs, with `"none"` every interme
 the stage compute only: the bookkeeping around it (slices, selects, the permute) is linear and stores
 nothing, so the I/O buffer is never saved per iteration.
 
-Not with context parallelism (yet). A layer that opens its own `jax.shard_map` — meshpar's attention does
-when the sequence is split over `sequence` — cannot run under `vmap(spmd_axis_name=...)` in jax 0.10
-(batching a partially manual shard_map with an spmd axis name fails), so the pipeline refuses such a mesh
-with a clear error when it happens. Layers that stay in GSPMD (constraints only) run on any mesh.
+With context parallelism. A layer that opens its own `jax.shard_map` — meshpar's attention does when the
+sequence is split over `sequence` — runs under these vmaps because the active `Compute` lists the
+vmapped mesh axes (`vmapped`): the shard_map is made manual over them too, which is what JAX needs to
+batch it with an spmd axis name.
 
 When it is worth it. Pipelining sends only a microbatch's activations point to point (b·s·h values per
 stage boundary per microbatch, 2 bytes each in bf16) while a stage computes ≈ 24·b·s·h²·L/(R·S) FLOPs on
@@ -187,7 +187,10 @@ def _shift(x_S: jax.Array, mesh: Mesh) -> jax.Array:
         incoming = jax.lax.ppermute(block[-1:], "stage", ring)
         return jnp.concatenate([incoming, block[:-1]], axis=0)
 
-    return jax.shard_map(local, mesh=mesh, in_specs=P("stage"), out_specs=P("stage"), axis_names={"stage"})(x_S)
+    compute = context.active()
+    vmapped = set(compute.vmapped) if compute is not None else set()  # e.g. gradient accumulation's replicas
+    return jax.shard_map(local, mesh=mesh, in_specs=P("stage"), out_specs=P("stage"),
+                         axis_names={"stage"} | vmapped)(x_S)
 
 
 def _check(L: int, B: int, *, mesh: Mesh, stages: int, microbatches: int, repeats: int, remat: str) -> None:
@@ -256,10 +259,14 @@ def _run(stack: nnx.Module, x_BTD: jax.Array, *args: jax.Array, mesh: Mesh, stag
 
     weights = jax.tree.map(stage_view, stacked, is_leaf=lambda v: isinstance(v, nnx.Variable))
     compute = context.active()
-    # Inside the vmap over batch shards the batch mesh axes belong to the shard dimension.
-    local = None if compute is None else dataclasses.replace(compute, rules=dataclasses.replace(
-        compute.rules, activations=tuple((name, () if name == "batch" else axes)
-                                         for name, axes in compute.rules.activations)))
+    # Inside the vmaps over stages and batch shards those mesh axes belong to the vmapped dimensions, and
+    # each shard's weight gradients stay in the compute layout (reduced once, after the loop).
+    local = None
+    if compute is not None:
+        activations = tuple((name, () if name == "batch" else axes) for name, axes in compute.rules.activations)
+        local = dataclasses.replace(compute, vmapped=compute.vmapped + ("stage",) + (batch or ()),
+                                    rules=dataclasses.replace(compute.rules, activations=activations,
+                                                              grads=activations))
 
     def one_shard(weights_RC: nnx.State, repeat: jax.Array, x_bTD: jax.Array) -> jax.Array:
         """One stage step on one batch shard: the stage's Lc layers of `repeat` on its rows of a microbatch."""
@@ -269,6 +276,8 @@ def _run(stack: nnx.Module, x_BTD: jax.Array, *args: jax.Array, mesh: Mesh, stag
         def one_layer(x, layer):
             return nnx.merge(graphdef, layer)(x, *args), None
 
+        if remat != "none":  # the stage's recompute in the backward pass keeps layer inputs, not intermediates
+            one_layer = jax.checkpoint(one_layer, policy=_POLICIES[remat], prevent_cse=False)
         with context.use(local) if local is not None else contextlib.nullcontext():
             return jax.lax.scan(one_layer, x_bTD, chunk)[0]
 
@@ -315,15 +324,6 @@ def _run(stack: nnx.Module, x_BTD: jax.Array, *args: jax.Array, mesh: Mesh, stag
         io = _constrain(jax.lax.dynamic_update_index_in_dim(io, written, m_out, 1), mesh, "stage", None, batch, U, U)
         return (state, io), None
 
-    try:
-        (state, io), _ = jax.lax.scan(iteration, (state, io), jnp.arange(n_iter))
-    except (ValueError, NameError) as error:
-        if mesh.shape.get("sequence", 1) == 1:
-            raise
-        raise ValueError(
-            f"pipeline: the layers failed under the stage and batch-shard vmaps with the sequence split over "
-            f"sequence={mesh.shape['sequence']}: a layer that opens its own jax.shard_map (meshpar's "
-            f"context-parallel attention does) cannot run under vmap(spmd_axis_name=...) in jax "
-            f"{jax.__version__}; pipeline and context parallelism do not compose yet ({error})") from error
+    (state, io), _ = jax.lax.scan(iteration, (state, io), jnp.arange(n_iter))
     y_MbTD = _constrain(io[0], mesh, None, batch, U, U)
     return y_MbTD.swapaxes(0, 1).reshape(B, T, D), state, io

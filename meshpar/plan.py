@@ -25,9 +25,10 @@ import dataclasses
 import functools
 import math
 
+from meshpar import attention
 from meshpar.mesh import host_split
-from meshpar.plan_cost import (EFFICIENCY, MODES, PRECISIONS, REMATS, Layout, Run, Shape, check, local_elements,
-                               memory)
+from meshpar.plan_cost import (EFFICIENCY, MODES, PRECISIONS, REMATS, Layout, Memory, Run, Shape, check,
+                               local_elements, memory)
 from meshpar.plan_hardware import PRESETS, Hardware, parse as parse_hardware
 from meshpar.plan_time import Estimate, bubble, compute_seconds, estimate, iterations
 
@@ -174,10 +175,11 @@ def _tp_floor(shape: Shape, lay: Layout, run: Run, hw: Hardware) -> float:
 
 def search(model, *, devices: int, devices_per_host: int, hardware: Hardware | str, global_batch: int,
            seq_len: int, compute_dtype: str = "bfloat16", precision: str = "fp32", top: int = 10,
-           mem_fraction: float = 0.9, efficiency: float = EFFICIENCY, flash_attention: bool = False) -> SearchResult:
+           mem_fraction: float = 0.9, efficiency: float = EFFICIENCY, flash_attention: bool = True) -> SearchResult:
     """Rank the layouts that fit, fastest first. Raises NothingFits (naming the smallest need) if none does.
 
-    `flash_attention=True` is a what-if: attention that never materialises its scores (meshpar's does).
+    `flash_attention`: the attention kernel keeps no score matrix (meshpar's blockwise kernel, the GPU
+    default); False models the dense kernel.
     Branch and bound: layouts are visited in the order of their compute time alone (no remat, no
     communication: a lower bound of every variant); the search stops when that bound passes the
     `top`-th best step time found, or reaches layouts whose model states alone do not fit. For each
@@ -214,7 +216,7 @@ def search(model, *, devices: int, devices_per_host: int, hardware: Hardware | s
         at_one = {remat: memory(shape, _layout(base.sizes, base.zero_stage, base.sequence_parallel,
                                                base.context_attention, base.microbatches, base.pipeline_repeats,
                                                remat), run) for remat in REMATS}
-        accumulator = 4 * local_elements(shape, base, "activations")  # one whole float32 gradient (K > 1)
+        accumulator = PRECISIONS[precision][1] * local_elements(shape, base, "grads")  # in the gradients' layout
         for accum in _accums(global_batch // (base.data * base.fsdp * base.M)):
             for remat in REMATS:  # activations scale with 1/K; see memory()
                 evaluated += 1
@@ -293,6 +295,25 @@ def overrides(lay: Layout) -> dict[str, object]:
             "parallel.context_attention": lay.context_attention, "parallel.load_balance": lay.load_balance,
             "parallel.microbatches": lay.M if lay.stage > 1 else 0,
             "parallel.pipeline_repeats": lay.R, "train.remat": lay.remat, "train.grad_accum": lay.grad_accum}
+
+
+def layout_of(sizes: dict[str, int], parallel, train) -> Layout:
+    """The planner's Layout of a mesh and the run's `rules.ParallelConfig` and `train.TrainConfig`."""
+    return Layout(**sizes, zero_stage=parallel.zero_stage, sequence_parallel=parallel.sequence_parallel,
+                  context_attention=parallel.context_attention, load_balance=parallel.load_balance,
+                  microbatches=parallel.microbatches, pipeline_repeats=parallel.pipeline_repeats, remat=train.remat,
+                  grad_accum=train.grad_accum)
+
+
+def run_of(train, platform: str = "gpu", precision: str = "fp32", efficiency: float = EFFICIENCY) -> Run:
+    """The planner's Run of a `train.TrainConfig`; the attention kernel is resolved for `platform`."""
+    flash = attention.resolve_kernel(train.attention_kernel, train.seq_len, platform) != "dense"
+    return Run(train.global_batch, train.seq_len, train.compute_dtype, precision, efficiency, flash)
+
+
+def layout_memory(model_cfg, sizes: dict[str, int], parallel, train, platform: str = "gpu") -> Memory:
+    """Predicted per-device memory of a run's layout (`plan_cost.memory`)."""
+    return memory(Shape.of(model_cfg), layout_of(sizes, parallel, train), run_of(train, platform))
 
 
 def best_layout(model_cfg, *, devices: int, devices_per_host: int, hardware: Hardware | str, global_batch: int,

@@ -86,8 +86,11 @@ MODES = ("allgather", "ring", "ulysses")
 PRECISIONS = {"fp32": (4, 4, 8), "mixed": (2, 2, 12)}  # bytes per element: params, grads, optimizer
 EFFICIENCY = 0.6  # achieved / peak matmul FLOP/s: a stated default, not fitted (see the published-run tests)
 TP_ALL_REDUCES = (2, 5)  # per layer: forward, backward (measured in the compiled step, see the docstring)
-PIPELINE_WITH_CONTEXT = False  # meshpar.pipeline refuses a split sequence (attention's shard_map under vmap)
 SP_ALL_TO_ALL = 1.28  # per layer, × a: GSPMD's attention reshards under Megatron SP (measured, model=8)
+# Per element of a pipeline stage's weights (pipeline.py holds them for the step, gathered over fsdp):
+# each shard's float32 gradient and a compute copy (6 bytes); with fsdp the gathered float32 copy and
+# the float32 copy of the chunk the layer loop reads too (9 more). Fitted as SAVED_NONE.
+PIPELINE_BYTES, PIPELINE_GATHER_BYTES = 6, 9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -202,7 +205,7 @@ class Run:
     compute_dtype: str = "bfloat16"
     precision: str = "fp32"
     efficiency: float = EFFICIENCY
-    flash_attention: bool = False  # True only to compare with runs that never materialise the scores
+    flash_attention: bool = True  # the attention kernel keeps no score matrix (blockwise, meshpar's on GPUs); False: dense
 
     @property
     def c(self) -> int:
@@ -252,9 +255,6 @@ def check(shape: Shape, lay: Layout, run: Run) -> list[str]:
         (n == 1 or lay.context_attention != "ulysses" or ((s.heads // m) % n == 0 and (s.kv_heads // m) % n == 0),
          lambda: f"ulysses: heads per model shard ({s.heads // m} q, {s.kv_heads // m} kv) must be divisible by "
                  f"sequence = {n}"),
-        (PIPELINE_WITH_CONTEXT or lay.stage == 1 or n == 1,
-         lambda: f"stage = {lay.stage} with sequence = {n}: the pipeline and context-parallel attention do not "
-                 f"compose yet (meshpar.pipeline)"),
     )
     return [message() for ok, message in rules if not ok]
 
@@ -310,66 +310,80 @@ def local_dims(shape: Shape, lay: Layout, run: Run):
     return b, t, shape.heads / m, shape.kv_heads / m, shape.d_ff / m, shape.vocab / m
 
 
+# Activation bytes per local token, fitted to what XLA's compiler allocates for this model (its CPU
+# backend, bfloat16 compute, checked by `launch.compile`; tests/test_plan.py holds the fit to 10% of
+# the per-device peak at 8B and 70B sizes). Coefficients of the per-device widths: D (d_model), Dsp
+# (D / model under Megatron SP: the residual stream), F (d_ff / model), Q (N·H / model) and KV (K·H / model).
+SAVED_NONE = {"Dsp": 20, "D": 6, "F": 17, "Q": 20, "KV": 2}  # one layer, remat none: every intermediate
+WORKING = {"none": {}, "dots": {"D": 13, "F": 3, "Q": 19, "KV": 8},  # one layer's backward pass
+           "full": {"D": 17, "F": 14, "Q": 12, "KV": 2}}
+HEAD_BYTES = 6  # per element of the output head: its whole float32 gradient and its gathered compute copy
+
+
+def _widths(shape: Shape, lay: Layout) -> dict[str, float]:
+    m = lay.model
+    return {"D": shape.d_model, "Dsp": shape.d_model / (m if lay.sequence_parallel else 1), "F": shape.d_ff / m,
+            "Q": shape.heads * shape.head_dim / m, "KV": shape.kv_heads * shape.head_dim / m}
+
+
+def _weighted(coefficients: dict[str, float], widths: dict[str, float], run: Run) -> float:
+    """Σ coefficient·width, scaled from the bfloat16 fit to the compute dtype."""
+    return sum(c * widths[name] for name, c in coefficients.items()) * run.c / 2
+
+
+def attention_bytes_per_token(shape: Shape, lay: Layout, run: Run) -> float:
+    """What attention holds per local token beyond q, k, v and its output: the dense kernel's f32
+    scores and probabilities [t, S], ring's n saved step inputs, all-gather's whole K and V."""
+    w, n, c, T = _widths(shape, lay), lay.sequence, run.c, run.seq_len
+    ring = n > 1 and lay.context_attention == "ring"
+    out = n * (4 * w["Q"] + 2 * c * w["KV"]) if ring else 0.0  # f32 output accumulator, K/V block per step
+    if not run.flash_attention:
+        out += w["Q"] / shape.head_dim * (T / n if ring else T) * (4 + c)
+    if n > 1 and lay.context_attention == "allgather":
+        out += 2 * n * c * w["KV"]
+    return out
+
+
 def layer_bytes_per_token(shape: Shape, lay: Layout, run: Run, *, saved: bool = True) -> float:
-    """Activation bytes of one layer per local token (saved for the backward pass, or all of it)."""
-    D, H, c, T, n = shape.d_model, shape.head_dim, run.c, run.seq_len, lay.sequence
-    _, _, N, K, F, _ = local_dims(shape, lay, run)
-    sp = lay.model if (lay.sequence_parallel and saved) else 1
-    resid = (2 * c + 4 * 4) * D / sp  # x, x1 (c); two norms' float32 statistics and outputs
-    inputs, attn, mlp = 2 * D * c, 2 * (N + K) * H * c, 6 * F * c
-    if run.flash_attention:
-        scores = 2 * N * 4  # log-sum-exp statistics only
-    elif n > 1 and lay.context_attention == "ring":
-        # n steps' saved inputs: f32 output accumulator, max and denominator, K/V block
-        scores = n * (N * H * 4 + 2 * N * 4 + 2 * K * H * c)
-    else:
-        scores = N * T * (4 + c)  # [t, T] scores (f32) and probabilities per device
-        if n > 1 and lay.context_attention == "allgather":
-            scores += 2 * n * K * H * c  # the gathered K, V
-        if n > 1 and lay.context_attention == "ulysses":
-            scores += 2 * (N + K) * H * c  # q, k, v, out in the head-split layout
-    full = resid + inputs + attn + scores + mlp
-    if not saved and n > 1 and lay.context_attention == "ring" and not run.flash_attention:
-        full += N * (T / n) * (4 + c)  # the [t, t] score block of the step being computed
-    if not saved or lay.remat == "none":
-        return full
-    x = D * c / (lay.model if lay.sequence_parallel else 1)
+    """Activation bytes of one layer per local token: what the backward pass keeps of it under the
+    layout's remat (`saved`), or what its backward pass works with (`saved=False`)."""
+    w, c = _widths(shape, lay), run.c
+    if not saved:
+        return _weighted(WORKING[lay.remat], w, run) + (attention_bytes_per_token(shape, lay, run)
+                                                         if lay.remat != "none" else 0.0)
     if lay.remat == "full":
-        return x
-    return x + (N + 2 * K) * H * c + D * c + 2 * F * c  # dots: x, q, k, v, attention projection, gate, up
+        return c * w["Dsp"]
+    if lay.remat == "dots":  # x, q, k, v, the attention projection, gate and up
+        return c * (2 * w["Dsp"] + w["Q"] + 2 * w["KV"] + 2 * w["F"])
+    return _weighted(SAVED_NONE, w, run) + attention_bytes_per_token(shape, lay, run)
 
 
 def memory(shape: Shape, lay: Layout, run: Run) -> Memory:
     pb, gb, ob = PRECISIONS[run.precision]
     params = pb * local_elements(shape, lay, "params")
     optimizer = ob * local_elements(shape, lay, "optimizer")
-    whole = local_elements(shape, lay, "activations")  # gathered over fsdp, split by model and stage
-    layer_whole = local_elements(shape, lay, "activations", only_layers=True)
-    if lay.zero_stage >= 2 and lay.fsdp > 1 and lay.stage == 1:
-        per_layer = layer_whole / shape.layers
-        grads = gb * (local_elements(shape, lay, "grads") + (whole - layer_whole) + per_layer)
-    else:  # ZeRO 0/1; and the pipeline, whose stage gradients accumulate whole over fsdp (pipeline.py)
-        grads = gb * whole
+    grads = gb * local_elements(shape, lay, "grads")
     b, t, _, _, _, V = local_dims(shape, lay, run)
     tokens = b * t  # one microbatch on this device
     per_layer = layer_bytes_per_token(shape, lay, run)
-    working = layer_bytes_per_token(shape, lay, run, saved=False)
-    if lay.remat != "none":
-        working += 4 * V - (per_layer if lay.remat == "dots" else 0)
-    if lay.stage > 1:  # every schedule iteration keeps its stage step's residuals, plus the I/O buffer
+    working = layer_bytes_per_token(shape, lay, run, saved=False) * tokens
+    if lay.stage > 1:
+        # Every schedule iteration keeps what its stage step's remat saves: the stage input (full) or
+        # every layer's (dots, none); the backward pass then recomputes one stage, keeping per layer.
         S, M, R = lay.stage, lay.M, lay.R
-        saved = iterations(S, M, R) * (shape.layers / (S * R)) * per_layer * tokens + M * tokens * shape.d_model * run.c
+        layers = shape.layers / (S * R)
+        per_iteration = run.c * shape.d_model if lay.remat == "full" else layers * per_layer
+        saved = (iterations(S, M, R) * per_iteration + layers * per_layer) * tokens
     else:
         saved = shape.layers * per_layer * tokens
-    activations = saved + working * tokens
-    other = 0.2 * gb * local_elements(shape, lay, "grads" if lay.zero_stage >= 2 else "optimizer")
-    if lay.remat == "none" or lay.stage > 1:
-        # the compute-dtype (gathered) layer weights kept for the backward pass; the pipeline holds a
-        # stage's weights, gathered over fsdp, for the whole step (pipeline.py)
-        other += run.c * layer_whole
+    rows = run.global_batch / (lay.data * lay.fsdp)
+    other = HEAD_BYTES * shape.d_model * V + 4 * rows * (run.seq_len + 1)  # the head; the int32 token batch
+    if lay.stage > 1:
+        per_weight = PIPELINE_BYTES + (PIPELINE_GATHER_BYTES if lay.fsdp > 1 else 0)
+        other += per_weight * local_elements(shape, lay, "activations", only_layers=True)
     if lay.grad_accum > 1:
-        other += 4 * whole  # the float32 accumulator, one whole gradient (train._accumulated)
-    return Memory(params, grads, optimizer, activations, other)
+        other += gb * local_elements(shape, lay, "grads")  # the accumulator, in the gradients' layout
+    return Memory(params, grads, optimizer, saved + working, other)
 
 
 def collectives(shape: Shape, lay: Layout, run: Run, *, cpu: bool = False) -> list[Collective]:

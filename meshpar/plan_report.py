@@ -62,9 +62,10 @@ def why(ranked: list[Estimate], shape: Shape | None = None, run: Run | None = No
     best = ranked[0]
     lay, m = best.layout, best.memory
     kind, seconds = max(best.exposed.items(), key=lambda kv: kv[1]) if best.exposed else ("dp", 0.0)
+    notes = ([f"{lay.remat} remat"] if lay.remat != "none" else []) + (
+        [f"pipeline bubble {best.bubble:.0%}"] if lay.stage > 1 else [])
     text = (f"why: #1 fits ({m.total / GB:.1f} of {best.budget / GB:.1f} GB) and its {best.step_s:.2f} s step is "
-            f"{best.compute_s:.2f} s of compute" + (f" ({lay.remat} remat" if lay.remat != "none" else " (")
-            + (f", pipeline bubble {best.bubble:.0%})" if lay.stage > 1 else ")").replace(" ()", "")
+            f"{best.compute_s:.2f} s of compute" + (f" ({', '.join(notes)})" if notes else "")
             + f" + {best.exposed_s:.2f} s of exposed communication (most: {KINDS[kind]} {seconds:.2f} s)")
     if shape is not None and run is not None and (lay.remat != "none" or lay.grad_accum > 1):
         plain = memory(shape, dataclasses.replace(lay, remat="none", grad_accum=1), run).total

@@ -90,7 +90,7 @@ def compute_seconds(shape: Shape, lay: Layout, run: Run, hw: Hardware) -> tuple[
     recompute = {"none": 0.0, "dots": attn, "full": proj + attn}[lay.remat]
     recompute += attn if ring and lay.remat != "full" else 0.0  # ring steps are rematerialised anyway
     flops_layer = (3 * (proj + attn) + recompute) * tokens
-    act = layer_bytes_per_token(shape, lay, run, saved=False)
+    act = layer_bytes_per_token(shape, dataclasses.replace(lay, remat="none"), run)  # what a layer writes
     if ring and not run.flash_attention:  # every step's [t, t] score block goes through HBM, not just one
         N, n = shape.heads / lay.model, lay.sequence
         act += N * (attn / (4 * N * shape.head_dim) - run.seq_len / n) * (4 + run.c)

@@ -7,10 +7,12 @@ dimension and the mesh axis.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -126,11 +128,37 @@ def gathered(param: nnx.Variable, dtype: jax.typing.DTypeLike) -> jax.Array:
     That is where FSDP's all-gather happens (`embed` is split over `fsdp` at rest, whole in compute);
     tensor-parallel dimensions stay split. The cast comes first so that the compiler may gather in the
     compute dtype (XLA on CPU still gathers float32 and converts after: measured, see the README).
+    In the backward pass the gradient is laid out by the `grads` rules right here, where it is made
+    (FSDP's reduce-scatter; on CPU an all-reduce and a slice), so the whole gradient of a weight lives
+    only until its reduction, not until the end of the backward pass.
     The logical names are the parameter's own; inside the layer scan the leading `layers` name has
     been sliced off the value, so the last `ndim` names are the ones that apply.
     """
-    value = param[...].astype(dtype)
-    return constrain(value, param.get_metadata()["out_sharding"][-value.ndim:] if value.ndim else ())
+    value = param[...]
+    compute = context.active()
+    if compute is None:
+        return value.astype(dtype)
+    names = param.get_metadata()["out_sharding"][-value.ndim:] if value.ndim else ()
+    what = f"parameter {tuple(names)}"
+    layout = lambda kind: NamedSharding(compute.mesh, spec_for(names, value.shape, compute.rules.table(kind),
+                                                               compute.mesh, what))
+    return _gather(value, jnp.dtype(dtype), layout("activations"), layout("grads"))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _gather(value: jax.Array, dtype: jnp.dtype, compute: NamedSharding, grads: NamedSharding) -> jax.Array:
+    return jax.lax.with_sharding_constraint(value.astype(dtype), compute)
+
+
+def _gather_fwd(value, dtype, compute, grads):
+    return _gather(value, dtype, compute, grads), jnp.zeros((), value.dtype)
+
+
+def _gather_bwd(dtype, compute, grads, like, g):
+    return (jax.lax.with_sharding_constraint(g.astype(like.dtype), grads),)
+
+
+_gather.defvjp(_gather_fwd, _gather_bwd)
 
 
 def batch_sharding(mesh: Mesh, rules: Rules, shape: Sequence[int]) -> NamedSharding:

@@ -7,11 +7,16 @@ ever exists on one device. The step is one jitted program with the state donated
 inserts the collectives the layout needs: the gradient all-reduce for data parallelism, per-layer
 parameter all-gathers (and gradient reductions) for FSDP, the TP all-reduces.
 
-Gradient accumulation (`grad_accum=K`) runs K microbatches in a `lax.scan` inside the step with ONE
-gradient synchronisation: each batch shard's gradients are kept apart (a `vmap` over the shards whose
-axis lies on the batch mesh axes, so the compiler has nothing to reduce) and summed once after the
-scan. Left to itself, the compiler all-reduces inside the loop, once per microbatch. The price is the
-accumulator: one whole (unsharded) gradient per device, as with PyTorch's `no_sync`.
+Gradient accumulation (`grad_accum=K`) runs K microbatches in a `lax.scan` inside the step. The
+accumulator has the gradient's own layout (the `grads` rules: split over `fsdp` under ZeRO-2/3, over
+`model` under TP, over `stage` under PP), so its bytes per device are the ZeRO formula's. Each
+microbatch's gradient is reduced into it over the axes that split the accumulator (per microbatch: a
+reduce-scatter over `fsdp` on GPUs, an all-reduce then a slice on CPU; and over `sequence`, whose
+shards hold partial weight gradients), but NOT over the pure replica axes — the batch axes over which
+gradients are whole (`data`; `fsdp` too under ZeRO 0/1): there each replica keeps its own partial sum
+(a `vmap` over the replicas whose axis lies on those mesh axes, so the compiler has nothing to reduce)
+and they are all-reduced once, after the scan. Left to itself, the compiler would all-reduce over them
+inside the loop, once per microbatch.
 """
 
 from __future__ import annotations
@@ -25,9 +30,10 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from meshpar import attention, context, sharding
+from meshpar.loss import next_token_loss
 from meshpar.rules import Rules
 
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -47,6 +53,8 @@ class TrainConfig:
     remat: str = "none"
     grad_accum: int = 1
     decay_steps: int = 0  # length of the cosine schedule; 0: train.steps. Fix it to extend a run by resuming.
+    attention_kernel: str = "auto"  # auto, dense, blockwise (cudnn: GPUs); see meshpar.attention
+    loss_chunk: int = 0  # positions per sequence shard in one loss chunk; 0: auto (meshpar.loss)
 
     def __post_init__(self):
         if self.compute_dtype not in COMPUTE_DTYPES:
@@ -54,6 +62,11 @@ class TrainConfig:
                              f"{', '.join(COMPUTE_DTYPES)}")
         if self.remat not in context.REMAT_POLICIES:
             raise ValueError(f"train.remat = '{self.remat}' is not one of {', '.join(context.REMAT_POLICIES)}")
+        if self.attention_kernel not in attention.KERNELS:
+            raise ValueError(f"train.attention_kernel = '{self.attention_kernel}' is not one of "
+                             f"{', '.join(attention.KERNELS)}")
+        if self.loss_chunk < 0:
+            raise ValueError(f"train.loss_chunk = {self.loss_chunk} must be >= 0 (0: auto)")
         for name in ("steps", "global_batch", "seq_len", "grad_accum"):
             if getattr(self, name) < 1:
                 raise ValueError(f"train.{name} = {getattr(self, name)} must be >= 1")
@@ -126,38 +139,14 @@ def init_state(make_model: ModelFactory, tx: optax.GradientTransformation, plan:
     return jax.jit(create, out_shardings=plan.shardings)()
 
 
-def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
-    """Mean of logsumexp(logits) - logits[target], in float32.
-
-    Written with a one-hot mask rather than a gather so that, with the vocabulary split over `model`,
-    every device reduces its own slice and only [B, T] partial sums cross devices: the full
-    [B, T, V] logits never exist on one device.
-    """
-    logits_BTV = logits_BTV.astype(jnp.float32)
-    logz_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
-    is_target_BTV = jnp.arange(logits_BTV.shape[-1]) == targets_BT[..., None]
-    return jnp.mean(logz_BT - jnp.sum(jnp.where(is_target_BTV, logits_BTV, 0.0), axis=-1))
+def compute_context(plan: Sharded, cfg: TrainConfig) -> context.Compute:
+    return context.Compute(plan.mesh, plan.rules, cfg.remat, cfg.attention_kernel)
 
 
-def next_token_loss(model: nnx.Module, tokens_BT: jax.Array) -> jax.Array:
-    """Cross-entropy of predicting tokens[:, 1:] from tokens[:, :-1].
-
-    With the sequence split over `sequence` and `load_balance` on, inputs, targets and positions are
-    put in zigzag order once, here: every shard then holds an early and a late chunk of each sequence,
-    so causal attention costs every shard the same. The mean loss does not depend on the order.
-    """
-    inputs_BT, targets_BT = tokens_BT[:, :-1], tokens_BT[:, 1:]
-    positions_T = jnp.arange(inputs_BT.shape[1])
-    compute = context.active()
-    if compute is not None and compute.mesh.shape["sequence"] > 1 and compute.rules.parallel.load_balance:
-        n = compute.mesh.shape["sequence"]
-        inputs_BT, targets_BT = attention.zigzag(inputs_BT, n), attention.zigzag(targets_BT, n)
-        positions_T = attention.zigzag_positions(inputs_BT.shape[1], n)
-    return cross_entropy(model(inputs_BT, positions_T), targets_BT)
-
-
-def _batch_axes(plan: Sharded) -> tuple[str, ...]:
-    return tuple(axis for axis in plan.rules.table("activations")["batch"] if plan.mesh.shape[axis] > 1)
+def replica_axes(mesh: Mesh, rules: Rules) -> tuple[str, ...]:
+    """The batch mesh axes (of size > 1) over which gradients are whole: pure data-parallel replicas."""
+    split = {axis for _, axes in rules.grads for axis in axes}
+    return tuple(axis for axis in rules.table("activations")["batch"] if mesh.shape[axis] > 1 and axis not in split)
 
 
 LossFn = Callable[[nnx.State, jax.Array], jax.Array]
@@ -165,37 +154,46 @@ LossFn = Callable[[nnx.State, jax.Array], jax.Array]
 
 def _accumulated(plan: Sharded, cfg: TrainConfig, loss_fn: LossFn, params: nnx.State,
                  tokens_BT: jax.Array) -> tuple[jax.Array, nnx.State]:
-    """Loss and gradients over `grad_accum` microbatches with one gradient reduction (module docstring)."""
-    axes = _batch_axes(plan)
-    S = math.prod(plan.mesh.shape[axis] for axis in axes)  # batch shards
+    """Loss and gradients over `grad_accum` microbatches into a sharded accumulator (module docstring)."""
+    mesh, rules = plan.mesh, plan.rules
+    batch = tuple(axis for axis in rules.table("activations")["batch"] if mesh.shape[axis] > 1)
+    replicas = replica_axes(mesh, rules)
+    others = tuple(axis for axis in batch if axis not in replicas)  # still split the rows of a microbatch
+    R, F = math.prod(mesh.shape[a] for a in replicas), math.prod(mesh.shape[a] for a in others)
     K, (B, T) = cfg.grad_accum, tokens_BT.shape
-    if B % (S * K):
-        raise ValueError(f"train.global_batch = {B} is not divisible into {K} microbatches on each of the "
-                         f"{S} batch shards ({' × '.join(axes)})")
-    # Shard s holds rows [s·B/S, (s+1)·B/S); its microbatch k is the k-th block of those rows.
-    tokens_KSbT = jnp.swapaxes(tokens_BT.reshape(S, K, B // (S * K), T), 0, 1)
-    tokens_KSbT = jax.lax.with_sharding_constraint(
-        tokens_KSbT, NamedSharding(plan.mesh, jax.sharding.PartitionSpec(None, axes or None)))
-    per_shard = jax.vmap(jax.value_and_grad(loss_fn), in_axes=(None, 0), spmd_axis_name=axes or None)
-    # Inside the vmap the batch mesh axes belong to the shard axis; the rows of one shard are local.
-    local_rules = dataclasses.replace(plan.rules, activations=tuple(
-        (name, () if name == "batch" else mesh_axes) for name, mesh_axes in plan.rules.activations))
+    if B % (R * F * K):
+        raise ValueError(f"train.global_batch = {B} is not divisible into train.grad_accum = {K} microbatches on "
+                         f"each of the {R * F} batch shards ({' × '.join(batch)})")
+    # Batch shard (r, f) holds rows [(r·F + f)·B/(R·F), …); microbatch k takes the k-th block of b rows of
+    # every shard, so that no row moves: [R, F, K, b, T] → [K, R, F·b, T].
+    tokens_KRbT = tokens_BT.reshape(R, F, K, B // (R * F * K), T).transpose(2, 0, 1, 3, 4).reshape(K, R, -1, T)
+    tokens_KRbT = jax.lax.with_sharding_constraint(tokens_KRbT, NamedSharding(mesh, P(None, replicas or None,
+                                                                                      others or None)))
+    # Inside the vmap over replicas their mesh axes belong to the replica dimension; `batch` keeps the rest.
+    outer = context.active()
+    local = dataclasses.replace(outer, vmapped=outer.vmapped + replicas, rules=dataclasses.replace(
+        rules, activations=tuple((name, others if name == "batch" else axes) for name, axes in rules.activations)))
+    per_shard = jax.vmap(jax.value_and_grad(loss_fn), in_axes=(None, 0), spmd_axis_name=replicas or None)
+    accumulator = jax.tree.map(lambda spec: NamedSharding(mesh, P(replicas or None, *spec)),
+                               sharding.state_specs(params, mesh, rules, "grads"), is_leaf=lambda x: isinstance(x, P))
 
-    def microbatch(carry, tokens_SbT):
-        loss_sum, grads_S = carry
-        with context.use(dataclasses.replace(context.active(), rules=local_rules)):
-            loss_S, g_S = per_shard(params, tokens_SbT)
-        return (loss_sum + loss_S.sum(), jax.tree.map(jnp.add, grads_S, g_S)), None
+    def microbatch(carry, tokens_RbT):
+        loss_sum, acc_R = carry
+        with context.use(local):
+            loss_R, g_R = per_shard(params, tokens_RbT)
+        acc_R = jax.lax.with_sharding_constraint(jax.tree.map(jnp.add, acc_R, g_R), accumulator)
+        return (loss_sum + loss_R.sum(), acc_R), None
 
-    zeros_S = jax.tree.map(lambda p: jnp.zeros((S, *p.shape), jnp.float32), params)
-    (loss_sum, grads_S), _ = jax.lax.scan(microbatch, (jnp.zeros((), jnp.float32), zeros_S), tokens_KSbT)
-    return loss_sum / (S * K), jax.tree.map(lambda g: g.sum(0) / (S * K), grads_S)
+    zeros_R = jax.tree.map(lambda p: jnp.zeros((R, *p.shape), jnp.float32), params)
+    zeros_R = jax.lax.with_sharding_constraint(zeros_R, accumulator)
+    (loss_sum, grads_R), _ = jax.lax.scan(microbatch, (jnp.zeros((), jnp.float32), zeros_R), tokens_KRbT)
+    return loss_sum / (R * K), jax.tree.map(lambda g: g.sum(0) / (R * K), grads_R)
 
 
 def _loss_and_grads(plan: Sharded, cfg: TrainConfig, model: nnx.Module,
                     tokens_BT: jax.Array) -> tuple[jax.Array, nnx.State]:
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    loss_fn = lambda p, t: next_token_loss(nnx.merge(graphdef, p, rest), t)
+    loss_fn = lambda p, t: next_token_loss(nnx.merge(graphdef, p, rest), t, cfg.loss_chunk)
     if cfg.grad_accum == 1:
         loss, grads = jax.value_and_grad(loss_fn)(params, tokens_BT)
     else:
@@ -208,7 +206,7 @@ def loss_and_grads(plan: Sharded, tokens: NamedSharding,
     """A jitted `(state, tokens) → (loss, parameter gradients)`: what parity tests compare."""
 
     def fn(state: nnx.State, tokens_BT: jax.Array) -> tuple[jax.Array, nnx.State]:
-        with context.use(context.Compute(plan.mesh, plan.rules, cfg.remat)):
+        with context.use(compute_context(plan, cfg)):
             return _loss_and_grads(plan, cfg, nnx.merge(plan.graphdef, state).model, tokens_BT)
 
     return jax.jit(fn, in_shardings=(plan.shardings, tokens))
@@ -222,7 +220,7 @@ def make_step(plan: Sharded, tokens: NamedSharding,
     """
 
     def step(state: nnx.State, tokens_BT: jax.Array) -> tuple[nnx.State, dict[str, jax.Array]]:
-        with context.use(context.Compute(plan.mesh, plan.rules, cfg.remat)):
+        with context.use(compute_context(plan, cfg)):
             ts = nnx.merge(plan.graphdef, state)
             loss, grads = _loss_and_grads(plan, cfg, ts.model, tokens_BT)
             ts.opt.update(ts.model, grads)

@@ -23,6 +23,7 @@ from flax import nnx
 
 from meshpar import layers
 from meshpar.attention import attend
+from meshpar.loss import logits
 from meshpar.sharding import constrain, gathered
 
 
@@ -156,12 +157,18 @@ class Transformer(nnx.Module):
     def __call__(self, tokens_BT: jax.Array, positions_T: jax.Array | None = None) -> jax.Array:
         """Logits `[B, T, V]` in float32 for int tokens `[B, T]` at global `positions_T` (default 0..T-1;
         a load-balanced context-parallel step passes the tokens and their positions reordered)."""
+        return logits(self.hidden_states(tokens_BT, positions_T), self.output_head())
+
+    def hidden_states(self, tokens_BT: jax.Array, positions_T: jax.Array | None = None) -> jax.Array:
+        """The final norm's output `[B, T, D]`, which the output head turns into logits."""
         if positions_T is None:
             positions_T = jnp.arange(tokens_BT.shape[1])
         x_BTD = constrain(gathered(self.embed_VD, self.dtype)[tokens_BT], RESIDUAL)
-        x_BTD = self.final_norm(layers.scan(self.blocks, x_BTD, positions_T))
-        head_DV = (gathered(self.embed_VD, self.dtype).T if self.cfg.tie_embeddings
-                   else gathered(self.head_DV, self.dtype))
-        logits_BTV = jnp.einsum("btd,dv->btv", x_BTD, head_DV,
-                                preferred_element_type=jnp.float32)
-        return constrain(logits_BTV, ("batch", "seq", "vocab"))
+        return self.final_norm(layers.scan(self.blocks, x_BTD, positions_T))
+
+    def output_head(self) -> jax.Array:
+        """The output projection `[D, V]` as compute uses it (cast; gathered over `fsdp`, vocab split).
+        meshpar's loss multiplies chunks of the hidden states by it, so the whole logits never exist."""
+        if self.cfg.tie_embeddings:
+            return gathered(self.embed_VD, self.dtype).T
+        return gathered(self.head_DV, self.dtype)

@@ -1,0 +1,103 @@
+"""Will it fit? Compile the real training step for N fake CPU devices and print its memory per device.
+
+    python -m launch.compile --config llama_8b --devices 8 --mesh fsdp=8 --set train.global_batch=32 \
+        --set train.remat=full
+    python -m launch.compile --config llama_8b --devices 8 --mesh sequence=4,fsdp=2 --set train.remat=full \
+        --set train.seq_len=32768 --set model.max_seq_len=32768 --set train.global_batch=2
+    python -m launch.compile --config llama_70b --devices 64 --mesh fsdp=8,model=8 --set train.remat=full \
+        --set parallel.sequence_parallel=true --set train.grad_accum=8 --set train.global_batch=64 --json
+    python -m launch.compile --config llama_8b --devices 64 --mesh auto --top 5    # the planner's picks
+
+Nothing is allocated: the state and the batch are shapes with shardings (`meshpar.fit`), so any size
+compiles on this machine (llama_70b on 64 devices: ~5 s). Printed per device: XLA's arguments, temp,
+outputs and aliased bytes and the peak they imply (arguments + temp + outputs − aliased), the collectives
+of one step (as `--report` counts them), the compile time, and beside them the planner's prediction for
+the same layout (`predicted_peak_bytes`, `meshpar.plan`). `--mesh auto` compiles the planner's `--top`
+layouts for `--hardware` instead, one report each, and says which fit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+GB = 1e9
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m launch.compile", description=__doc__.split("\n")[0])
+    p.add_argument("--config", default="tiny", help="preset name in configs/ (default: tiny)")
+    p.add_argument("--devices", type=int, default=8, help="fake CPU devices to compile for (default 8)")
+    p.add_argument("--mesh", help="axis sizes, e.g. fsdp=8,model=8 (default: the preset's mesh); 'auto': the "
+                                  "planner's --top layouts")
+    p.add_argument("--hardware", default="h100", help="with --mesh auto: the planner's hardware and the memory "
+                                                     "the layouts must fit (default h100)")
+    p.add_argument("--top", type=int, default=5, help="with --mesh auto: how many layouts (default 5)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config field, e.g. train.remat=full (repeatable)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.devices < 1:
+        sys.exit(f"error: --devices {args.devices}: must be >= 1")
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")  # before JAX starts a backend
+    jax.config.update("jax_num_cpu_devices", args.devices)
+
+    from launch import train
+
+    try:
+        if args.mesh == "auto":
+            cfg, *_ = train.configure(args.config, None, args.set)
+            budget = train.device_budget(args.hardware)
+            reports = [dict(check(chosen), planner_rank=rank, fits=None)
+                       for rank, (chosen, _) in enumerate(train.planned_layouts(cfg, args.hardware, args.top), 1)]
+            for report in reports:
+                report["fits"] = report["memory_per_device"]["peak_bytes"] <= budget
+        else:
+            cfg, *_ = train.configure(args.config, args.mesh, args.set)
+            reports = [check(cfg)]
+    except ValueError as err:
+        sys.exit(f"error: {err}")
+    if args.json:
+        print(json.dumps(reports if args.mesh == "auto" else reports[0], indent=2))
+    else:
+        print("\n\n".join(describe(report) for report in reports))
+
+
+def check(cfg) -> dict:
+    """The compile-only report of `cfg`'s step on its mesh, with the planner's prediction beside it."""
+    from launch import train
+    from meshpar import fit, mesh as mesh_lib, plan, rules
+
+    mesh = mesh_lib.build(cfg.mesh)
+    report = fit.compile_step(train.model_factory(cfg), cfg.train, mesh, rules.make(cfg.parallel))
+    lay = plan.layout_of(dict(mesh.shape), cfg.parallel, cfg.train)
+    predicted = plan.layout_memory(cfg.model, dict(mesh.shape), cfg.parallel, cfg.train, platform="cpu").total
+    return {"config": cfg.name, "mesh": dict(mesh.shape), "devices": mesh.size, "layout": plan.describe(lay),
+            **report, "predicted_peak_bytes": predicted}
+
+
+def describe(report: dict) -> str:
+    m = report["memory_per_device"]
+    fits = {None: "", True: ", fits", False: ", does NOT fit"}[report.get("fits")]
+    lines = [f"{report['config']} on {report['devices']} devices: {report['layout']}; compiled in "
+             f"{report['compile_s']:.1f}s{fits}", "memory per device (GB = 1e9 bytes):"]
+    for key in ("arguments_bytes", "temp_bytes", "outputs_bytes", "alias_bytes", "peak_bytes"):
+        lines.append(f"  {key:<20} {m[key] / GB:9.2f}")
+    predicted = report["predicted_peak_bytes"]
+    lines.append(f"  {'planner peak':<20} {predicted / GB:9.2f}  ({predicted / m['peak_bytes'] - 1:+.1%} vs compiler)")
+    lines.append("collectives per step (count × GB per device):")
+    for op, entry in report["collectives"].items():
+        lines.append(f"  {op:<20} {entry['count']:6d} × {entry['bytes'] / max(entry['count'], 1) / GB:.4f}")
+    lines.append(f"flops per device: {report['flops_per_device']:.3e}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,239 @@
+"""Next-token cross-entropy that never holds the whole [B, T, V] logits.
+
+The logits of a large vocabulary are the largest activation of a language model: float32 [B, T, V] is
+4.2 GB per sequence of 8192 tokens at V = 128,256, and their softmax and gradient as much again. The
+loss here runs over chunks of the sequence instead: a `lax.scan` over chunks of c positions, each
+computing its logits [b, c, v] on one device, their log-sum-exp and the target logit, and returning only
+a sum. The chunk's body is rematerialised (`jax.checkpoint`), so the backward pass recomputes one chunk's
+logits at a time and keeps nothing of them: memory O(b·c·v), for one more forward pass of the output
+head (2·B·T·D·V FLOPs, a third of the head's forward + backward).
+
+Sharding. The loss is a `jax.shard_map` over the mesh axes that split the batch, the sequence and the
+vocabulary, so each device works on its own rows, positions (zigzag order included: the mean does not
+depend on the order) and vocabulary slice, with the output head [D, V/model] as compute uses it (gathered
+once over `fsdp`, outside the chunk loop). Vocab-parallel (Megatron): the log-sum-exp takes the max and
+the sum of exponentials across the `model` shards (pmax, psum of [b, c]) and the target logit comes from
+the shard that holds it (psum); the full [B, T, V] logits never exist on one device. The hidden states
+enter as ("batch", "seq", "embed") — with Megatron SP this is where their sequence is gathered over
+`model`, as the head needs. In the backward pass every device accumulates its own partial gradient of the
+head over the chunks, and it is reduced ONCE, where the shard_map hands it back (left to the compiler, a
+chunk loop all-reduces the head's whole gradient in every chunk).
+
+A model that offers `hidden_states(tokens, positions) -> [B, T, D]` and `output_head() -> [D, V]` gets the
+chunked loss (its logits are `logits(hidden, head)`); any other model is called as
+`model(tokens, positions) -> logits` and its logits are reduced whole.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh, PartitionSpec as P
+
+from meshpar import attention, context, sharding
+
+# Per-device bytes of one chunk's float32 logits under `loss_chunk = 0` (auto): 256 MiB, a few percent
+# of an accelerator, while a chunk's head matmul keeps ≥ 1k rows at 8B sizes (b·c = 4·256 on fsdp=8).
+CHUNK_BYTES = 2**28
+
+
+def logits(hidden_BTD: jax.Array, head_DV: jax.Array) -> jax.Array:
+    """Float32 logits [B, T, V] of hidden states [B, T, D] through the output head [D, V]."""
+    logits_BTV = jnp.einsum("btd,dv->btv", hidden_BTD, head_DV, preferred_element_type=jnp.float32)
+    return sharding.constrain(logits_BTV, ("batch", "seq", "vocab"))
+
+
+def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
+    """Sum over positions of logsumexp(logits) − logits[target], in float32, of whole logits.
+
+    Written with a one-hot mask rather than a gather so that, with the vocabulary split over `model`
+    by the compiler, every device reduces its own slice and only [B, T] partial sums cross devices.
+    """
+    logits_BTV = logits_BTV.astype(jnp.float32)
+    logz_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
+    is_target_BTV = jnp.arange(logits_BTV.shape[-1]) == targets_BT[..., None]
+    return jnp.sum(logz_BT - jnp.sum(jnp.where(is_target_BTV, logits_BTV, 0.0), axis=-1))
+
+
+def chunk_length(b: int, t: int, v: int, chunk: int = 0) -> int:
+    """Positions in one loss chunk on a device holding b rows, t positions and v vocabulary entries:
+    `chunk` if given, else the most whose float32 logits stay within CHUNK_BYTES; always a divisor of t."""
+    if chunk == 0:
+        chunk = max(1, CHUNK_BYTES // (4 * b * v))
+    return max(d for d in range(1, min(chunk, t) + 1) if t % d == 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """Where the loss's inputs live: the specs of hidden [B, T, D], head [D, V] and targets [B, T], the mesh
+    axes that split rows and positions (`rows`) and the vocabulary (`vocab`), and the shard_map's manual
+    axes (those, and any that an enclosing vmap owns). No mesh: one device, no collectives."""
+
+    mesh: Mesh | None = None
+    hidden: P = P()
+    head: P = P()
+    targets: P = P()
+    rows: tuple[str, ...] = ()
+    vocab: tuple[str, ...] = ()
+    scatter: tuple[str, ...] = ()  # the rows axes that split D in the head's gradient (ZeRO-2/3: fsdp)
+    manual: frozenset[str] = frozenset()
+
+
+def _layout(hidden_BTD: jax.Array, head_DV: jax.Array, targets_BT: jax.Array) -> _Layout:
+    compute = context.active()
+    if compute is None:
+        return _Layout()
+    mesh, table = compute.mesh, compute.rules.table("activations")
+    spec = lambda logical, x: sharding.spec_for(logical, x.shape, table, mesh, f"loss input {logical}")
+    axes = lambda s: tuple(a for entry in s if entry is not None for a in (entry if isinstance(entry, tuple) else (entry,)))
+    hidden, head = spec(("batch", "seq", "embed"), hidden_BTD), spec(("embed", "vocab"), head_DV)
+    grads = sharding.spec_for(("embed", "vocab"), head_DV.shape, compute.rules.table("grads"), mesh, "head gradient")
+    scatter = tuple(a for a in axes(grads[:1]) if a in axes(hidden))
+    return _Layout(mesh, hidden, head, spec(("batch", "seq"), targets_BT), axes(hidden), axes(head), scatter,
+                   frozenset(axes(hidden) + axes(head) + compute.vmapped))
+
+
+def _sum(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+    return lax.psum(x, axes) if axes else x
+
+
+def _chunks(x: jax.Array, c: int) -> jax.Array:
+    """[b, t, ...] → [t/c, b, c, ...]: the chunks first, for the scan."""
+    return jnp.moveaxis(x.reshape(x.shape[0], x.shape[1] // c, c, *x.shape[2:]), 1, 0)
+
+
+def _logits(hidden_bcD: jax.Array, head_Dv: jax.Array) -> jax.Array:
+    return jnp.einsum("bcd,dv->bcv", hidden_bcD, head_Dv, preferred_element_type=jnp.float32)
+
+
+def _is_target(targets_bc: jax.Array, v: int, vocab: tuple[str, ...]) -> jax.Array:
+    """One-hot [b, c, v] of the targets within this device's vocabulary slice (all False elsewhere)."""
+    first = lax.axis_index(vocab) * v if vocab else 0
+    return jnp.arange(v) == (targets_bc - first)[..., None]
+
+
+def _forward_local(hidden_btD, head_Dv, targets_bt, *, chunk: int, vocab: tuple[str, ...]):
+    """This device's Σ logsumexp − target logit as a [1] partial sum, and the log-sum-exp of every
+    position [b, t] (over the whole vocabulary: max and sum of exponentials combined over `vocab`)."""
+    c = chunk_length(*targets_bt.shape, head_Dv.shape[1], chunk)
+
+    def one_chunk(total, inputs):
+        hidden_bcD, targets_bc = inputs
+        logits_bcv = _logits(hidden_bcD, head_Dv)
+        max_bc = logits_bcv.max(axis=-1)
+        max_bc = lax.pmax(max_bc, vocab) if vocab else max_bc
+        lse_bc = max_bc + jnp.log(_sum(jnp.exp(logits_bcv - max_bc[..., None]).sum(axis=-1), vocab))
+        is_target_bcv = _is_target(targets_bc, logits_bcv.shape[-1], vocab)
+        target_bc = _sum(jnp.where(is_target_bcv, logits_bcv, 0.0).sum(axis=-1), vocab)
+        return total + jnp.sum(lse_bc - target_bc), lse_bc
+
+    total, lse_Cbc = lax.scan(one_chunk, jnp.zeros((), jnp.float32), (_chunks(hidden_btD, c), _chunks(targets_bt, c)))
+    return total[None], jnp.moveaxis(lse_Cbc, 0, 1).reshape(targets_bt.shape)
+
+
+def _reduce_head(dhead_Dv: jax.Array, rows: tuple[str, ...], scatter: tuple[str, ...]) -> jax.Array:
+    """Sum the head's partial gradients over the `rows` shards, leaving D split over `scatter`. One
+    reduce-scatter over all of `rows` (scatter axes major), then an all-gather back over the others: a
+    reduce-scatter is never combined with later all-reduces (the embedding's), so the whole gradient
+    dies here, not at the end of the backward pass."""
+    others = tuple(a for a in rows if a not in scatter)
+    if not rows:
+        return dhead_Dv
+    if dhead_Dv.shape[0] % math.prod(lax.axis_size(a) for a in rows):
+        return _sum(lax.psum_scatter(dhead_Dv, scatter, scatter_dimension=0, tiled=True) if scatter else dhead_Dv,
+                    others)
+    dhead_Dv = lax.psum_scatter(dhead_Dv, scatter + others, scatter_dimension=0, tiled=True)
+    return lax.all_gather(dhead_Dv, others, axis=0, tiled=True) if others else dhead_Dv
+
+
+def _backward_local(hidden_btD, head_Dv, targets_bt, lse_bt, g, *, chunk: int, vocab: tuple[str, ...],
+                    rows: tuple[str, ...], scatter: tuple[str, ...]):
+    """(d hidden [b, t, D], d head [D / scatter, v]) for the cotangent g: the head's gradient summed over
+    the `rows` shards in float32, D split over `scatter`, the gradient's own layout."""
+    c = chunk_length(*targets_bt.shape, head_Dv.shape[1], chunk)
+
+    def one_chunk(dhead_Dv, inputs):
+        hidden_bcD, targets_bc, lse_bc = inputs
+        logits_bcv = _logits(hidden_bcD, head_Dv)
+        is_target_bcv = _is_target(targets_bc, logits_bcv.shape[-1], vocab)
+        dlogits_bcv = ((jnp.exp(logits_bcv - lse_bc[..., None]) - is_target_bcv) * g).astype(head_Dv.dtype)
+        dhidden_bcD = _sum(jnp.einsum("bcv,dv->bcd", dlogits_bcv, head_Dv, preferred_element_type=jnp.float32),
+                           vocab)
+        dhead_Dv = dhead_Dv + jnp.einsum("bcd,bcv->dv", hidden_bcD, dlogits_bcv, preferred_element_type=jnp.float32)
+        return dhead_Dv, dhidden_bcD.astype(hidden_bcD.dtype)
+
+    dhead_Dv, dhidden_CbcD = lax.scan(one_chunk, jnp.zeros(head_Dv.shape, jnp.float32),
+                                      (_chunks(hidden_btD, c), _chunks(targets_bt, c), _chunks(lse_bt, c)))
+    dhead_Dv = _reduce_head(dhead_Dv, rows, scatter).astype(head_Dv.dtype)
+    return jnp.moveaxis(dhidden_CbcD, 0, 1).reshape(hidden_btD.shape), dhead_Dv
+
+
+def _forward(hidden_BTD, head_DV, targets_BT, chunk: int, layout: _Layout):
+    """(loss sum, log-sum-exp [B, T])."""
+    body = functools.partial(_forward_local, chunk=chunk, vocab=layout.vocab)
+    if layout.mesh is None:
+        partial_sums, lse_BT = body(hidden_BTD, head_DV, targets_BT)
+    else:
+        partial_sums, lse_BT = jax.shard_map(
+            body, mesh=layout.mesh, in_specs=(layout.hidden, layout.head, layout.targets),
+            out_specs=(P(layout.rows or None), layout.targets), axis_names=set(layout.manual),
+            check_vma=False)(hidden_BTD, head_DV, targets_BT)
+    return partial_sums.sum(), lse_BT
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _loss_sum(hidden_BTD, head_DV, targets_BT, chunk: int, layout: _Layout) -> jax.Array:
+    return _forward(hidden_BTD, head_DV, targets_BT, chunk, layout)[0]
+
+
+def _loss_sum_fwd(hidden_BTD, head_DV, targets_BT, chunk, layout):
+    total, lse_BT = _forward(hidden_BTD, head_DV, targets_BT, chunk, layout)
+    return total, (hidden_BTD, head_DV, targets_BT, lse_BT)
+
+
+def _loss_sum_bwd(chunk, layout, residuals, g):
+    body = functools.partial(_backward_local, chunk=chunk, vocab=layout.vocab, rows=layout.rows,
+                             scatter=layout.scatter)
+    if layout.mesh is None:
+        dhidden_BTD, dhead_DV = body(*residuals, g)
+    else:
+        dhead_spec = P(layout.scatter or None, *layout.head[1:])
+        dhidden_BTD, dhead_DV = jax.shard_map(
+            body, mesh=layout.mesh, in_specs=(layout.hidden, layout.head, layout.targets, layout.targets, P()),
+            out_specs=(layout.hidden, dhead_spec), axis_names=set(layout.manual), check_vma=False)(*residuals, g)
+    return dhidden_BTD, dhead_DV, None
+
+
+_loss_sum.defvjp(_loss_sum_fwd, _loss_sum_bwd)
+
+
+def chunked_cross_entropy(hidden_BTD: jax.Array, head_DV: jax.Array, targets_BT: jax.Array,
+                          chunk: int = 0) -> jax.Array:
+    """Mean next-token cross-entropy of `logits(hidden, head)`, chunk by chunk (module docstring)."""
+    B, T, _ = hidden_BTD.shape
+    return _loss_sum(hidden_BTD, head_DV, targets_BT, chunk, _layout(hidden_BTD, head_DV, targets_BT)) / (B * T)
+
+
+def next_token_loss(model, tokens_BT: jax.Array, chunk: int = 0) -> jax.Array:
+    """Mean cross-entropy of predicting tokens[:, 1:] from tokens[:, :-1].
+
+    With the sequence split over `sequence` and `load_balance` on, inputs, targets and positions are
+    put in zigzag order once, here: every shard then holds an early and a late chunk of each sequence,
+    so causal attention costs every shard the same. The mean loss does not depend on the order.
+    """
+    inputs_BT, targets_BT = tokens_BT[:, :-1], tokens_BT[:, 1:]
+    positions_T = jnp.arange(inputs_BT.shape[1])
+    compute = context.active()
+    if compute is not None and compute.mesh.shape["sequence"] > 1 and compute.rules.parallel.load_balance:
+        n = compute.mesh.shape["sequence"]
+        inputs_BT, targets_BT = attention.zigzag(inputs_BT, n), attention.zigzag(targets_BT, n)
+        positions_T = attention.zigzag_positions(inputs_BT.shape[1], n)
+    if hasattr(model, "hidden_states") and hasattr(model, "output_head"):
+        return chunked_cross_entropy(model.hidden_states(inputs_BT, positions_T), model.output_head(), targets_BT,
+                                     chunk)
+    return cross_entropy(model(inputs_BT, positions_T), targets_BT) / targets_BT.size
