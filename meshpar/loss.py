@@ -137,16 +137,16 @@ def _forward_local(hidden_btD, head_Dv, targets_bt, *, chunk: int, vocab: tuple[
 
 
 def _reduce_head(dhead_Dv: jax.Array, rows: tuple[str, ...], scatter: tuple[str, ...]) -> jax.Array:
-    """Sum the head's partial gradients over the `rows` shards, leaving D split over `scatter`. One
-    reduce-scatter over all of `rows` (scatter axes major), then an all-gather back over the others: a
-    reduce-scatter is never combined with later all-reduces (the embedding's), so the whole gradient
-    dies here, not at the end of the backward pass."""
+    """Sum the head's partial gradients over the `rows` shards, leaving D split over `scatter` (the
+    gradient's layout: ZeRO-2/3's fsdp). With a split, one reduce-scatter over all of `rows` (scatter axes
+    major) and an all-gather back over the others: unlike an all-reduce, XLA does not combine it with the
+    embedding's gradient reduction at the end of the backward pass, so the whole float32 gradient of the
+    head dies here instead of living through every layer's backward pass."""
     others = tuple(a for a in rows if a not in scatter)
-    if not rows:
-        return dhead_Dv
+    if not scatter:
+        return _sum(dhead_Dv, rows)
     if dhead_Dv.shape[0] % math.prod(lax.axis_size(a) for a in rows):
-        return _sum(lax.psum_scatter(dhead_Dv, scatter, scatter_dimension=0, tiled=True) if scatter else dhead_Dv,
-                    others)
+        return _sum(lax.psum_scatter(dhead_Dv, scatter, scatter_dimension=0, tiled=True), others)
     dhead_Dv = lax.psum_scatter(dhead_Dv, scatter + others, scatter_dimension=0, tiled=True)
     return lax.all_gather(dhead_Dv, others, axis=0, tiled=True) if others else dhead_Dv
 

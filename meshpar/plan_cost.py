@@ -86,7 +86,7 @@ MODES = ("allgather", "ring", "ulysses")
 PRECISIONS = {"fp32": (4, 4, 8), "mixed": (2, 2, 12)}  # bytes per element: params, grads, optimizer
 EFFICIENCY = 0.6  # achieved / peak matmul FLOP/s: a stated default, not fitted (see the published-run tests)
 TP_ALL_REDUCES = (2, 5)  # per layer: forward, backward (measured in the compiled step, see the docstring)
-SP_ALL_TO_ALL = 1.28  # per layer, × a: GSPMD's attention reshards under Megatron SP (measured, model=8)
+SP_ALL_TO_ALL = 1.78  # per layer, × a: GSPMD's attention reshards under Megatron SP (measured, model=8)
 # Per element of a pipeline stage's weights (pipeline.py holds them for the step, gathered over fsdp):
 # each shard's float32 gradient and a compute copy (6 bytes); with fsdp the gathered float32 copy and
 # the float32 copy of the chunk the layer loop reads too (9 more). Fitted as SAVED_NONE.
@@ -216,7 +216,7 @@ class Run:
 class Collective:
     axes: tuple[str, ...]
     op: str  # all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute
-    bytes: float  # result bytes per device, one call (reduce-scatter: its input, what the CPU all-reduces)
+    bytes: float  # result bytes per device, one call (what meshpar.analysis counts)
     count: float
     kind: str  # dp (overlapped), tp, cp, ring (overlapped with its blocks), pp
 
@@ -397,28 +397,37 @@ def collectives(shape: Shape, lay: Layout, run: Run, *, cpu: bool = False) -> li
     passes = lay.grad_accum * (iterations(lay.stage, lay.M, lay.R) if lay.stage > 1 else 1)
     layer_steps = passes * shape.layers / (lay.stage * lay.R)  # layer applications on this device per step
 
-    # gradient sync over the replicas of the weights, and ZeRO's parameter all-gathers
+    # gradient sync over the replicas of the weights, and ZeRO's parameter all-gathers. The output head's
+    # gradient leaves the loss reduced (meshpar.loss): with ZeRO-2/3 over fsdp as an explicit reduce-scatter
+    # over every batch-and-sequence axis (fsdp major), then an all-gather back over the others.
     whole = local_elements(shape, lay, "activations")
     layer_whole = local_elements(shape, lay, "activations", only_layers=True)
+    head = D * V
     replicas = tuple(a for a in ("data", "sequence") if lay.sizes[a] > 1)
     fsdp = ("fsdp",) if lay.fsdp > 1 else ()
-    G = gb * whole
-    if lay.zero_stage <= 1 or not fsdp:
+    split = bool(fsdp) and lay.zero_stage >= 2
+    G = gb * (whole - (head if split else 0))
+    if not split:
         if replicas + fsdp:
             out.append(Collective(replicas + fsdp, "all-reduce", G, 1, "dp"))
-    elif cpu:
-        out.append(Collective(replicas + fsdp, "all-reduce", G, 1, "dp"))
     else:
-        out.append(Collective(fsdp, "reduce-scatter", G, 1, "dp"))
+        rows = lay.fsdp * math.prod(lay.sizes[a] for a in replicas)
+        out.append(Collective(replicas + fsdp, "reduce-scatter", gb * head / rows, 1, "dp"))
         if replicas:
-            out.append(Collective(replicas, "all-reduce", G / lay.fsdp, 1, "dp"))
+            out.append(Collective(replicas, "all-gather", gb * head / lay.fsdp, 1, "dp"))
+        if cpu:
+            out.append(Collective(replicas + fsdp, "all-reduce", G, 1, "dp"))
+        else:
+            out.append(Collective(fsdp, "reduce-scatter", G / lay.fsdp, 1, "dp"))
+            if replicas:
+                out.append(Collective(replicas, "all-reduce", G / lay.fsdp, 1, "dp"))
     if fsdp and lay.zero_stage in (1, 2):
         out.append(Collective(fsdp, "all-gather", pb * whole, 1, "dp"))  # the updated parameters
     if fsdp and lay.zero_stage == 3:
         g = pb if cpu else min(c, pb)
         regather = 2 if lay.remat != "none" and lay.stage == 1 else 1
         layers_gathers = lay.grad_accum * regather
-        out.append(Collective(fsdp, "all-gather", g * (whole - layer_whole), 1, "dp"))
+        out.append(Collective(fsdp, "all-gather", g * (whole - layer_whole), 1, "dp"))  # embedding and head
         out.append(Collective(fsdp, "all-gather", g * layer_whole, layers_gathers, "dp"))
 
     if lay.model > 1:  # Megatron tensor parallelism, per layer per microbatch pass (bubbles included)
@@ -426,24 +435,27 @@ def collectives(shape: Shape, lay: Layout, run: Run, *, cpu: bool = False) -> li
         fwd, bwd = TP_ALL_REDUCES
         reduces = fwd + bwd + (1 if lay.remat == "full" else 0)  # recompute: attention output (x1) again
         mb = passes if lay.stage > 1 else lay.grad_accum
+        rs_bytes = a if cpu else a / lay.model
         if lay.sequence_parallel:
             gathers = 6 + (2 if lay.remat != "none" else 0)  # recompute re-gathers both region inputs
-            out.append(Collective(("model",), rs, a, reduces * layer_steps, "tp"))
+            out.append(Collective(("model",), rs, rs_bytes, reduces * layer_steps, "tp"))
             out.append(Collective(("model",), "all-gather", a, gathers * layer_steps, "tp"))
             out.append(Collective(("model",), "all-to-all", SP_ALL_TO_ALL * a, layer_steps, "tp"))
-            out.append(Collective(("model",), rs, a, mb, "tp"))  # embedding output
-            out.append(Collective(("model",), "all-gather", a, 2 * mb, "tp"))  # into the head, and back
+            out.append(Collective(("model",), rs, rs_bytes, mb, "tp"))  # embedding output
+            out.append(Collective(("model",), "all-gather", a, mb, "tp"))  # into the loss
         else:
             out.append(Collective(("model",), "all-reduce", a, reduces * layer_steps, "tp"))
-            out.append(Collective(("model",), "all-reduce", a, 2 * mb, "tp"))  # embedding fwd, head bwd
-        out.append(Collective(("model",), "all-reduce", 3 * b * t * 4, mb, "tp"))  # softmax max, sum, target
+            out.append(Collective(("model",), "all-reduce", a, mb, "tp"))  # the vocab-parallel embedding
+        # the vocab-parallel loss: max, sum of exponentials and target logit [b, t] forward; the hidden
+        # states' float32 gradient [b, t, D] backward (meshpar.loss)
+        out.append(Collective(("model",), "all-reduce", 3 * b * t * 4 + b * t * D * 4, mb, "tp"))
 
     n = lay.sequence
     if n > 1:  # context-parallel attention, per layer per microbatch pass
         kv = 2 * b * t * K * H * c
-        if lay.context_attention == "allgather":
+        if lay.context_attention == "allgather":  # dK, dV reduce-scattered back in float32 (attention.py)
             out.append(Collective(("sequence",), "all-gather", n * kv, layer_steps, "cp"))
-            out.append(Collective(("sequence",), rs, n * kv, layer_steps, "cp"))
+            out.append(Collective(("sequence",), "reduce-scatter", kv * 4 / c, layer_steps, "cp"))
         elif lay.context_attention == "ring":
             out.append(Collective(("sequence",), "collective-permute", kv, 2 * (n - 1) * layer_steps, "ring"))
             if lay.load_balance:
@@ -485,7 +497,7 @@ def collective_time(x: Collective, lay: Layout, hw: Hardware, devices_per_host: 
     if n == 1:
         return 0.0, 0.0
     link, net = hw.link_bw * hw.net_efficiency, hw.net_bw * hw.net_efficiency
-    S = x.bytes
+    S = x.bytes * n if x.op == "reduce-scatter" else x.bytes  # a reduce-scatter's input
     lat = lambda k, lat_: lat_ * math.ceil(math.log2(k)) if k > 1 else 0.0
     if x.op == "collective-permute":
         return S, S / (net if n_out > 1 else link) + (hw.net_latency if n_out > 1 else hw.link_latency)

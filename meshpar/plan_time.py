@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from meshpar.plan_cost import (PRECISIONS, Layout, Memory, Run, Shape, check, collective_time, collectives,
-                               iterations, layer_bytes_per_token, local_dims, local_elements, memory, mfu)
+from meshpar.plan_cost import (PRECISIONS, Layout, Memory, Run, Shape, attention_bytes_per_token, check,
+                               collective_time, collectives, iterations, local_dims, local_elements, memory, mfu)
 from meshpar.plan_hardware import Hardware
 
 
@@ -76,6 +76,16 @@ def layer_flops_per_token(shape: Shape, lay: Layout, run: Run) -> tuple[float, f
     return proj, 4 * N * H * keys
 
 
+def layer_traffic_per_token(shape: Shape, lay: Layout, run: Run) -> float:
+    """Bytes one layer's non-matmul work writes per local token, on a GPU: the residual stream and two
+    norms (float32 statistics and outputs), the region inputs, q, k, v and the attention output, SwiGLU's
+    three [F] tensors and their products, and what attention keeps of its scores."""
+    D, H, c = shape.d_model, shape.head_dim, run.c
+    _, _, N, K, F, _ = local_dims(shape, lay, run)
+    sp = lay.model if lay.sequence_parallel else 1
+    return (2 * c + 16) * D / sp + 2 * D * c + 2 * (N + K) * H * c + 6 * F * c + attention_bytes_per_token(shape, lay, run)
+
+
 def compute_seconds(shape: Shape, lay: Layout, run: Run, hw: Hardware) -> tuple[float, float]:
     """(compute seconds of the step, attention seconds): matmuls at peak·efficiency plus HBM traffic.
 
@@ -90,7 +100,7 @@ def compute_seconds(shape: Shape, lay: Layout, run: Run, hw: Hardware) -> tuple[
     recompute = {"none": 0.0, "dots": attn, "full": proj + attn}[lay.remat]
     recompute += attn if ring and lay.remat != "full" else 0.0  # ring steps are rematerialised anyway
     flops_layer = (3 * (proj + attn) + recompute) * tokens
-    act = layer_bytes_per_token(shape, dataclasses.replace(lay, remat="none"), run)  # what a layer writes
+    act = layer_traffic_per_token(shape, lay, run)
     if ring and not run.flash_attention:  # every step's [t, t] score block goes through HBM, not just one
         N, n = shape.heads / lay.model, lay.sequence
         act += N * (attn / (4 * N * shape.head_dim) - run.seq_len / n) * (4 + run.c)

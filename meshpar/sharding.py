@@ -122,7 +122,7 @@ def constrain_grads(grads: nnx.State, mesh: Mesh, rules: Rules) -> nnx.State:
     return jax.lax.with_sharding_constraint(grads, shardings)
 
 
-def gathered(param: nnx.Variable, dtype: jax.typing.DTypeLike) -> jax.Array:
+def gathered(param: nnx.Variable, dtype: jax.typing.DTypeLike, *, lookup: bool = False) -> jax.Array:
     """A parameter as compute uses it: cast to `dtype`, then laid out by the ACTIVATION rules.
 
     That is where FSDP's all-gather happens (`embed` is split over `fsdp` at rest, whole in compute);
@@ -130,7 +130,9 @@ def gathered(param: nnx.Variable, dtype: jax.typing.DTypeLike) -> jax.Array:
     compute dtype (XLA on CPU still gathers float32 and converts after: measured, see the README).
     In the backward pass the gradient is laid out by the `grads` rules right here, where it is made
     (FSDP's reduce-scatter; on CPU an all-reduce and a slice), so the whole gradient of a weight lives
-    only until its reduction, not until the end of the backward pass.
+    only until its reduction, not until the end of the backward pass. `lookup=True` for a table that is
+    indexed (an embedding), not multiplied: its gradient, a scatter of rows, is reduced whole first and
+    split after (constrained straight to the split layout, the partitioner would move every row instead).
     The logical names are the parameter's own; inside the layer scan the leading `layers` name has
     been sliced off the value, so the last `ndim` names are the ones that apply.
     """
@@ -142,11 +144,12 @@ def gathered(param: nnx.Variable, dtype: jax.typing.DTypeLike) -> jax.Array:
     what = f"parameter {tuple(names)}"
     layout = lambda kind: NamedSharding(compute.mesh, spec_for(names, value.shape, compute.rules.table(kind),
                                                                compute.mesh, what))
-    return _gather(value, jnp.dtype(dtype), layout("activations"), layout("grads"))
+    grads = (layout("activations"), layout("grads")) if lookup else (layout("grads"),)
+    return _gather(value, jnp.dtype(dtype), layout("activations"), grads)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def _gather(value: jax.Array, dtype: jnp.dtype, compute: NamedSharding, grads: NamedSharding) -> jax.Array:
+def _gather(value: jax.Array, dtype: jnp.dtype, compute: NamedSharding, grads: tuple[NamedSharding, ...]) -> jax.Array:
     return jax.lax.with_sharding_constraint(value.astype(dtype), compute)
 
 
@@ -155,7 +158,10 @@ def _gather_fwd(value, dtype, compute, grads):
 
 
 def _gather_bwd(dtype, compute, grads, like, g):
-    return (jax.lax.with_sharding_constraint(g.astype(like.dtype), grads),)
+    g = g.astype(like.dtype)
+    for layout in grads:  # the gradient's layouts, in turn
+        g = jax.lax.with_sharding_constraint(g, layout)
+    return (g,)
 
 
 _gather.defvjp(_gather_fwd, _gather_bwd)

@@ -163,7 +163,7 @@ class Transformer(nnx.Module):
         """The final norm's output `[B, T, D]`, which the output head turns into logits."""
         if positions_T is None:
             positions_T = jnp.arange(tokens_BT.shape[1])
-        x_BTD = constrain(gathered(self.embed_VD, self.dtype)[tokens_BT], RESIDUAL)
+        x_BTD = constrain(gathered(self.embed_VD, self.dtype, lookup=True)[tokens_BT], RESIDUAL)
         return self.final_norm(layers.scan(self.blocks, x_BTD, positions_T))
 
     def output_head(self) -> jax.Array:

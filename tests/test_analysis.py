@@ -124,9 +124,17 @@ def test_replicated_computation_has_no_collectives(auto_mesh):
 def test_memory_per_device_of_sharded_argument(mesh):
     x = jax.device_put(jnp.ones((8, 1024), jnp.float32), NamedSharding(mesh, P("x")))
     memory = memory_per_device(jax.jit(lambda x: x * 2).lower(x).compile())
-    assert set(memory) == {"arguments_bytes", "outputs_bytes", "temp_bytes", "alias_bytes"}
+    assert set(memory) == {"arguments_bytes", "outputs_bytes", "temp_bytes", "alias_bytes", "peak_bytes"}
     assert memory["arguments_bytes"] == 1024 * 4
     assert memory["outputs_bytes"] == 1024 * 4
+    assert memory["peak_bytes"] == memory["arguments_bytes"] + memory["temp_bytes"] + memory["outputs_bytes"]
+
+
+def test_peak_counts_a_donated_buffer_once(mesh):
+    x = jax.device_put(jnp.ones((8, 1024), jnp.float32), NamedSharding(mesh, P("x")))
+    memory = memory_per_device(jax.jit(lambda x: x * 2, donate_argnums=0).lower(x).compile())
+    assert memory["alias_bytes"] == 1024 * 4
+    assert memory["peak_bytes"] == memory["arguments_bytes"] + memory["temp_bytes"]
 
 
 def test_flops_of_matmul_is_two_m_n_k():

@@ -153,16 +153,55 @@ def test_grad_accumulation_equals_the_large_batch_step(reference, spec):
     require_devices(8)
     accum = Layout(spec, cfg=dataclasses.replace(TRAIN, grad_accum=2))
     assert_matches(accum, reference)
-    if spec != "single":  # one gradient synchronisation per step: the same all-reduce bytes as K = 1
+    if spec == "data=8":  # pure replicas: one gradient synchronisation per step, the same bytes as K = 1
         plain = Layout(spec).report()["collectives"]["all-reduce"]["bytes"]
         assert abs(accum.report()["collectives"]["all-reduce"]["bytes"] - plain) / plain < 0.01
+
+
+ACCUMULATED = [  # mesh, ParallelConfig fields, whether the model is the 4-layer one (pipelines)
+    ("sequence=4,fsdp=2", {}, False),  # ring, zigzag
+    ("data=2,sequence=4", {"context_attention": "allgather"}, False),
+    ("fsdp=2,sequence=2,model=2", {"context_attention": "ulysses"}, False),
+    ("data=2,fsdp=2,model=2", {"sequence_parallel": True}, False),
+    ("model=8", {}, False),
+    ("stage=2,data=4", {"microbatches": 2}, True),
+    ("stage=2,fsdp=2,model=2", {"microbatches": 2}, True),
+    ("stage=2,sequence=2,data=2", {"microbatches": 2}, True),
+]
+
+
+@pytest.mark.parametrize(("spec", "parallel", "deep"), ACCUMULATED, ids=[spec for spec, *_ in ACCUMULATED])
+def test_grad_accumulation_composes_with_every_axis(reference, deep_reference, spec, parallel, deep):
+    """Accumulation over 2 microbatches on meshes with sequence (all three attention modes), stage, model
+    with and without SP, and fsdp: the same loss and gradients as one device's large batch."""
+    require_devices(8)
+    model = dataclasses.replace(MODEL, n_layers=4) if deep else MODEL
+    layout = Layout(spec, cfg=dataclasses.replace(TRAIN, grad_accum=2), model=model,
+                    parallel=ParallelConfig(**parallel))
+    assert_matches(layout, deep_reference if deep else reference)
+
+
+def test_grad_accumulation_synchronises_replicas_once_per_step():
+    """data=2, fsdp=4 (ZeRO-3): the accumulator is split over fsdp, so each microbatch's gradient is reduced
+    into it (an all-reduce and a slice on CPU, a reduce-scatter on GPUs); over `data`, where gradients are
+    whole, each replica keeps its own sum and they are all-reduced once per step. Measured as all-reduce
+    bytes per step = K·(per microbatch) + (once per step): the once-per-step part is the fsdp-split
+    float32 gradient, 4Ψ/4 — the data all-reduce — and it does not grow with K."""
+    require_devices(8)
+    total = {K: Layout("data=2,fsdp=4", cfg=dataclasses.replace(TRAIN, grad_accum=K, global_batch=32)).report()
+             ["collectives"]["all-reduce"]["bytes"] for K in (2, 4)}
+    per_microbatch = (total[4] - total[2]) / 2
+    once = total[2] - 2 * per_microbatch
+    gradient = param_bytes(Layout("single"))  # float32: 4Ψ
+    assert abs(once - gradient / 4) / (gradient / 4) < 0.05, (once, gradient)
+    assert per_microbatch > 2 * once
 
 
 def test_grad_accumulation_must_divide_the_batch_shards():
     require_devices(8)
     layout = Layout("data=8", cfg=dataclasses.replace(TRAIN, grad_accum=4))
-    with pytest.raises(ValueError, match=r"global_batch = 16 is not divisible into 4 microbatches on each of "
-                                         r"the 8 batch shards \(data\)"):
+    with pytest.raises(ValueError, match=r"global_batch = 16 is not divisible into train.grad_accum = 4 "
+                                         r"microbatches on each of the 8 batch shards \(data\)"):
         layout.loss_and_grads()
 
 
@@ -207,10 +246,13 @@ def deep_reference():
     return Layout("single", model=dataclasses.replace(MODEL, n_layers=4)).loss_and_grads()
 
 
-@pytest.mark.parametrize(("spec", "microbatches", "repeats"), [
-    ("stage=4,data=2", 4, 1), ("stage=2,fsdp=2,model=2", 2, 2), ("stage=2,data=2,fsdp=2", 1, 1)])
-def test_pipeline_matches_one_device(deep_reference, spec, microbatches, repeats):
+@pytest.mark.parametrize(("spec", "microbatches", "repeats", "attention"), [
+    ("stage=4,data=2", 4, 1, "ring"), ("stage=2,fsdp=2,model=2", 2, 2, "ring"), ("stage=2,data=2,fsdp=2", 1, 1, "ring"),
+    ("stage=2,sequence=2,data=2", 2, 1, "ring"), ("stage=2,sequence=2,model=2", 2, 1, "ulysses")])
+def test_pipeline_matches_one_device(deep_reference, spec, microbatches, repeats, attention):
+    """Also with the sequence split (context parallelism inside the stages)."""
     require_devices(8)
     layout = Layout(spec, model=dataclasses.replace(MODEL, n_layers=4),
-                    parallel=ParallelConfig(microbatches=microbatches, pipeline_repeats=repeats))
+                    parallel=ParallelConfig(microbatches=microbatches, pipeline_repeats=repeats,
+                                            context_attention=attention))
     assert_matches(layout, deep_reference)

@@ -244,13 +244,6 @@ def test_microbatch_must_divide_over_data_and_fsdp():
         pp.pipeline(nnx.merge(c.graphdef, c.state), c.x, mesh=c.mesh, stages=2, microbatches=8)
 
 
-def test_context_parallel_attention_is_refused_clearly():
-    # meshpar's attention opens a shard_map over `sequence`, which jax cannot batch under the stage vmap
-    c = case("stage=2,sequence=2,data=2", "transformer")
-    with pytest.raises(ValueError, match=r"pipeline and context parallelism do not compose"):
-        c.pipelined(stages=2, microbatches=2).lower(c.state, c.x)
-
-
 @pytest.mark.parametrize("M", [1, 4, 8, 16])
 @pytest.mark.parametrize("R", [1, 2])
 def test_bubble_fraction(M, R):

@@ -1,0 +1,130 @@
+"""Full size, compile-only (nothing is allocated): the real training step of llama_8b on 8 and llama_70b on
+64 fake CPU devices. Per-device memory from the compiler against the targets meshpar is built for and
+against the planner's prediction (within 10%); every layout the planner ranks compiles; `launch.compile`.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import require_devices
+from launch import compile as compile_cli, train
+from meshpar.plan_cost import Shape
+
+import configs
+
+ROOT = Path(__file__).resolve().parents[1]
+GB = 1e9
+T32K = ["train.seq_len=32768", "model.max_seq_len=32768"]
+T16K = ["train.seq_len=16384", "model.max_seq_len=16384"]
+SP = ["parallel.sequence_parallel=true"]
+
+# name: (config, devices, mesh, overrides); bfloat16 compute (the presets'), T = 8192 unless said
+LAYOUTS = {
+    "8b fsdp, 4 sequences per device, full remat": ("llama_8b", 8, "fsdp=8", ["train.global_batch=32", "train.remat=full"]),
+    "8b fsdp, dots remat": ("llama_8b", 8, "fsdp=8", ["train.global_batch=8", "train.remat=dots"]),
+    "8b fsdp, T=4k, no remat": ("llama_8b", 8, "fsdp=8", ["train.global_batch=8", "train.seq_len=4096", "train.remat=none"]),
+    "8b fsdp×model+SP, dots": ("llama_8b", 8, "fsdp=2,model=4", ["train.global_batch=4", "train.remat=dots", *SP]),
+    "8b ring over sequence=4, T=32k": ("llama_8b", 8, "sequence=4,fsdp=2", ["train.global_batch=2", "train.remat=full", *T32K]),
+    "8b ring over sequence=2, T=16k, dots": ("llama_8b", 8, "sequence=2,fsdp=4", ["train.global_batch=4", "train.remat=dots", *T16K]),
+    "8b pipeline stage=2": ("llama_8b", 8, "stage=2,fsdp=4", ["train.global_batch=16", "parallel.microbatches=4", "train.remat=full"]),
+    "8b accumulation over data×fsdp": ("llama_8b", 8, "data=2,fsdp=4", ["train.global_batch=16", "train.grad_accum=2", "train.remat=full"]),
+    "8b accumulation, dots": ("llama_8b", 8, "fsdp=8", ["train.global_batch=32", "train.grad_accum=4", "train.remat=dots"]),
+    "70b fsdp×model+SP": ("llama_70b", 64, "fsdp=8,model=8", ["train.global_batch=8", "train.remat=full", *SP]),
+    "70b fsdp×model+SP, accumulation 8": ("llama_70b", 64, "fsdp=8,model=8", ["train.global_batch=64", "train.grad_accum=8", "train.remat=full", *SP]),
+    "70b fsdp×model+SP, T=4k, no remat": ("llama_70b", 64, "fsdp=8,model=8", ["train.global_batch=8", "train.seq_len=4096", "train.remat=none", *SP]),
+    "70b ring over sequence=4, T=32k": ("llama_70b", 64, "fsdp=16,sequence=4", ["train.global_batch=16", "train.remat=full", *T32K]),
+    "70b pipeline stage=4": ("llama_70b", 64, "stage=4,fsdp=16", ["train.global_batch=64", "parallel.microbatches=4", "train.remat=full"]),
+}
+
+
+@pytest.fixture(scope="module")
+def reports() -> dict[str, dict]:
+    """name → `launch.compile` report; 8-device layouts in this process, 64-device ones in one other."""
+    require_devices(8)
+    out = {name: compile_cli.check(train.configure(config, mesh, overrides)[0])
+           for name, (config, devices, mesh, overrides) in LAYOUTS.items() if devices == 8}
+    wide = [name for name, (_, devices, _, _) in LAYOUTS.items() if devices == 64]
+    cases = json.dumps([[LAYOUTS[name][0], LAYOUTS[name][2], LAYOUTS[name][3]] for name in wide])
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "compile_many.py"), "64", cases], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out.update(zip(wide, map(json.loads, proc.stdout.splitlines())))
+    return out
+
+
+def peak(report: dict) -> float:
+    return report["memory_per_device"]["peak_bytes"]
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_planner_predicts_the_compiled_peak_within_10_percent(reports, name):
+    report = reports[name]
+    assert abs(report["predicted_peak_bytes"] / peak(report) - 1) < 0.10, (peak(report) / GB,
+                                                                           report["predicted_peak_bytes"] / GB)
+
+
+def test_llama_8b_fits_four_sequences_of_8k_per_device_in_60_gb(reports):
+    """fsdp=8, global batch 32, T = 8192, bf16, full remat (one sequence per device took 60.5 GB before
+    the blockwise attention and the chunked loss)."""
+    assert peak(reports["8b fsdp, 4 sequences per device, full remat"]) <= 60 * GB
+
+
+def test_llama_8b_ring_attention_fits_32k_tokens_in_75_gb(reports):
+    """sequence=4, fsdp=2, T = 32,768, global batch 2, ring attention (zigzag), full remat."""
+    report = reports["8b ring over sequence=4, T=32k"]
+    assert peak(report) <= 75 * GB
+    assert "collective-permute" in report["collectives"]  # the ring's K/V blocks
+
+
+def test_llama_70b_accumulator_is_a_sixty_fourth_of_the_gradient(reports):
+    """fsdp=8 × model=8 with SP, 8 microbatches: the accumulator takes the gradient's layout (split over
+    fsdp and model), so accumulating costs a fraction of one whole float32 gradient per device — at most
+    1/8 of it (the target), and near 1/64 (the layout): compared with one microbatch without accumulation."""
+    extra = (reports["70b fsdp×model+SP, accumulation 8"]["memory_per_device"]["temp_bytes"]
+             - reports["70b fsdp×model+SP"]["memory_per_device"]["temp_bytes"])
+    whole_gradient = 4 * Shape.of(configs.load("llama_70b").model).params
+    assert extra <= whole_gradient / 8
+    assert extra <= 1.5 * whole_gradient / 64, (extra / GB, whole_gradient / 64 / GB)
+
+
+def test_launch_compile_prints_the_report_contract(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "launch.compile", "--config", "tiny", "--devices", "4",
+                           "--mesh", "data=2,model=2", "--set", "train.remat=full", "--json"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    memory = report["memory_per_device"]
+    assert {"arguments_bytes", "temp_bytes", "outputs_bytes", "alias_bytes", "peak_bytes"} <= memory.keys()
+    assert memory["peak_bytes"] == (memory["arguments_bytes"] + memory["temp_bytes"] + memory["outputs_bytes"]
+                                    - memory["alias_bytes"])
+    assert report["devices"] == 4 and report["mesh"]["model"] == 2
+    assert report["collectives"]["all-reduce"]["count"] > 0 and report["compile_s"] > 0
+    assert math.isfinite(report["predicted_peak_bytes"]) and report["predicted_peak_bytes"] > 0
+    proc = subprocess.run([sys.executable, "-m", "launch.compile", "--config", "tiny", "--devices", "4",
+                           "--mesh", "model=3"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode != 0 and "error: mesh model=3 has 3 devices, but 4 are present" in proc.stderr
+
+
+@pytest.mark.parametrize(("devices", "overrides"), [
+    (16, ["model.n_layers=8", "train.global_batch=32"]),
+    (32, ["model.n_layers=4", "train.global_batch=8", "train.seq_len=1024", "train.compute_dtype=bfloat16"]),
+    (64, ["model.n_layers=8", "model.n_kv_heads=4", "train.global_batch=64", "train.grad_accum=1"]),
+])
+def test_every_layout_the_planner_ranks_compiles(devices, overrides):
+    """The planner's top 6 layouts for small dims on 16, 32 and 64 devices, each compiled (not only
+    checked for divisibility): no layout it proposes fails inside JAX or XLA."""
+    args = [a for o in overrides for a in ("--set", o)]
+    proc = subprocess.run([sys.executable, "-m", "launch.compile", "--config", "tiny", "--devices", str(devices),
+                           "--mesh", "auto", "--top", "6", "--json", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reports = json.loads(proc.stdout)
+    assert len(reports) == 6 and all(r["fits"] for r in reports)
+    assert [r["planner_rank"] for r in reports] == list(range(1, 7))
