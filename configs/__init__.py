@@ -15,6 +15,7 @@ from meshpar.mesh import MeshConfig
 from meshpar.rules import ParallelConfig
 from meshpar.train import TrainConfig
 from models.transformer import TransformerConfig
+from meshpar.errors import InputError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,10 +30,10 @@ class Config:
 
     def __post_init__(self):
         if self.data.source in ("stdlib", "text") and self.model.vocab_size < 256:
-            raise ValueError(f"data.source = '{self.data.source}' gives byte tokens (0..255), but "
+            raise InputError(f"data.source = '{self.data.source}' gives byte tokens (0..255), but "
                              f"model.vocab_size = {self.model.vocab_size}")
         if self.train.seq_len > self.model.max_seq_len:
-            raise ValueError(f"train.seq_len = {self.train.seq_len} exceeds model.max_seq_len = "
+            raise InputError(f"train.seq_len = {self.train.seq_len} exceeds model.max_seq_len = "
                              f"{self.model.max_seq_len}")
 
 
@@ -42,5 +43,5 @@ def names() -> list[str]:
 
 def load(name: str) -> Config:
     if name not in names():
-        raise ValueError(f"unknown config '{name}'; presets: {', '.join(names())}")
+        raise InputError(f"unknown config '{name}'; presets: {', '.join(names())}")
     return importlib.import_module(f"configs.{name}").config()

@@ -16,6 +16,8 @@ import argparse
 import importlib.util
 import json
 
+from meshpar.errors import InputError
+
 LAYOUTS = {  # name → (mesh, overrides)
     "single": ("", []),
     "dp8": ("data=8", []),
@@ -92,7 +94,7 @@ def main(argv: list[str] | None = None) -> None:
         devices = jax.devices()[:1] if not mesh_text else jax.devices()
         try:
             mesh = mesh_lib.build(mesh_lib.parse(mesh_text), devices)
-        except ValueError as err:
+        except InputError as err:
             print(f"skip {name}: {err}")
             continue
         model = lambda rngs, cfg=cfg: Transformer(cfg.model, dtype=cfg.train.dtype, rngs=rngs)

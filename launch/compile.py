@@ -22,6 +22,8 @@ import argparse
 import json
 import sys
 
+from meshpar.errors import InputError
+
 GB = 1e9
 
 
@@ -62,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
         else:
             cfg, *_ = train.configure(args.config, args.mesh, args.set)
             reports = [check(cfg)]
-    except ValueError as err:
+    except InputError as err:
         sys.exit(f"error: {err}")
     if args.json:
         print(json.dumps(reports if args.mesh == "auto" else reports[0], indent=2))

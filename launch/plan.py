@@ -21,6 +21,8 @@ import dataclasses
 import json
 import sys
 
+from meshpar.errors import InputError
+
 SETTINGS = ("parallel.zero_stage", "parallel.sequence_parallel", "parallel.context_attention",
             "parallel.load_balance", "parallel.microbatches", "parallel.pipeline_repeats", "train.remat",
             "train.grad_accum")  # chosen by the search; train.attention_kernel is not (it is a what-if)
@@ -77,11 +79,11 @@ def main(argv: list[str] | None = None) -> None:
     try:
         if args.params is not None:
             if args.config:
-                raise ValueError("--params estimates a bare parameter count; leave out --config")
+                raise InputError("--params estimates a bare parameter count; leave out --config")
             _params_only(args)
             return
         run(args)
-    except ValueError as err:
+    except InputError as err:
         sys.exit(f"error: {err}")
 
 
@@ -91,7 +93,7 @@ def run(args: argparse.Namespace) -> None:
     from meshpar.plan_cost import EFFICIENCY, Shape
 
     if not args.config or not args.devices:
-        raise ValueError("give --config NAME and --devices N (or --params N for model states only)")
+        raise InputError("give --config NAME and --devices N (or --params N for model states only)")
     hw = plan.parse_hardware(args.hardware)
     dph = min(args.devices_per_host, args.devices)
     cfg = configs.load(args.config)
@@ -102,7 +104,7 @@ def run(args: argparse.Namespace) -> None:
         flags.append(f"model.max_seq_len={args.seq_len}")
     settings = [s for s in args.set if s.partition("=")[0].strip() in SETTINGS]
     if settings and not args.mesh:
-        raise ValueError(f"{', '.join(settings)}: layout settings need --mesh (the search chooses them itself)")
+        raise InputError(f"{', '.join(settings)}: layout settings need --mesh (the search chooses them itself)")
     cfg = config_lib.apply(cfg, [*args.set, *flags])
     shape = Shape.of(cfg.model)
     t = cfg.train
@@ -116,7 +118,7 @@ def run(args: argparse.Namespace) -> None:
         lay = plan.layout_of(sizes, cfg.parallel, t)
         estimates = [plan.estimate(shape, lay, runp, hw, dph, mem_fraction=args.mem_fraction)]
         if estimates[0].problems:
-            raise ValueError(f"layout {plan.describe(lay)} does not build: {'; '.join(estimates[0].problems)}")
+            raise InputError(f"layout {plan.describe(lay)} does not build: {'; '.join(estimates[0].problems)}")
         summary = "fits" if estimates[0].fits else (f"does NOT fit: needs {estimates[0].memory.total / 1e9:.1f} GB "
                                                      f"of {estimates[0].budget / 1e9:.1f} GB usable")
         result = None

@@ -4,6 +4,11 @@
     python -m launch.train --config tiny --cpu-devices 8 --mesh data=2,fsdp=4 --steps 50 \
         --set model.n_layers=4 --metrics-file runs/m.jsonl --report runs/report.json
     python -m launch.train --config tiny --cpu-devices 8 --checkpoint-dir runs/ckpt   # resumes if it can
+    python -m launch.train --config tiny --cpu-devices 8 --set train.eval_every=20 --tensorboard-dir runs/tb \
+        --profile-steps 5:6
+
+Errors found by meshpar's own checks (bad settings, files, checkpoints; a diverged run) print as one line
+and exit 1; anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -12,6 +17,8 @@ import argparse
 import dataclasses
 import os
 import sys
+
+from meshpar.errors import InputError
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -26,6 +33,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="override a config field, e.g. model.n_layers=4 (repeatable)")
     p.add_argument("--metrics-file", help="write one JSON object per step to this file")
     p.add_argument("--report", help="write the compiled step's report (memory, flops, collectives) to this file")
+    p.add_argument("--tensorboard-dir", help="write TensorBoard event files here (loss, eval loss, grad norm, lr, "
+                                             "tokens/s, step time, MFU)")
+    p.add_argument("--profile-steps", metavar="FIRST:LAST", help="write a jax.profiler trace of these steps "
+                                                                "(TensorBoard's profile tab, or Perfetto)")
+    p.add_argument("--profile-dir", help="where the trace goes (default: TENSORBOARD_DIR/profile, else runs/profile)")
+    p.add_argument("--peak-tflops", type=float, help="peak TFLOP/s per device for MFU (default: the hardware "
+                                                    "table on GPUs, a matmul probe on CPU)")
+    p.add_argument("--allow-config-change", action="store_true",
+                   help="resume a checkpoint although train/data settings differ from the saved ones")
     p.add_argument("--checkpoint-dir", help="save checkpoints here; if it holds one, resume from the latest "
                                             "(on whatever mesh this run has)")
     p.add_argument("--cpu-devices", type=int, help="run on this many fake CPU devices (per process)")
@@ -33,6 +49,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                          "and --process-id. Default: SLURM / Open MPI / Kubernetes if detected")
     p.add_argument("--num-processes", type=int, help="number of processes (or MESHPAR_NUM_PROCESSES)")
     p.add_argument("--process-id", type=int, help="this process's index (or MESHPAR_PROCESS_ID)")
+    p.add_argument("--coordinator-timeout", type=float, default=300,
+                   help="seconds to wait for the coordinator (default 300)")
     return p.parse_args(argv)
 
 
@@ -84,7 +102,7 @@ def auto_layout(cfg, hardware: str, top: int = 5):
               flush=True)
         if fits:
             return chosen
-    raise ValueError(f"--mesh auto: none of the planner's top {top} layouts fits {budget / GB:.1f} GB per device "
+    raise InputError(f"--mesh auto: none of the planner's top {top} layouts fits {budget / GB:.1f} GB per device "
                      f"once compiled; use more devices, a smaller batch or sequence, or set the layout with --mesh")
 
 
@@ -100,26 +118,35 @@ def main(argv: list[str] | None = None) -> None:
 
     if args.cpu_devices is not None:  # must happen before JAX starts a backend
         if args.cpu_devices < 1:
-            sys.exit(f"--cpu-devices {args.cpu_devices}: must be >= 1")
+            sys.exit(f"error: --cpu-devices {args.cpu_devices}: must be >= 1")
         os.environ["JAX_PLATFORMS"] = "cpu"
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", args.cpu_devices)
 
-    from meshpar import distributed
-    from meshpar.run import run
+    from meshpar import distributed, metrics, mfu
+    from meshpar.errors import TrainingStopped
+    from meshpar.plan_cost import Shape
+    from meshpar.run import Throughput, parse_profile_steps, run
 
     try:
-        print(distributed.initialize(distributed.from_environment(
-            coordinator=args.coordinator, num_processes=args.num_processes, process_id=args.process_id)), flush=True)
+        joined = distributed.initialize(distributed.from_environment(
+            coordinator=args.coordinator, num_processes=args.num_processes, process_id=args.process_id),
+            args.coordinator_timeout)
+        if joined:
+            print(joined, flush=True)
         steps = [] if args.steps is None else [f"train.steps={args.steps}"]
         cfg, mesh, rules, make_model = configure(args.config, args.mesh, [*args.set, *steps], args.hardware)
-    except ValueError as err:
-        sys.exit(f"error: {err}")
-
-    try:
+        profile = parse_profile_steps(args.profile_steps) if args.profile_steps else None
+        peak, source = mfu.device_peak(2 if cfg.train.compute_dtype == "bfloat16" else 4, args.peak_tflops)
+        throughput = Throughput(Shape.of(cfg.model).model_flops_per_token(cfg.train.seq_len), peak) if peak else None
+        if metrics.is_logger():
+            print(f"MFU against {peak / 1e12:,.3g} TFLOP/s per device ({source})" if peak else f"no MFU: {source}",
+                  flush=True)
         run(make_model, cfg.train, cfg.data, mesh, rules, metrics_file=args.metrics_file, report_file=args.report,
-            checkpoint_dir=args.checkpoint_dir, checkpoint=cfg.checkpoint, config=dataclasses.asdict(cfg))
-    except ValueError as err:  # bad input found while building the run: say what, without a traceback
+            checkpoint_dir=args.checkpoint_dir, checkpoint=cfg.checkpoint, config=dataclasses.asdict(cfg),
+            tensorboard_dir=args.tensorboard_dir, profile_steps=profile, profile_dir=args.profile_dir,
+            throughput=throughput, allow_config_change=args.allow_config_change)
+    except (InputError, TrainingStopped) as err:  # meshpar's own checks: say what, without a traceback
         sys.exit(f"error: {err}")
 
 

@@ -17,6 +17,7 @@ import re
 import time
 from collections import Counter
 from typing import Any
+from meshpar.errors import InputError
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")
 
@@ -75,12 +76,12 @@ def _parse_shape(text: str, pos: int, line: str) -> tuple[ShapeTree, int]:
             elements.append(element)
     array = _ARRAY_SHAPE.match(text, pos)
     if array is None or array["dtype"] not in _ELEMENT_BITS:
-        raise ValueError(f"cannot parse the shape in HLO line: {line.strip()!r}")
+        raise InputError(f"cannot parse the shape in HLO line: {line.strip()!r}")
     count = 1
     for dim in filter(None, array["dims"].split(",")):
         dim = dim.strip().removeprefix("<=")  # a bounded dynamic dim occupies its bound
         if not dim.isdigit():
-            raise ValueError(f"cannot size dimension {dim!r} in HLO line: {line.strip()!r}")
+            raise InputError(f"cannot size dimension {dim!r} in HLO line: {line.strip()!r}")
         count *= int(dim)
     packed = _ELEMENT_SIZE.search(array["layout"] or "")
     bits = int(packed[1]) if packed else _ELEMENT_BITS[array["dtype"]]
@@ -101,7 +102,7 @@ def _output_shape(opcode: str, shape: ShapeTree) -> ShapeTree:
     """
     if opcode.endswith("-start") and opcode != "all-reduce-start":
         if not isinstance(shape, list) or len(shape) < 2:
-            raise ValueError(f"{opcode} result is not an (operands, outputs, ...) tuple")
+            raise InputError(f"{opcode} result is not an (operands, outputs, ...) tuple")
         return shape[1]
     return shape
 
@@ -116,12 +117,12 @@ class _Computation:
 def _parse_instruction(line: str, computation: _Computation) -> None:
     match = _INSTRUCTION.match(line.strip())
     if match is None:
-        raise ValueError(f"cannot parse HLO line: {line.strip()!r}")
+        raise InputError(f"cannot parse HLO line: {line.strip()!r}")
     rest = _COMMENT.sub("", match["rest"])
     shape, pos = _parse_shape(rest, 0, line)
     op = _OPCODE.match(rest, pos)
     if op is None:
-        raise ValueError(f"cannot find the opcode in HLO line: {line.strip()!r}")
+        raise InputError(f"cannot find the opcode in HLO line: {line.strip()!r}")
     opcode = op["opcode"]
 
     kind = opcode.removesuffix("-start")
@@ -150,7 +151,7 @@ def _parse_module(hlo_text: str) -> tuple[dict[str, _Computation], str]:
     current = None
     lines = [line for line in hlo_text.splitlines() if line.strip()]
     if not lines or not lines[0].startswith("HloModule"):
-        raise ValueError("HLO text must start with an `HloModule` line")
+        raise InputError("HLO text must start with an `HloModule` line")
     for line in lines:
         if current is not None:
             if line.strip() == "}":
@@ -162,11 +163,11 @@ def _parse_module(hlo_text: str) -> tuple[dict[str, _Computation], str]:
             if header["entry"]:
                 entry = header["name"]
         elif not _MODULE_LINE.match(line.strip()):
-            raise ValueError(f"unexpected HLO line outside a computation: {line.strip()!r}")
+            raise InputError(f"unexpected HLO line outside a computation: {line.strip()!r}")
     if current is not None:
-        raise ValueError("HLO text ends inside a computation (missing `}`)")
+        raise InputError("HLO text ends inside a computation (missing `}`)")
     if entry is None:
-        raise ValueError("HLO text has no ENTRY computation")
+        raise InputError("HLO text has no ENTRY computation")
     return computations, entry
 
 
@@ -178,7 +179,7 @@ def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
 
     def run_once(name: str) -> Counter[tuple[str, str]]:
         if name not in computations:
-            raise ValueError(f"HLO calls an undefined computation: {name!r}")
+            raise InputError(f"HLO calls an undefined computation: {name!r}")
         if name not in totals:
             total: Counter[tuple[str, str]] = Counter()
             for kind, nbytes in computations[name].collectives:
@@ -204,7 +205,7 @@ def memory_per_device(compiled: Any) -> dict[str, int]:
     buffer count once). XLA's own `peak_memory_in_bytes` is not meaningful on CPU (arguments only)."""
     stats = compiled.memory_analysis()
     if stats is None:
-        raise ValueError("this backend gives no memory analysis")
+        raise InputError("this backend gives no memory analysis")
     out = {
         "arguments_bytes": stats.argument_size_in_bytes,
         "outputs_bytes": stats.output_size_in_bytes,
@@ -219,7 +220,7 @@ def flops_per_device(compiled: Any) -> float:
     """Floating-point operations per device per call, from XLA's cost analysis."""
     cost = compiled.cost_analysis()
     if not isinstance(cost, dict):
-        raise ValueError(f"expected a dict from cost_analysis(), got {type(cost).__name__}")
+        raise InputError(f"expected a dict from cost_analysis(), got {type(cost).__name__}")
     # XLA leaves the key out when no instruction counted flops (e.g. a lone all-gather).
     return float(cost.get("flops", 0.0))
 
@@ -234,7 +235,7 @@ def compile_report(jitted: Any, *args: Any, compiler_options: dict | None = None
     compile_s = time.perf_counter() - start
     hlo_text = compiled.as_text()
     if hlo_text is None:
-        raise ValueError("this backend gives no text for the compiled module")
+        raise InputError("this backend gives no text for the compiled module")
     return compiled, {
         "memory_per_device": memory_per_device(compiled),
         "collectives": collectives(hlo_text),

@@ -55,6 +55,7 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from meshpar import context, flash, sharding
+from meshpar.errors import InputError
 
 MODES = ("allgather", "ring", "ulysses")
 KERNELS = ("auto", "dense", "blockwise", "cudnn")
@@ -95,9 +96,9 @@ def resolve_kernel(kernel: str, S: int, platform: str) -> str:
     """The kernel `block_attention` runs: `auto` becomes `dense` up to the platform's measured length
     (`DENSE_MAX_T`, by the keys one query sees), `blockwise` above; `cudnn` is refused off GPUs."""
     if kernel not in KERNELS:
-        raise ValueError(f"attention kernel '{kernel}' is not one of {', '.join(KERNELS)}")
+        raise InputError(f"attention kernel '{kernel}' is not one of {', '.join(KERNELS)}")
     if kernel == "cudnn":
-        raise ValueError(f"attention kernel 'cudnn' needs a GPU; this mesh runs on '{platform}' "
+        raise InputError(f"attention kernel 'cudnn' needs a GPU; this mesh runs on '{platform}' "
                          f"(use auto, dense or blockwise)")
     if kernel == "auto":
         return "dense" if S <= DENSE_MAX_T.get(platform, 0) else "blockwise"
@@ -171,9 +172,9 @@ def _zigzag_order(n_shards: int) -> np.ndarray:
 
 def _check_zigzag(T: int, n_shards: int) -> None:
     if n_shards < 1:
-        raise ValueError(f"zigzag needs n_shards >= 1, got {n_shards}")
+        raise InputError(f"zigzag needs n_shards >= 1, got {n_shards}")
     if T % (2 * n_shards):
-        raise ValueError(f"load-balanced (zigzag) order splits the sequence into 2·n = {2 * n_shards} chunks, "
+        raise InputError(f"load-balanced (zigzag) order splits the sequence into 2·n = {2 * n_shards} chunks, "
                          f"but T = {T} is not divisible by {2 * n_shards}")
 
 
@@ -223,23 +224,23 @@ def _global_positions(T: int, n: int, balanced: bool) -> np.ndarray:
 
 def _axis_size(mesh: Mesh, axis: str) -> int:
     if axis not in mesh.shape:
-        raise ValueError(f"mesh has no axis '{axis}'; its axes are {', '.join(mesh.axis_names)}")
+        raise InputError(f"mesh has no axis '{axis}'; its axes are {', '.join(mesh.axis_names)}")
     return mesh.shape[axis]
 
 
 def _check(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, n: int, axis: str, balanced: bool) -> None:
     if q_BTNH.ndim != 4 or k_BTKH.ndim != 4 or k_BTKH.shape != v_BTKH.shape:
-        raise ValueError(f"expected q [B, T, N, H] and k, v [B, T, K, H] of equal shapes, got "
+        raise InputError(f"expected q [B, T, N, H] and k, v [B, T, K, H] of equal shapes, got "
                          f"{q_BTNH.shape}, {k_BTKH.shape}, {v_BTKH.shape}")
     (B, T, N, H), (Bk, Tk, K, Hk) = q_BTNH.shape, k_BTKH.shape
     if (B, T, H) != (Bk, Tk, Hk):
-        raise ValueError(f"q {q_BTNH.shape} and k {k_BTKH.shape} disagree in B, T or H")
+        raise InputError(f"q {q_BTNH.shape} and k {k_BTKH.shape} disagree in B, T or H")
     if N % K:
-        raise ValueError(f"{N} query heads are not divisible by {K} kv heads (grouped-query attention)")
+        raise InputError(f"{N} query heads are not divisible by {K} kv heads (grouped-query attention)")
     if balanced:
         _check_zigzag(T, n)
     elif T % n:
-        raise ValueError(f"sequence length T = {T} is not divisible by mesh axis '{axis}' of size {n}")
+        raise InputError(f"sequence length T = {T} is not divisible by mesh axis '{axis}' of size {n}")
 
 
 def _spec_axes(spec: P) -> list[str]:
@@ -266,7 +267,7 @@ def _context_attention(mode: str, q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: 
             ways = math.prod(mesh.shape[a] for a in _spec_axes(P(*spec[2:3])))
             if (heads // ways) % n:
                 per = f" ({heads // ways} per device after the split over {spec[2]})" if ways > 1 else ""
-                raise ValueError(f"ulysses attention splits heads over mesh axis '{axis}' of size {n}, "
+                raise InputError(f"ulysses attention splits heads over mesh axis '{axis}' of size {n}, "
                                  f"but the {heads} {what}{per} are not divisible by {n}")
     local = {"allgather": _allgather_local, "ring": _ring_local, "ulysses": _ulysses_local}[mode]
     body = functools.partial(local, axis=axis, n=n, balanced=load_balanced, kernel=kernel,
@@ -490,7 +491,7 @@ def attend(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array) -> jax.Array
       anything else is a ValueError.
     - `load_balance: bool = True` — the activations are in ZIGZAG order (`zigzag`): the training step
       reorders tokens, targets and rotary positions once (`zigzag`, `zigzag_positions`, as
-      `meshpar.train.next_token_loss` does), every per-token layer is indifferent to the order, and
+      `meshpar.loss.next_token_loss` does), every per-token layer is indifferent to the order, and
       attention masks by the zigzag positions (`load_balanced=True` for every mode). The ring then does
       equal work on every device; allgather and ulysses do the same work either way. T must be divisible
       by 2·n. A caller that sets it must feed zigzagged activations, or the mask is wrong.
@@ -512,14 +513,14 @@ def attend(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array) -> jax.Array
         return causal_attention(q_BTNH, k_BTKH, v_BTKH, kernel=kernel, platform=platform_of(compute.mesh))
     mode = _setting(compute, "context_attention", "ring")
     if mode not in MODES:
-        raise ValueError(f"context_attention = {mode!r} is not one of {', '.join(MODES)}")
+        raise InputError(f"context_attention = {mode!r} is not one of {', '.join(MODES)}")
     balanced = bool(_setting(compute, "load_balance", True))
     mesh, table = compute.mesh, compute.rules.table("activations")
     q_spec = sharding.spec_for(("batch", "seq", "heads", None), q_BTNH.shape, table, mesh, "attention q [B, T, N, H]")
     kv_spec = sharding.spec_for(("batch", "seq", "kv_heads", None), k_BTKH.shape, table, mesh,
                                 "attention k, v [B, T, K, H]")
     if q_spec[1] != axis or kv_spec[1] != axis:
-        raise ValueError(f"context-parallel attention needs the activation rule 'seq' to map to mesh axis "
+        raise InputError(f"context-parallel attention needs the activation rule 'seq' to map to mesh axis "
                          f"'{axis}' alone; it gives {q_spec[1]!r}")
     return _context_attention(mode, q_BTNH, k_BTKH, v_BTKH, mesh=mesh, axis=axis, load_balanced=balanced,
                               kernel=kernel, q_spec=q_spec, kv_spec=kv_spec, vmapped=compute.vmapped)

@@ -16,15 +16,23 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import tempfile
 from pathlib import Path
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 from flax import nnx
+from meshpar.errors import InputError
 
 # orbax's name for a step still being written: `<step>.orbax-checkpoint-tmp-<timestamp>`.
 _UNFINISHED = re.compile(r"^\d+\.orbax-checkpoint-tmp")
+# Settings a resumed run may change freely: how the same training is laid out, run and logged. Any other
+# change of `train` or `data` (batch, sequence, schedule, seed, data) makes a different training run,
+# refused unless allowed; `model` must always match.
+RESUMABLE_CHANGES = ("mesh.", "parallel.", "checkpoint.", "name", "train.steps", "train.remat",
+                     "train.grad_accum", "train.attention_kernel", "train.loss_chunk", "train.eval_every",
+                     "train.eval_batches", "train.on_nonfinite")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,7 +43,7 @@ class CheckpointConfig:
     def __post_init__(self):
         for name in ("every", "keep"):
             if getattr(self, name) < 1:
-                raise ValueError(f"checkpoint.{name} = {getattr(self, name)} must be >= 1")
+                raise InputError(f"checkpoint.{name} = {getattr(self, name)} must be >= 1")
 
 
 def _steps_on_disk(directory: Path) -> tuple[list[str], list[str], list[str]]:
@@ -75,15 +83,20 @@ class Checkpointer:
 
     def __init__(self, directory: str | Path, config: CheckpointConfig = CheckpointConfig()):
         self.directory, self.config = Path(directory).absolute(), config
+        if self.directory.exists() and not self.directory.is_dir():
+            raise InputError(f"checkpoint directory {self.directory} is a file")
+        try:  # fail now, not at the first save
+            self.directory.mkdir(parents=True, exist_ok=True)
+            tempfile.TemporaryFile(dir=self.directory).close()
+        except OSError as err:
+            raise InputError(f"checkpoint directory {self.directory} is not writable: {err.strerror}") from None
         if self.directory.exists():
-            if not self.directory.is_dir():
-                raise ValueError(f"checkpoint directory {self.directory} is a file")
             finished, unfinished, other = _steps_on_disk(self.directory)
             if not finished and unfinished:
-                raise ValueError(f"{self.directory} has no finished checkpoint, only unfinished ones "
+                raise InputError(f"{self.directory} has no finished checkpoint, only unfinished ones "
                                  f"({', '.join(unfinished)}); remove them or choose another directory")
             if not finished and other:
-                raise ValueError(f"{self.directory} is not a checkpoint directory (it holds "
+                raise InputError(f"{self.directory} is not a checkpoint directory (it holds "
                                  f"{', '.join(other[:5])}{' …' if len(other) > 5 else ''}) ")
         self._manager = ocp.CheckpointManager(
             self.directory,
@@ -102,19 +115,32 @@ class Checkpointer:
         return step % self.config.every == 0 or step == last_step
 
     def restore(self, state: nnx.State, shardings: nnx.State, config: dict | None = None,
-                step: int | None = None) -> tuple[nnx.State, dict[str, Any]]:
+                step: int | None = None, allow_changes: bool = False, log=print) -> tuple[nnx.State, dict[str, Any]]:
         """Read `step` (default: the latest) into the structure of `state` laid out by `shardings`.
 
-        `state` may be abstract; `config`, when given, is compared with the saved one first so that a
-        checkpoint of another model is refused with the fields that differ.
+        `state` may be abstract. `config`, when given, is compared with the saved one first: a checkpoint
+        of another model is refused with the fields that differ, and so are changed `train`/`data`
+        settings outside `RESUMABLE_CHANGES`, unless `allow_changes` (then `log` lists them).
         """
         step = self.latest_step() if step is None else step
         if step is None:
-            raise ValueError(f"{self.directory} holds no checkpoint")
+            raise InputError(f"{self.directory} holds no checkpoint")
         meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
-        if config is not None and "model" in config and meta.get("config", {}).get("model") != config["model"]:
-            raise ValueError(f"{self.directory} step {step} is a checkpoint of a different model: "
-                             + "; ".join(_differences(meta["config"]["model"], config["model"], "model.")))
+        saved = meta.get("config", {})
+        if config is not None and "model" in config and saved.get("model") != config["model"]:
+            raise InputError(f"{self.directory} step {step} is a checkpoint of a different model: "
+                             + "; ".join(_differences(saved["model"], config["model"], "model.")))
+        if config is not None:
+            then = {section: saved.get(section, {}) for section in ("train", "data")}
+            now = {section: {k: v for k, v in config.get(section, {}).items() if k in then[section]}
+                   for section in then}  # settings newer than the checkpoint are not changes
+            changed = [d for d in _differences(then, now) if not d.startswith(RESUMABLE_CHANGES)]
+            if changed and not allow_changes:
+                raise InputError(f"{self.directory} step {step} was trained with other settings: "
+                                 + "; ".join(changed) + ". Resume with the saved settings, or pass "
+                                 "--allow-config-change (Python: allow_config_change=True) to go on with these")
+            if changed:
+                log(f"resuming with changed settings: {'; '.join(changed)}")
         self._check_shapes(step, state)
         restored = self._manager.restore(step, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(_abstract(state, shardings))))["state"]
@@ -128,7 +154,7 @@ class Checkpointer:
         now_shapes = jax.tree.map(lambda x: tuple(x.shape), state.to_pure_dict())
         problems = _differences(_stringify(saved_shapes), _stringify(now_shapes))
         if problems:
-            raise ValueError(f"{self.directory} step {step} does not fit this model: " + "; ".join(problems[:8]))
+            raise InputError(f"{self.directory} step {step} does not fit this model: " + "; ".join(problems[:8]))
 
     def wait(self) -> None:
         """Block until every started save is on disk."""
@@ -155,7 +181,7 @@ def load_params(directory: str | Path, params: nnx.State, shardings: nnx.State) 
     """Read exported parameters into the structure of `params`, laid out by `shardings` (any mesh)."""
     with ocp.CheckpointManager(Path(directory).absolute()) as mgr:
         if mgr.latest_step() is None:
-            raise ValueError(f"{directory} holds no exported parameters")
+            raise InputError(f"{directory} holds no exported parameters")
         restored = mgr.restore(mgr.latest_step(), args=ocp.args.Composite(
             params=ocp.args.StandardRestore(_abstract(params, shardings))))["params"]
     out = jax.tree.map(lambda x: x, params)

@@ -10,6 +10,7 @@ import dataclasses
 import typing
 from collections.abc import Iterable
 from typing import Any
+from meshpar.errors import InputError
 
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 
@@ -29,14 +30,14 @@ def keys(cfg: Any, prefix: str = "") -> list[str]:
 def _parse(text: str, kind: type, key: str) -> Any:
     if kind is bool:
         if text.lower() not in _TRUE | _FALSE:
-            raise ValueError(f"--set {key}={text}: expected true or false")
+            raise InputError(f"--set {key}={text}: expected true or false")
         return text.lower() in _TRUE
     if kind in (int, float, str):
         try:
             return kind(text)
         except ValueError:
-            raise ValueError(f"--set {key}={text}: expected {kind.__name__}") from None
-    raise ValueError(f"--set {key}: fields of type {kind} cannot be set from the command line")
+            raise InputError(f"--set {key}={text}: expected {kind.__name__}") from None
+    raise InputError(f"--set {key}: fields of type {kind} cannot be set from the command line")
 
 
 def _replace(cfg: Any, changes: dict[str, Any]) -> Any:
@@ -60,9 +61,9 @@ def apply(cfg: Any, overrides: Iterable[str]) -> Any:
         key, sep, text = item.partition("=")
         key = key.strip()
         if not sep:
-            raise ValueError(f"--set '{item}': expected KEY=VALUE, e.g. model.n_layers=4")
+            raise InputError(f"--set '{item}': expected KEY=VALUE, e.g. model.n_layers=4")
         if key not in valid:
-            raise ValueError(f"--set: unknown key '{key}'; valid keys: {', '.join(valid)}")
+            raise InputError(f"--set: unknown key '{key}'; valid keys: {', '.join(valid)}")
         *sections, name = key.split(".")
         node = changes
         for section in sections:

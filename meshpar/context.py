@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from jax.sharding import Mesh
 
 from meshpar.rules import Rules
+from meshpar.errors import InputError
 
 REMAT_POLICIES = ("none", "full", "dots")
 
@@ -35,7 +36,7 @@ class Compute:
 
     def __post_init__(self):
         if self.remat not in REMAT_POLICIES:
-            raise ValueError(f"remat policy '{self.remat}' is not one of {', '.join(REMAT_POLICIES)}")
+            raise InputError(f"remat policy '{self.remat}' is not one of {', '.join(REMAT_POLICIES)}")
 
 
 _active: contextvars.ContextVar[Compute | None] = contextvars.ContextVar("meshpar_compute", default=None)

@@ -21,10 +21,17 @@ rows of step ``s`` come from a generator seeded only by ``(seed, s)``, so:
 - per-process reading: drawing all offsets is cheap, so every process draws them and then reads
   tokens only for the contiguous block of rows its devices hold (``process_rows``), and
   ``jax.make_array_from_process_local_data`` assembles one global ``[B, T + 1]`` ``jax.Array``.
+
+Held-out split (``split``): the last ``eval_fraction`` of every source's tokens is for evaluation only.
+Training windows lie wholly before it and evaluation windows wholly inside it, so no token is in both;
+the split depends only on the corpus and the fraction, so it is the same on every run, with or without
+evaluation. Every batch is checked against the model's vocabulary (``Batches(vocab_size=...)``): a
+token out of range is an error naming the source and the step, not a silent embedding lookup of garbage.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import sysconfig
 from collections.abc import Iterable, Sequence
@@ -33,6 +40,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+from meshpar.errors import InputError
 
 SOURCES = ("stdlib", "text", "bin")
 TOKEN_DTYPES = ("uint16", "uint32")
@@ -48,16 +56,25 @@ class DataConfig:
     path: str = ""
     token_dtype: str = "uint16"
     max_bytes: int = 16_000_000
+    eval_fraction: float = 0.01  # the held-out tail of the tokens (see `split`)
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
-            raise ValueError(f"unknown data source {self.source!r}; valid sources: {', '.join(SOURCES)}")
+            raise InputError(f"unknown data source {self.source!r}; valid sources: {', '.join(SOURCES)}")
         if self.source in ("text", "bin") and not self.path:
-            raise ValueError(f"data source {self.source!r} needs a path")
+            raise InputError(f"data source {self.source!r} needs a path")
         if self.token_dtype not in TOKEN_DTYPES:
-            raise ValueError(f"token_dtype {self.token_dtype!r} is not one of {', '.join(TOKEN_DTYPES)}")
+            raise InputError(f"token_dtype {self.token_dtype!r} is not one of {', '.join(TOKEN_DTYPES)}")
         if self.max_bytes <= 0:
-            raise ValueError(f"max_bytes must be positive, got {self.max_bytes}")
+            raise InputError(f"max_bytes must be positive, got {self.max_bytes}")
+        if not 0 < self.eval_fraction < 0.5:
+            raise InputError(f"data.eval_fraction = {self.eval_fraction} must be in (0, 0.5)")
+
+    def describe(self) -> str:
+        """The source as messages name it: `stdlib`, or the path and its kind."""
+        if self.source == "stdlib":
+            return "stdlib"
+        return f"{self.path} ({'bin, ' + self.token_dtype if self.source == 'bin' else 'text'})"
 
 
 def _join_files(root: Path, rel_paths: Sequence[str], max_bytes: int | None) -> np.ndarray:
@@ -66,11 +83,18 @@ def _join_files(root: Path, rel_paths: Sequence[str], max_bytes: int | None) -> 
     for i, rel in enumerate(rel_paths):
         if i:
             buf += b"\n"
-        buf += (root / rel).read_bytes()
+        buf += _read(root / rel)
         if max_bytes is not None and len(buf) >= max_bytes:
             del buf[max_bytes:]
             break
     return np.frombuffer(buf, dtype=np.uint8)
+
+
+def _read(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError as err:
+        raise InputError(f"cannot read {path}: {err.strerror}") from None
 
 
 def stdlib_tokens(max_bytes: int) -> np.ndarray:
@@ -82,7 +106,7 @@ def stdlib_tokens(max_bytes: int) -> np.ndarray:
         rel_dir = Path(dirpath).relative_to(root)
         rel_paths += [(rel_dir / f).as_posix() for f in filenames if f.endswith(".py")]
     if not rel_paths:
-        raise ValueError(f"empty corpus: no .py files under the stdlib directory {root}")
+        raise InputError(f"empty corpus: no .py files under the stdlib directory {root}")
     return _join_files(root, sorted(rel_paths), max_bytes)
 
 
@@ -90,16 +114,16 @@ def text_tokens(path: str) -> np.ndarray:
     """Byte-level tokens of one text file, or of every `*.txt` file under a directory."""
     p = Path(path)
     if not p.exists():
-        raise FileNotFoundError(f"text corpus not found: {path}")
+        raise InputError(f"data.path: text corpus not found: {path}")
     if p.is_dir():
         rel_paths = sorted(f.relative_to(p).as_posix() for f in p.rglob("*.txt") if f.is_file())
         if not rel_paths:
-            raise ValueError(f"empty corpus: no *.txt files under {path}")
+            raise InputError(f"empty corpus: no *.txt files under {path}")
         tokens = _join_files(p, rel_paths, None)
     else:
-        tokens = np.frombuffer(p.read_bytes(), dtype=np.uint8)
+        tokens = np.frombuffer(_read(p), dtype=np.uint8)
     if tokens.size == 0:
-        raise ValueError(f"empty corpus: {path} holds no bytes")
+        raise InputError(f"empty corpus: {path} holds no bytes")
     return tokens
 
 
@@ -107,13 +131,16 @@ def bin_tokens(path: str, token_dtype: str) -> np.ndarray:
     """Memory-map a flat pre-tokenised file; nothing is read until rows are sliced from it."""
     p = Path(path)
     if not p.is_file():
-        raise FileNotFoundError(f"token file not found: {path}")
+        raise InputError(f"data.path: token file not found: {path}")
+    if not os.access(p, os.R_OK):
+        raise InputError(f"data.path: cannot read {path} (permission denied)")
     size = p.stat().st_size
     itemsize = np.dtype(token_dtype).itemsize
     if size == 0:
-        raise ValueError(f"empty corpus: {path} holds no tokens")
+        raise InputError(f"empty corpus: {path} holds no tokens")
     if size % itemsize:
-        raise ValueError(f"{path}: size {size} bytes is not a multiple of {token_dtype} size {itemsize}")
+        raise InputError(f"{path}: size {size} bytes is not a multiple of {itemsize} (data.token_dtype = "
+                         f"{token_dtype}); is it a file of another token type?")
     return np.memmap(p, dtype=token_dtype, mode="r")
 
 
@@ -126,6 +153,16 @@ def load_tokens(cfg: DataConfig) -> np.ndarray:
     return bin_tokens(cfg.path, cfg.token_dtype)
 
 
+def split(tokens: np.ndarray, eval_fraction: float, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
+    """(training tokens, held-out tokens): the held-out part is the last `eval_fraction` of the corpus,
+    and at least one window of `seq_len + 2` tokens (views: a memory-mapped corpus stays on disk)."""
+    held_out = max(math.ceil(len(tokens) * eval_fraction), seq_len + 2)
+    if len(tokens) - held_out < seq_len + 2:
+        raise InputError(f"corpus of {len(tokens)} tokens is too short for seq_len = {seq_len} with a held-out "
+                         f"split of {held_out} tokens: need at least {held_out + seq_len + 2}")
+    return tokens[:-held_out], tokens[-held_out:]
+
+
 def contiguous_row_range(batch_slices: Iterable[slice], num_rows: int) -> range:
     """Union of batch-dimension slices (one per device of a process) as one contiguous range.
 
@@ -136,10 +173,10 @@ def contiguous_row_range(batch_slices: Iterable[slice], num_rows: int) -> range:
     for s in batch_slices:
         rows.update(range(*s.indices(num_rows)))
     if not rows:
-        raise ValueError("this process's devices hold no batch rows")
+        raise InputError("this process's devices hold no batch rows")
     lo, hi = min(rows), max(rows) + 1
     if len(rows) != hi - lo:
-        raise ValueError(
+        raise InputError(
             f"batch rows held by this process are not contiguous: {len(rows)} rows spread over "
             f"[{lo}, {hi}); order the mesh so each process holds one block of the batch dimension"
         )
@@ -158,24 +195,27 @@ class Batches:
         seed: int,
         sharding: jax.sharding.Sharding,
         step: int = 0,
+        vocab_size: int | None = None,
+        source: str = "tokens",
     ) -> None:
         if tokens.ndim != 1:
-            raise ValueError(f"tokens must be 1-D, got shape {tokens.shape}")
+            raise InputError(f"tokens must be 1-D, got shape {tokens.shape}")
         if global_batch <= 0 or seq_len <= 0:
-            raise ValueError(f"global_batch and seq_len must be positive, got {global_batch}, {seq_len}")
+            raise InputError(f"global_batch and seq_len must be positive, got {global_batch}, {seq_len}")
         if len(tokens) < seq_len + 2:
-            raise ValueError(
+            raise InputError(
                 f"corpus of {len(tokens)} tokens is too short for seq_len={seq_len}: "
                 f"need at least seq_len + 2 = {seq_len + 2}"
             )
         if seed < 0 or step < 0:
-            raise ValueError(f"seed and step must be non-negative, got seed={seed}, step={step}")
+            raise InputError(f"seed and step must be non-negative, got seed={seed}, step={step}")
         self.tokens = tokens
         self.global_batch = global_batch
         self.seq_len = seq_len
         self.seed = seed
         self.sharding = sharding
         self.step = step
+        self.vocab_size, self.source = vocab_size, source
         self.global_shape = (global_batch, seq_len + 1)
         self._process_rows = self.process_rows()
 
@@ -193,7 +233,12 @@ class Batches:
         starts_B = self.offsets(step)[idx]
         # Fancy indexing reads only these windows, which matters for a memmapped corpus.
         positions_BT = starts_B[:, None] + np.arange(self.seq_len + 1)
-        return np.asarray(self.tokens[positions_BT], dtype=np.int32)
+        rows_BT = np.asarray(self.tokens[positions_BT])
+        if self.vocab_size is not None and rows_BT.size and rows_BT.max() >= self.vocab_size:
+            raise InputError(f"{self.source}: token {int(rows_BT.max())} in batch {step} is out of "
+                             f"range for model.vocab_size = {self.vocab_size} (a tokenizer with a larger "
+                             f"vocabulary, or the wrong data.token_dtype?)")
+        return rows_BT.astype(np.int32)
 
     def process_rows(self) -> range:
         """Contiguous batch rows held by this process's devices under `sharding`."""

@@ -12,8 +12,10 @@ from __future__ import annotations
 import dataclasses
 import os
 import socket
+import time
 
 import jax
+from meshpar.errors import InputError
 
 ENV = {"coordinator": "MESHPAR_COORDINATOR", "num_processes": "MESHPAR_NUM_PROCESSES",
        "process_id": "MESHPAR_PROCESS_ID"}
@@ -33,13 +35,13 @@ class Settings:
         if any(given.values()) and not all(given.values()):
             missing = [f"{name} ({ENV[name]})" for name, ok in given.items() if not ok]
             present = [name for name, ok in given.items() if ok]
-            raise ValueError(f"distributed settings are half given: {', '.join(present)} set but "
+            raise InputError(f"distributed settings are half given: {', '.join(present)} set but "
                              f"{', '.join(missing)} missing; give all three, or none for one process")
         if all(given.values()):
             if self.num_processes < 1 or not 0 <= self.process_id < self.num_processes:
-                raise ValueError(f"process_id = {self.process_id} is not in 0..{self.num_processes - 1}")
+                raise InputError(f"process_id = {self.process_id} is not in 0..{self.num_processes - 1}")
             if ":" not in self.coordinator:
-                raise ValueError(f"coordinator '{self.coordinator}' must be host:port")
+                raise InputError(f"coordinator '{self.coordinator}' must be host:port")
         return all(given.values())
 
 
@@ -54,7 +56,7 @@ def from_environment(**overrides: str | int | None) -> Settings:
             try:
                 value = int(value)
             except ValueError:
-                raise ValueError(f"{var} = '{value}' is not an integer") from None
+                raise InputError(f"{var} = '{value}' is not an integer") from None
         values[name] = value
     return Settings(**values)
 
@@ -66,16 +68,45 @@ def detected_cluster() -> str | None:
     return None
 
 
-def initialize(settings: Settings) -> str:
-    """Join the processes (or do nothing for one); returns how, for the log."""
+def check_coordinator(coordinator: str, process_id: int, timeout_s: float) -> None:
+    """Fail with a message, not a crash inside JAX (which aborts the process when it cannot register):
+    process 0 must be able to listen on the port; the others must reach it within `timeout_s`."""
+    host, _, port_text = coordinator.rpartition(":")
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise InputError(f"coordinator '{coordinator}': port '{port_text}' is not a number") from None
+    if process_id == 0:
+        try:
+            with socket.create_server(("", port)):
+                return
+        except OSError as err:
+            raise InputError(f"coordinator '{coordinator}': process 0 cannot listen on port {port} "
+                             f"({os.strerror(err.errno)}); choose a free port") from None
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=2):
+                return
+        except OSError as err:
+            if time.monotonic() >= deadline:
+                raise InputError(f"coordinator '{coordinator}' unreachable after {timeout_s:.0f} s ({err.strerror or err}); "
+                                 f"is process 0 running, and is the address right?") from None
+            time.sleep(0.5)
+
+
+def initialize(settings: Settings, timeout_s: float = 300) -> str:
+    """Join the processes (or do nothing for one); returns how, for the log ("" for one process).
+    `timeout_s`: how long a process waits for the coordinator to answer."""
     if settings.explicit():
-        jax.distributed.initialize(coordinator_address=settings.coordinator,
-                                   num_processes=settings.num_processes, process_id=settings.process_id)
+        check_coordinator(settings.coordinator, settings.process_id, timeout_s)
+        jax.distributed.initialize(coordinator_address=settings.coordinator, num_processes=settings.num_processes,
+                                   process_id=settings.process_id, initialization_timeout=int(timeout_s))
         how = f"explicit coordinator {settings.coordinator}"
     elif cluster := detected_cluster():
         jax.distributed.initialize()
         how = f"{cluster} (detected)"
     else:
-        return "single process"
+        return ""
     return f"{how}: process {jax.process_index()} of {jax.process_count()} on {socket.gethostname()}, " \
            f"{jax.local_device_count()} local of {jax.device_count()} devices"

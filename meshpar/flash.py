@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from meshpar.errors import InputError
 
 SKIP, MASKED, FULL = 0, 1, 2
 
@@ -44,7 +45,7 @@ SKIP, MASKED, FULL = 0, 1, 2
 def block_size(length: int, block: int) -> int:
     """The largest divisor of `length` that is at most `block`: blocks tile the sequence exactly."""
     if length < 1 or block < 1:
-        raise ValueError(f"sequence length {length} and block size {block} must be >= 1")
+        raise InputError(f"sequence length {length} and block size {block} must be >= 1")
     return max(d for d in range(1, min(length, block) + 1) if length % d == 0)
 
 
@@ -76,10 +77,10 @@ def attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, q_pos_T: 
     (B, T, N, H), (S, K) = q_BTNH.shape, k_BSKH.shape[1:3]
     nq, nk = pattern.shape
     if T % nq or S % nk:
-        raise ValueError(f"a {nq}×{nk} block pattern does not tile T = {T} queries and S = {S} keys")
+        raise InputError(f"a {nq}×{nk} block pattern does not tile T = {T} queries and S = {S} keys")
     pairs = tuple((i, j, int(pattern[i, j]) == FULL) for i in range(nq) for j in range(nk) if pattern[i, j] != SKIP)
     if not pairs:
-        raise ValueError("the block pattern skips every pair: no query sees any key")
+        raise InputError("the block pattern skips every pair: no query sees any key")
     return _flash(q_BTNH, k_BSKH, v_BSKH, q_pos_T.astype(jnp.int32), k_pos_S.astype(jnp.int32),
                   pairs, T // nq, S // nk)
 

@@ -21,13 +21,14 @@ chunk loop all-reduces the head's whole gradient in every chunk).
 
 A model that offers `hidden_states(tokens, positions) -> [B, T, D]` and `output_head() -> [D, V]` gets the
 chunked loss (its logits are `logits(hidden, head)`); any other model is called as
-`model(tokens, positions) -> logits` and its logits are reduced whole.
+`model(tokens, positions) -> logits`, or `model(tokens) -> logits`, and its logits are reduced whole.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 
 import jax
@@ -219,14 +220,26 @@ def chunked_cross_entropy(hidden_BTD: jax.Array, head_DV: jax.Array, targets_BT:
     return _loss_sum(hidden_BTD, head_DV, targets_BT, chunk, _layout(hidden_BTD, head_DV, targets_BT)) / (B * T)
 
 
+def takes_positions(model) -> bool:
+    """Whether `model(tokens, positions)` is its signature (two positional parameters), as meshpar's
+    transformer's is; a model called as `model(tokens)` builds its own positions and causal mask."""
+    parameters = inspect.signature(model.__call__).parameters.values()
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return sum(p.kind in kinds for p in parameters) >= 2 or any(p.kind == p.VAR_POSITIONAL for p in parameters)
+
+
 def next_token_loss(model, tokens_BT: jax.Array, chunk: int = 0) -> jax.Array:
     """Mean cross-entropy of predicting tokens[:, 1:] from tokens[:, :-1].
 
     With the sequence split over `sequence` and `load_balance` on, inputs, targets and positions are
     put in zigzag order once, here: every shard then holds an early and a late chunk of each sequence,
-    so causal attention costs every shard the same. The mean loss does not depend on the order.
+    so causal attention costs every shard the same. The mean loss does not depend on the order. Only a
+    model that takes positions (`takes_positions`) gets the zigzag order: one called as `model(tokens)`
+    sees its tokens in order, so a causal mask it builds itself stays right.
     """
     inputs_BT, targets_BT = tokens_BT[:, :-1], tokens_BT[:, 1:]
+    if not takes_positions(model):
+        return cross_entropy(model(inputs_BT), targets_BT) / targets_BT.size
     positions_T = jnp.arange(inputs_BT.shape[1])
     compute = context.active()
     if compute is not None and compute.mesh.shape["sequence"] > 1 and compute.rules.parallel.load_balance:

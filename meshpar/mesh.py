@@ -22,6 +22,7 @@ from collections import defaultdict
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
+from meshpar.errors import InputError
 
 AXES = ("data", "stage", "fsdp", "sequence", "model")
 
@@ -40,10 +41,10 @@ class MeshConfig:
         sizes = self.sizes()
         for axis, size in sizes.items():
             if not isinstance(size, int) or (size < 1 and size != -1):
-                raise ValueError(f"mesh axis '{axis}' has size {size!r}: sizes are integers >= 1, or -1 for the rest")
+                raise InputError(f"mesh axis '{axis}' has size {size!r}: sizes are integers >= 1, or -1 for the rest")
         filled = [axis for axis, size in sizes.items() if size == -1]
         if len(filled) > 1:
-            raise ValueError(f"mesh axes {filled} are all -1: at most one axis may take the remaining devices")
+            raise InputError(f"mesh axes {filled} are all -1: at most one axis may take the remaining devices")
 
     def sizes(self) -> dict[str, int]:
         return {axis: getattr(self, axis) for axis in AXES}
@@ -55,11 +56,11 @@ class MeshConfig:
         for axis, size in sizes.items():
             if size == -1:
                 if n_devices % known:
-                    raise ValueError(f"mesh axis '{axis}' = -1 cannot fill {n_devices} devices: "
+                    raise InputError(f"mesh axis '{axis}' = -1 cannot fill {n_devices} devices: "
                                      f"the other axes multiply to {known}, which does not divide {n_devices}")
                 sizes[axis] = n_devices // known
         if math.prod(sizes.values()) != n_devices:
-            raise ValueError(f"mesh {describe(sizes)} has {math.prod(sizes.values())} devices, "
+            raise InputError(f"mesh {describe(sizes)} has {math.prod(sizes.values())} devices, "
                              f"but {n_devices} are present")
         return MeshConfig(**sizes)
 
@@ -71,15 +72,15 @@ def parse(text: str) -> MeshConfig:
         name, sep, value = item.partition("=")
         name = name.strip()
         if not sep or not name:
-            raise ValueError(f"malformed mesh item '{item}' in '{text}': expected AXIS=SIZE, e.g. data=2,fsdp=4")
+            raise InputError(f"malformed mesh item '{item}' in '{text}': expected AXIS=SIZE, e.g. data=2,fsdp=4")
         if name not in AXES:
-            raise ValueError(f"unknown mesh axis '{name}' in '{text}': the axes are {', '.join(AXES)}")
+            raise InputError(f"unknown mesh axis '{name}' in '{text}': the axes are {', '.join(AXES)}")
         if name in sizes:
-            raise ValueError(f"mesh axis '{name}' is given twice in '{text}'")
+            raise InputError(f"mesh axis '{name}' is given twice in '{text}'")
         try:
             sizes[name] = int(value)
         except ValueError:
-            raise ValueError(f"mesh axis '{name}' has size '{value.strip()}' in '{text}': not an integer") from None
+            raise InputError(f"mesh axis '{name}' has size '{value.strip()}' in '{text}': not an integer") from None
     return MeshConfig(**sizes)
 
 
@@ -97,7 +98,7 @@ def host_split(sizes: dict[str, int], devices_per_host: int) -> tuple[dict[str, 
         inside[axis] = math.gcd(sizes[axis], room)
         room //= inside[axis]
     if room != 1:
-        raise ValueError(f"mesh {describe(sizes)} cannot be laid out on hosts of {devices_per_host} devices: "
+        raise InputError(f"mesh {describe(sizes)} cannot be laid out on hosts of {devices_per_host} devices: "
                          f"the axes do not factor into whole hosts")
     return inside, {axis: sizes[axis] // inside[axis] for axis in AXES}
 
@@ -109,7 +110,7 @@ def device_grid(sizes: dict[str, int], devices: list) -> np.ndarray:
         by_process[device.process_index].append(device)
     counts = {len(local) for local in by_process.values()}
     if len(counts) != 1:
-        raise ValueError(f"processes hold different numbers of devices ({sorted(counts)}); a mesh needs equal hosts")
+        raise InputError(f"processes hold different numbers of devices ({sorted(counts)}); a mesh needs equal hosts")
     inside, across = host_split(sizes, counts.pop())
     grid = np.empty([sizes[axis] for axis in AXES], dtype=object)
     inside_shape, across_shape = [inside[a] for a in AXES], [across[a] for a in AXES]

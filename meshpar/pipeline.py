@@ -101,6 +101,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshpar import context, sharding
+from meshpar.errors import InputError
 
 P = PartitionSpec
 U = PartitionSpec.UNCONSTRAINED
@@ -139,7 +140,7 @@ def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
     """
     for name, value in (("stages", stages), ("microbatches", microbatches), ("repeats", repeats)):
         if value < 1:
-            raise ValueError(f"{name} = {value} must be >= 1")
+            raise InputError(f"{name} = {value} must be >= 1")
     return 1.0 - repeats * microbatches / iterations(stages, microbatches, repeats)
 
 
@@ -197,22 +198,22 @@ def _check(L: int, B: int, *, mesh: Mesh, stages: int, microbatches: int, repeat
     S, M, R = stages, microbatches, repeats
     for name, value in (("stages", S), ("microbatches", M), ("repeats", R)):
         if value < 1:
-            raise ValueError(f"pipeline: {name} = {value} must be >= 1")
+            raise InputError(f"pipeline: {name} = {value} must be >= 1")
     if remat not in context.REMAT_POLICIES:
-        raise ValueError(f"pipeline: remat policy '{remat}' is not one of {', '.join(context.REMAT_POLICIES)}")
+        raise InputError(f"pipeline: remat policy '{remat}' is not one of {', '.join(context.REMAT_POLICIES)}")
     if L % (S * R):
-        raise ValueError(f"pipeline: L = {L} layers are not divisible by S = {S} stages × R = {R} repeats")
+        raise InputError(f"pipeline: L = {L} layers are not divisible by S = {S} stages × R = {R} repeats")
     if "stage" not in mesh.shape:
-        raise ValueError(f"pipeline: the mesh has no 'stage' axis (axes: {', '.join(mesh.axis_names)})")
+        raise InputError(f"pipeline: the mesh has no 'stage' axis (axes: {', '.join(mesh.axis_names)})")
     if S % mesh.shape["stage"]:
-        raise ValueError(f"pipeline: S = {S} stages cannot be split over mesh axis stage={mesh.shape['stage']}")
+        raise InputError(f"pipeline: S = {S} stages cannot be split over mesh axis stage={mesh.shape['stage']}")
     if B % M:
-        raise ValueError(f"pipeline: the batch B = {B} is not divisible into M = {M} microbatches")
+        raise InputError(f"pipeline: the batch B = {B} is not divisible into M = {M} microbatches")
     axes = _batch_axes(mesh)
     ways = math.prod(mesh.shape[axis] for axis in axes)
     if (B // M) % ways:
         split = " × ".join(f"{axis}={mesh.shape[axis]}" for axis in axes)
-        raise ValueError(f"pipeline: a microbatch of B/M = {B}/{M} = {B // M} rows is not divisible by the "
+        raise InputError(f"pipeline: a microbatch of B/M = {B}/{M} = {B // M} rows is not divisible by the "
                          f"batch mesh axes {split} = {ways}")
 
 
@@ -236,7 +237,7 @@ def _run(stack: nnx.Module, x_BTD: jax.Array, *args: jax.Array, mesh: Mesh, stag
     graphdef, stacked = nnx.split(stack)
     leaves = jax.tree.leaves(stacked)
     if not leaves:
-        raise ValueError("pipeline: the stack has no variables")
+        raise InputError("pipeline: the stack has no variables")
     L, (B, T, D) = leaves[0].shape[0], x_BTD.shape
     _check(L, B, mesh=mesh, stages=stages, microbatches=microbatches, repeats=repeats, remat=remat)
     S, M, R = stages, microbatches, repeats

@@ -31,6 +31,7 @@ from meshpar.plan_cost import (EFFICIENCY, MODES, PRECISIONS, REMATS, Layout, Me
                                local_elements, memory)
 from meshpar.plan_hardware import PRESETS, Hardware, parse as parse_hardware
 from meshpar.plan_time import Estimate, bubble, compute_seconds, estimate, iterations
+from meshpar.errors import InputError
 
 __all__ = ["Estimate", "Hardware", "Layout", "NothingFits", "PRESETS", "Run", "Shape", "best_layout",
            "bubble", "estimate", "iterations", "model_states", "overrides", "search", "parse_hardware"]
@@ -39,7 +40,7 @@ GB = 1e9
 MAX_SEQUENCE = 64
 
 
-class NothingFits(ValueError):
+class NothingFits(InputError):
     """No layout fits in memory; the message names the smallest requirement."""
 
     def __init__(self, message: str, smallest: Estimate | None):
@@ -54,11 +55,11 @@ def model_states(params: float, zero_stage: int, shards: int, precision: str = "
     Stage 1 divides the optimizer by `shards` (N_d), stage 2 the gradients too, stage 3 the parameters too.
     """
     if zero_stage not in (0, 1, 2, 3):
-        raise ValueError(f"zero stage {zero_stage} is not one of 0, 1, 2, 3")
+        raise InputError(f"zero stage {zero_stage} is not one of 0, 1, 2, 3")
     if precision not in PRECISIONS:
-        raise ValueError(f"precision '{precision}' is not one of {', '.join(PRECISIONS)}")
+        raise InputError(f"precision '{precision}' is not one of {', '.join(PRECISIONS)}")
     if shards < 1 or params < 0:
-        raise ValueError(f"need params >= 0 and shards >= 1, got {params}, {shards}")
+        raise InputError(f"need params >= 0 and shards >= 1, got {params}, {shards}")
     p, g, o = PRECISIONS[precision]
     out = {"params": p * params / (shards if zero_stage >= 3 else 1),
            "grads": g * params / (shards if zero_stage >= 2 else 1),
@@ -79,14 +80,14 @@ def _hardware(hardware: Hardware | str) -> Hardware:
 def check_cluster(devices: int, devices_per_host: int) -> int:
     """Devices per host as the mesh sees it (a single partial host holds all the devices)."""
     if devices < 1 or devices_per_host < 1:
-        raise ValueError(f"devices ({devices}) and devices per host ({devices_per_host}) must be >= 1")
+        raise InputError(f"devices ({devices}) and devices per host ({devices_per_host}) must be >= 1")
     if devices <= devices_per_host:
         if devices_per_host % devices:
-            raise ValueError(f"{devices} devices on hosts of {devices_per_host}: a partial host must hold a "
+            raise InputError(f"{devices} devices on hosts of {devices_per_host}: a partial host must hold a "
                              f"divisor of {devices_per_host} devices")
         return devices
     if devices % devices_per_host:
-        raise ValueError(f"{devices} devices are not divisible by {devices_per_host} devices per host: "
+        raise InputError(f"{devices} devices are not divisible by {devices_per_host} devices per host: "
                          f"a mesh needs whole, equal hosts")
     return devices_per_host
 
@@ -188,11 +189,11 @@ def search(model, *, devices: int, devices_per_host: int, hardware: Hardware | s
     shape, hw = Shape.of(model), _hardware(hardware)
     dph = check_cluster(devices, devices_per_host)
     if global_batch < 1 or seq_len < 1:
-        raise ValueError(f"global batch ({global_batch}) and sequence length ({seq_len}) must be >= 1")
+        raise InputError(f"global batch ({global_batch}) and sequence length ({seq_len}) must be >= 1")
     if compute_dtype not in ("bfloat16", "float32"):
-        raise ValueError(f"compute dtype '{compute_dtype}' is not bfloat16 or float32")
+        raise InputError(f"compute dtype '{compute_dtype}' is not bfloat16 or float32")
     if top < 1:
-        raise ValueError(f"top = {top} must be >= 1")
+        raise InputError(f"top = {top} must be >= 1")
     run = Run(global_batch, seq_len, compute_dtype, precision, efficiency, flash_attention)
     budget = hw.hbm * mem_fraction
     pb, _, ob = PRECISIONS[precision]

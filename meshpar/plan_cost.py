@@ -10,26 +10,24 @@ Letters: B global batch, T sequence, b = B/(data·fsdp·M·K) rows in one microb
 (M pipeline microbatches, K gradient-accumulation steps), t = T/sequence positions per device,
 c compute-dtype bytes, N/K/F/V heads/kv heads/ffw/vocab split over `model` (N_l = N/model, ...).
 
-Memory per device (`Memory`):
+Memory per device (`Memory`), fitted to what XLA allocates for this model (`launch.compile`; the
+tests hold the per-device peak to 10% at `llama_8b`/`llama_70b` sizes, T 4k–32k):
 - params, optimizer: at rest, by the params/optimizer tables: float32 params 4 + Adam moments 8 bytes per
   element (`precision="mixed"`, the ZeRO paper's convention: 2 + 12). These are XLA's argument bytes.
-- grads: what is alive at the peak: the whole gradient (over fsdp) for ZeRO 0/1 and under the pipeline
-  (each batch shard accumulates its stage's gradients whole); for ZeRO 2/3 its fsdp shard plus one
-  layer's and the embedding/head's whole gradients (the scan reduces layer by layer).
-- activations: saved tensors of every layer this device runs, per token of a microbatch (measured in
-  XLA's buffer assignment for this model, float32; in bf16 the matmul outputs are c bytes):
-  residual stream and norms 6·D (÷ model with Megatron SP), the attention/MLP region inputs 2·D,
-  q, k (rotated), v, attention output 2·(N_l + K_l)·H, scores and probabilities N_l·T_kv·(4 + c)
-  (T_kv = T: local, all-gather and Ulysses materialise [t, T] per query block; ring attention keeps
-  only its n step inputs, accumulators and K/V blocks), SwiGLU 6·F_l. `remat="dots"` keeps x, q, k, v,
-  the attention projection and gate/up; `"full"` keeps only x. Plus one layer's backward working set
-  (its activations at full T, the f32 logits slice with remat) — the peak is inside the last layer's
-  backward pass. The pipeline's scan keeps every iteration's stage residuals: (R·M + S − 1) microbatch
-  passes over L/(S·R) layers; gradient accumulation divides the rows per pass by K.
-- other: without remat the compute-dtype weights every layer used (all-gathered under ZeRO-3) are kept
-  for the backward pass (measured: the block weights, once); the optimizer update's temporaries (0.2×
-  its gradient shard); the accumulation buffer (one whole gradient, K > 1); the pipeline's stage weights,
-  gathered over fsdp, held for the step (stage > 1).
+- grads: the gradient in its own layout (`rules` grads table: split over fsdp under ZeRO-2/3).
+- activations: what the backward pass keeps of every layer this device runs, per local token
+  (`layer_bytes_per_token`): `full` remat keeps each layer's input (c·D, ÷ model with Megatron SP);
+  `dots` also q, k, v, the attention projection, gate and up; `none` every intermediate (the fitted
+  `SAVED_NONE`). Attention adds what its kernel holds (`attention_bytes_per_token`): nothing for the
+  blockwise kernel beyond its output and log-sum-exp; the dense kernel's float32 scores and
+  probabilities [t, T]; ring's per-step inputs; all-gather's whole K and V. Plus one layer's backward
+  working set (`WORKING`, fitted): the peak is inside a layer's backward pass. The loss is chunked
+  (`meshpar.loss`): it holds at most one chunk of logits, counted in the working set. The pipeline's
+  scan keeps every iteration's stage input ((R·M + S − 1) microbatch passes), plus one stage's layers
+  while it recomputes them.
+- other: the output head's whole float32 gradient and gathered compute copy (`HEAD_BYTES` per element),
+  the int32 token batch, the pipeline's stage weights held for the step (`PIPELINE_BYTES`, more with
+  fsdp), and the accumulation buffer (K > 1), in the gradients' own layout: its fsdp/model/stage shard.
 
 Collectives per device per step (`Collective`: mesh axes, op, bytes, count). Bytes are the RESULT on
 one device (what `meshpar.analysis` counts); time uses the wire bytes of a ring over the axes, split into
@@ -40,25 +38,27 @@ collective-permute size.
   all-reduce + all-gather of the updated float32 params over fsdp; ZeRO 2 reduce-scatter over fsdp,
   all-reduce over data × sequence, all-gather of params; ZeRO 3 reduce-scatter + all-reduce and the
   weights all-gathered for compute (in c bytes): once per step for embedding/head, per microbatch for the
-  layers, again in the backward pass with remat (XLA re-gathers instead of keeping them). Overlapped
-  with compute (XLA's async collectives); only the excess over compute, at least one layer's share, shows.
+  layers, again in the backward pass with remat (XLA re-gathers instead of keeping them). The output
+  head's gradient leaves the chunked loss already reduced (a reduce-scatter over the batch axes under
+  ZeRO-2/3). Gradient accumulation keeps the accumulator in the gradients' layout and syncs the pure
+  replica axes once per step. Overlapped with compute (XLA's async collectives); only the excess over
+  compute, at least one layer's share, shows.
 - tensor parallelism per layer per microbatch, a = b·t·D·c: all-reduces, 2 forward and 5 backward
   (XLA reduces dq/dk/dv and dgate/dup input gradients separately; measured), +1 with full remat (the
   attention output is recomputed; the layer output is not needed); plus the vocab-parallel embedding
   (forward) and head (backward). With Megatron SP each all-reduce becomes a reduce-scatter, 6 all-gathers
   of a per layer enter the regions (forward 2, backward 4; +2 when remat recomputes them), and GSPMD
   adds all-to-alls in the backward that reshard attention's scores and softmax statistics between the
-  sequence- and head-split layouts: 1.28·a per layer measured on model=8 (T = 32; they grow with T², and
-  on CPU they do not shrink when data or fsdp also split the batch, so this under-counts there). Not
-  overlapped (critical path).
+  sequence- and head-split layouts: `SP_ALL_TO_ALL`·a per layer, measured on model=8. The
+  vocab-parallel loss all-reduces its softmax statistics [b, t] forward and the hidden states' float32
+  gradient backward. Not overlapped (critical path).
 - context parallelism per layer per microbatch: all-gather K, V (2·b·T·K_l·H·c) + reduce-scatter of
   their gradients; ring: 2(n−1) collective-permutes of 2·b·t·K_l·H·c (forward K/V, backward dK/dV),
   overlapped with the block matmuls, + the zigzag reorder (load_balance) ~2·b·t·(N_l+K_l)·H·c each way;
   Ulysses: 8 all-to-alls of q, k, v, out. Plus the gradient sync over `sequence` above.
 - pipeline (meshpar.pipeline's table): 2 collective-permutes of b·t·D·c per schedule iteration (forward
   and backward), the result leaving stage 0 and its gradient (all-reduces of M·b·t·D·c), with R > 1 the
-  stage weights and their gradients exchanged once (all-to-alls); exposed. The pipeline does not compose
-  with context parallelism yet (`check` refuses stage > 1 with sequence > 1).
+  stage weights and their gradients exchanged once (all-to-alls); exposed.
 
 Compute: model FLOPs per token 6·N_mm + 12·L·N·H·T (PaLM, arXiv:2204.02311 App. B, N_mm the matmul
 parameters: every weight but the input embedding lookup and the norm scales; the attention term is the

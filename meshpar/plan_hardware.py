@@ -14,6 +14,7 @@ bandwidth on large messages) and a per-step latency (`link_latency`, `net_latenc
 from __future__ import annotations
 
 import dataclasses
+from meshpar.errors import InputError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +33,7 @@ class Hardware:
     def __post_init__(self):
         for field in ("flops", "hbm", "hbm_bw", "link_bw", "net_bw"):
             if not getattr(self, field) > 0:
-                raise ValueError(f"hardware '{self.name}': {field} = {getattr(self, field)} must be > 0")
+                raise InputError(f"hardware '{self.name}': {field} = {getattr(self, field)} must be > 0")
 
     def peak(self, dtype_bytes: int) -> float:
         """Peak matmul FLOP/s for the compute dtype (2 bytes: bf16; 4: float32)."""
@@ -64,27 +65,27 @@ def parse(text: str) -> Hardware:
     """A preset name, `preset,key=value,...`, or a full `key=value,...` spec (see the module docstring)."""
     items = [item.strip() for item in text.split(",") if item.strip()]
     if not items:
-        raise ValueError(f"empty hardware spec; presets: {', '.join(PRESETS)}")
+        raise InputError(f"empty hardware spec; presets: {', '.join(PRESETS)}")
     base, changes = None, {}
     if "=" not in items[0]:
         name = ALIASES.get(items[0].lower(), items[0].lower())
         if name not in PRESETS:
-            raise ValueError(f"unknown hardware '{items[0]}'; presets: {', '.join(PRESETS)}, or a custom spec "
+            raise InputError(f"unknown hardware '{items[0]}'; presets: {', '.join(PRESETS)}, or a custom spec "
                              f"'flops=...,hbm=...,hbm_bw=...,link_bw=...,net_bw=...'")
         base, items = PRESETS[name], items[1:]
     for item in items:
         key, sep, value = item.partition("=")
         key = key.strip()
         if not sep or key not in _FIELDS:
-            raise ValueError(f"hardware spec item '{item}': expected KEY=VALUE with KEY one of {', '.join(_FIELDS)}")
+            raise InputError(f"hardware spec item '{item}': expected KEY=VALUE with KEY one of {', '.join(_FIELDS)}")
         try:
             changes[key] = float(value)
         except ValueError:
-            raise ValueError(f"hardware spec item '{item}': '{value}' is not a number") from None
+            raise InputError(f"hardware spec item '{item}': '{value}' is not a number") from None
     if base is not None:
         return dataclasses.replace(base, name=text, **changes) if changes else base
     missing = [f for f in ("flops", "hbm", "hbm_bw", "link_bw", "net_bw") if f not in changes]
     if missing:
-        raise ValueError(f"custom hardware spec '{text}' lacks {', '.join(missing)} (or start from a preset: "
+        raise InputError(f"custom hardware spec '{text}' lacks {', '.join(missing)} (or start from a preset: "
                          f"{', '.join(PRESETS)})")
     return Hardware(name="custom", **changes)

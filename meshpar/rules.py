@@ -36,6 +36,7 @@ import dataclasses
 from collections.abc import Mapping
 
 from meshpar.mesh import AXES
+from meshpar.errors import InputError
 
 Table = tuple[tuple[str, tuple[str, ...]], ...]
 
@@ -56,14 +57,14 @@ class ParallelConfig:
 
     def __post_init__(self):
         if self.zero_stage not in (0, 1, 2, 3):
-            raise ValueError(f"parallel.zero_stage = {self.zero_stage} is not one of 0, 1, 2, 3")
+            raise InputError(f"parallel.zero_stage = {self.zero_stage} is not one of 0, 1, 2, 3")
         if self.context_attention not in CONTEXT_ATTENTION:
-            raise ValueError(f"parallel.context_attention = '{self.context_attention}' is not one of "
+            raise InputError(f"parallel.context_attention = '{self.context_attention}' is not one of "
                              f"{', '.join(CONTEXT_ATTENTION)}")
         if self.microbatches < 0:
-            raise ValueError(f"parallel.microbatches = {self.microbatches} must be >= 0 (0: twice the stages)")
+            raise InputError(f"parallel.microbatches = {self.microbatches} must be >= 0 (0: twice the stages)")
         if self.pipeline_repeats < 1:
-            raise ValueError(f"parallel.pipeline_repeats = {self.pipeline_repeats} must be >= 1")
+            raise InputError(f"parallel.pipeline_repeats = {self.pipeline_repeats} must be >= 1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,7 +85,7 @@ class Rules:
             for name, axes in getattr(self, kind):
                 unknown = [axis for axis in axes if axis not in AXES]
                 if unknown:
-                    raise ValueError(f"rules.{kind}: logical axis '{name}' maps to unknown mesh axes {unknown}; "
+                    raise InputError(f"rules.{kind}: logical axis '{name}' maps to unknown mesh axes {unknown}; "
                                      f"the mesh axes are {', '.join(AXES)}")
 
     def table(self, kind: str) -> Mapping[str, tuple[str, ...]]:

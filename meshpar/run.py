@@ -2,9 +2,19 @@
 
 The loop dispatches step s before it reads the metrics of step s - 1, so the host never waits for the
 device except to read numbers that are already done. A step's time is the wall time between two
-consecutive finished steps; its tokens/s is the global batch's tokens over that time. With a checkpoint
-directory the run resumes from its latest checkpoint, whatever mesh wrote it, and saves every
-`checkpoint.every` steps and at the last one; `train.steps` counts from the start of training.
+consecutive finished steps (less any evaluation in between); its tokens/s is the global batch's tokens
+over that time. With a checkpoint directory the run resumes from its latest checkpoint, whatever mesh
+wrote it, and saves every `checkpoint.every` steps and at the last one; `train.steps` counts from the
+start of training.
+
+Guards. A step whose loss or gradient norm is not finite stops the run (`train.on_nonfinite = "stop"`,
+`TrainingStopped` names the step) or is skipped inside the step (`"skip"`: the state stays as it was).
+A checkpoint is written only after its step's metrics are read and found finite, so no checkpoint holds
+NaN and `checkpoint.keep` never deletes the last good one for a bad one.
+
+Evaluation (`train.eval_every`): the mean loss over `train.eval_batches` fixed batches of the held-out
+split (`meshpar.data.split`), with the training step's sharding and loss, compiled once
+(`train.make_eval_step`); it and its perplexity join that step's metrics.
 """
 
 from __future__ import annotations
@@ -18,14 +28,18 @@ from typing import Any
 
 import jax
 import numpy as np
+import optax
 from flax import nnx
 from jax.sharding import Mesh
 
 from meshpar import analysis, mesh as mesh_lib, metrics, sharding
 from meshpar.checkpoint import CheckpointConfig, Checkpointer
-from meshpar.data import Batches, DataConfig, load_tokens
+from meshpar.data import Batches, DataConfig, load_tokens, split
+from meshpar.errors import InputError, TrainingStopped
+from meshpar.plan_cost import mfu
 from meshpar.rules import Rules
-from meshpar.train import ModelFactory, TrainConfig, init_state, make_step, optimizer, plan_state
+from meshpar.train import (Loss, ModelFactory, TrainConfig, init_state, make_eval_step, make_step, optimizer,
+                           plan_state, schedule)
 
 
 @dataclasses.dataclass
@@ -35,31 +49,66 @@ class RunResult:
     report: dict[str, Any]
 
 
+@dataclasses.dataclass(frozen=True)
+class Throughput:
+    """What MFU needs: the model's FLOPs per token and one device's peak FLOP/s (`meshpar.mfu`)."""
+
+    flops_per_token: float
+    peak_flops_per_device: float
+
+
 def param_count(abstract_state: nnx.State) -> int:
     return sum(math.prod(v.shape) for v in jax.tree.leaves(nnx.state(abstract_state, nnx.Param)))
+
+
+def parse_profile_steps(text: str) -> tuple[int, int]:
+    """`A:B` (or `A`): the first and last step to trace."""
+    first, _, last = text.partition(":")
+    try:
+        steps = int(first), int(last or first)
+    except ValueError:
+        raise InputError(f"--profile-steps '{text}': expected FIRST:LAST step numbers, e.g. 5:7") from None
+    if not 1 <= steps[0] <= steps[1]:
+        raise InputError(f"--profile-steps '{text}': need 1 <= FIRST <= LAST")
+    return steps
 
 
 def run(make_model: ModelFactory, train: TrainConfig, data: DataConfig | np.ndarray, mesh: Mesh, rules: Rules, *,
         metrics_file: str | None = None, report_file: str | None = None, checkpoint_dir: str | None = None,
         checkpoint: CheckpointConfig = CheckpointConfig(), config: dict | None = None, progress: bool = True,
-        log=print) -> RunResult:
+        log=print, tensorboard_dir: str | None = None, profile_steps: tuple[int, int] | None = None,
+        profile_dir: str | None = None, loss: Loss | None = None, tx: optax.GradientTransformation | None = None,
+        throughput: Throughput | None = None, allow_config_change: bool = False) -> RunResult:
     """Train `make_model`'s model up to step `train.steps` on `mesh`; return the state and metrics.
 
-    `data` is a source to load, or tokens already loaded (a benchmark reuses them across runs).
-    `config` (a plain dict) is saved with each checkpoint, and a resumed run must match its `model`.
+    `data` is a source to load, or tokens already loaded (a benchmark reuses them across runs); either is
+    split into training and held-out tokens. `config` (a plain dict) is saved with each checkpoint; a
+    resumed run must match its `model`, and its `train`/`data` settings unless `allow_config_change`.
+    `loss(model, tokens)` defaults to next-token cross-entropy and `tx` to `train.optimizer(train)` (the
+    metrics show the learning rate only for that one). `throughput` adds MFU to the metrics.
+    `profile_steps` (first, last) writes a `jax.profiler` trace of those steps to `profile_dir`.
     """
-    tx = optimizer(train)
+    learning_rate = schedule(train) if tx is None else None  # the default optimizer's
+    tx = tx or optimizer(train)
     plan = plan_state(make_model, tx, mesh, rules, train.seed)
     tokens_sharding = sharding.batch_sharding(mesh, rules, (train.global_batch, train.seq_len + 1))
+    source = data.describe() if isinstance(data, DataConfig) else "tokens"
     tokens = load_tokens(data) if isinstance(data, DataConfig) else data
-    batches = Batches(tokens, global_batch=train.global_batch, seq_len=train.seq_len, seed=train.seed,
-                      sharding=tokens_sharding)
+    fraction = data.eval_fraction if isinstance(data, DataConfig) else DataConfig.eval_fraction
+    train_tokens, eval_tokens = split(tokens, fraction, train.seq_len)
+    vocab = sharding.axis_size(plan.abstract, "vocab")  # every token must index the embedding
+    batches = Batches(train_tokens, global_batch=train.global_batch, seq_len=train.seq_len, seed=train.seed,
+                      sharding=tokens_sharding, vocab_size=vocab, source=source)
     say = log if progress and metrics.is_logger() else lambda _: None
 
     ckpt = Checkpointer(checkpoint_dir, checkpoint) if checkpoint_dir else None
     start = 0
     if ckpt and ckpt.latest_step() is not None:
-        state, meta = ckpt.restore(plan.abstract, plan.shardings, config)
+        if ckpt.latest_step() >= train.steps:
+            raise InputError(f"{checkpoint_dir} is at step {ckpt.latest_step()}, and train.steps = {train.steps} "
+                             f"counts from the start of training: nothing to do; pass --steps > "
+                             f"{ckpt.latest_step()} to train on")
+        state, meta = ckpt.restore(plan.abstract, plan.shardings, config, allow_changes=allow_config_change, log=say)
         start = meta["step"]
         batches.load_state_dict(meta["data"])
         say(f"resumed from {checkpoint_dir} at step {start}")
@@ -67,50 +116,116 @@ def run(make_model: ModelFactory, train: TrainConfig, data: DataConfig | np.ndar
         state = init_state(make_model, tx, plan, train.seed)
 
     batch = next(batches)
-    step, report = analysis.compile_report(make_step(plan, tokens_sharding, train), state, batch)
+    step, report = analysis.compile_report(make_step(plan, tokens_sharding, train, loss), state, batch)
     report = {"mesh": dict(mesh.shape), "devices": mesh.size, "processes": jax.process_count(),
               "params": param_count(plan.abstract), **report}
     say(f"mesh {mesh_lib.describe(dict(mesh.shape))} on {mesh.size} devices, {jax.process_count()} process(es); "
         f"{report['params']:,} parameters; {report['memory_per_device']['arguments_bytes']:,} state bytes "
         f"per device; compiled in {report['compile_s']:.1f}s")
 
-    tokens_per_step = train.global_batch * train.seq_len
-    steplog = metrics.StepLog(train.steps, start, metrics_file, progress)
-    blocked: list[float] = []  # how long each checkpoint save held up the loop
-    pending, last_done = None, time.perf_counter()
+    evaluate = None
+    if train.eval_every:
+        eval_step = make_eval_step(plan, tokens_sharding, train, loss)
+        held_out = Batches(eval_tokens, global_batch=train.global_batch, seq_len=train.seq_len, seed=train.seed,
+                           sharding=tokens_sharding, vocab_size=vocab, source=f"{source} (held out)")
 
-    def record(number: int, out: dict[str, jax.Array]) -> None:
+        def evaluate(current: nnx.State) -> float:
+            held_out.step = 0  # the same batches every time
+            return float(np.mean([float(eval_step(current, next(held_out))) for _ in range(train.eval_batches)]))
+
+    tokens_per_step = train.global_batch * train.seq_len
+    steplog = metrics.StepLog(train.steps, start, metrics_file, progress, tensorboard_dir)
+    blocked: list[float] = []  # how long each checkpoint save held up the loop
+    pending: tuple[int, dict] | None = None
+    last_done = time.perf_counter()
+    profiling = False
+    profile_dir = profile_dir or str(Path(tensorboard_dir or "runs") / "profile")
+
+    def finish(number: int, out: dict[str, jax.Array]) -> dict[str, Any]:
+        """Wait for step `number` (only) and turn its outputs into its metrics record."""
         nonlocal last_done
-        loss, grad_norm = float(out["loss"]), float(out["grad_norm"])  # waits for that step only
+        values = {k: float(v) for k, v in out.items()}
         now = time.perf_counter()
         step_time, last_done = now - last_done, now
-        steplog.write({"step": number, "loss": loss, "grad_norm": grad_norm, "step_time_s": step_time,
-                       "tokens_per_s": tokens_per_step / step_time})
+        entry = {"step": number, "loss": values["loss"], "grad_norm": values["grad_norm"], "step_time_s": step_time,
+                 "tokens_per_s": tokens_per_step / step_time}
+        if learning_rate is not None:
+            entry["lr"] = float(learning_rate(number - 1))
+        if throughput:
+            entry["mfu"] = mfu(throughput.flops_per_token, entry["tokens_per_s"], mesh.size,
+                               throughput.peak_flops_per_device)
+        if "skipped" in values:
+            entry["skipped"] = int(values["skipped"])
+        return entry
+
+    def publish(entry: dict[str, Any]) -> None:
+        steplog.write(entry)
+        stop_if_not_finite(entry, train, ckpt)
 
     try:
         for number in range(start + 1, train.steps + 1):
+            if profile_steps and number == profile_steps[0]:
+                jax.profiler.start_trace(profile_dir)
+                profiling = True
             state, out = step(state, batch)
-            if ckpt and ckpt.due(number, train.steps):
-                began = time.perf_counter()
-                ckpt.save(number, state, {"data": batches.state_dict(), "config": config or {}})
-                blocked.append(time.perf_counter() - began)
+            if pending is not None:
+                publish(finish(*pending))
+                pending = None
+            tracing_ends = profiling and number == profile_steps[1]
+            evaluating = evaluate is not None and (number % train.eval_every == 0 or number == train.steps)
+            saving = ckpt is not None and ckpt.due(number, train.steps)
+            if tracing_ends or evaluating or saving:
+                entry = finish(number, out)
+                if tracing_ends:
+                    began = time.perf_counter()
+                    jax.profiler.stop_trace()
+                    profiling = False
+                    last_done += time.perf_counter() - began
+                    say(f"profile of steps {profile_steps[0]}-{profile_steps[1]} written to {profile_dir}")
+                if evaluating:
+                    began = time.perf_counter()
+                    entry["eval_loss"] = evaluate(state)
+                    entry["eval_perplexity"] = math.exp(min(entry["eval_loss"], 700.0))
+                    last_done += time.perf_counter() - began  # not part of the next step's time
+                publish(entry)  # stops the run before a non-finite state is saved
+                if saving:
+                    began = time.perf_counter()
+                    ckpt.save(number, state, {"data": batches.state_dict(), "config": config or {}})
+                    blocked.append(time.perf_counter() - began)
+            else:
+                pending = (number, out)
             if number < train.steps:
                 batch = next(batches)
-            if pending is not None:
-                record(number - 1, pending)
-            pending = out
         if pending is not None:
-            record(train.steps, pending)
+            publish(finish(*pending))
     finally:
+        if profiling:
+            jax.profiler.stop_trace()
         steplog.close()
         if ckpt:
             ckpt.wait()
             ckpt.close()
     report["step_time_s_median"] = steplog.median("step_time_s")
     report["tokens_per_s_median"] = steplog.median("tokens_per_s")
+    if throughput:
+        report["mfu_median"] = steplog.median("mfu")
+    if evals := [r["eval_loss"] for r in steplog.records if "eval_loss" in r]:
+        report["eval_loss_last"] = evals[-1]
     if blocked:
         report["checkpoint_blocked_s_median"] = float(np.median(blocked))
     if report_file and metrics.is_logger():
         Path(report_file).parent.mkdir(parents=True, exist_ok=True)
-        Path(report_file).write_text(json.dumps(report, indent=2) + "\n")
+        Path(report_file).write_text(json.dumps(metrics.strict(report), indent=2, allow_nan=False) + "\n")
     return RunResult(state, steplog.records, report)
+
+
+def stop_if_not_finite(entry: dict[str, Any], train: TrainConfig, ckpt: Checkpointer | None) -> None:
+    """Under `on_nonfinite = "stop"`, raise `TrainingStopped` for a non-finite loss or gradient norm."""
+    loss, norm = entry["loss"], entry["grad_norm"]
+    if train.on_nonfinite != "stop" or (math.isfinite(loss) and math.isfinite(norm)):
+        return
+    latest = ckpt.latest_step() if ckpt else None
+    kept = "no checkpoint was written" if latest is None else f"the last checkpoint (step {latest}) is kept"
+    raise TrainingStopped(f"step {entry['step']}: loss {loss}, gradient norm {norm}: not finite. The run stopped "
+                          f"and {kept}; lower train.lr or train.clip_norm, or set train.on_nonfinite=skip to skip "
+                          f"such steps")

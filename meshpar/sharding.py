@@ -19,6 +19,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshpar import context
 from meshpar.rules import Rules
+from meshpar.errors import InputError
 
 Logical = Sequence[str | None]
 
@@ -30,7 +31,7 @@ def spec_for(logical: Logical, shape: Sequence[int], table: Mapping[str, tuple[s
     Mesh axes of size 1 are left out of the spec (they split nothing). `what` names the array in errors.
     """
     if len(logical) != len(shape):
-        raise ValueError(f"{what}: {len(logical)} logical axes {tuple(logical)} for shape {tuple(shape)}")
+        raise InputError(f"{what}: {len(logical)} logical axes {tuple(logical)} for shape {tuple(shape)}")
     spec: list[str | tuple[str, ...] | None] = []
     owner: dict[str, int] = {}  # mesh axis → the dimension it already splits
     for dim, (name, size) in enumerate(zip(logical, shape)):
@@ -38,11 +39,11 @@ def spec_for(logical: Logical, shape: Sequence[int], table: Mapping[str, tuple[s
             spec.append(None)
             continue
         if name not in table:
-            raise ValueError(f"{what}: unknown logical axis '{name}' on dimension {dim} of shape {tuple(shape)}; "
+            raise InputError(f"{what}: unknown logical axis '{name}' on dimension {dim} of shape {tuple(shape)}; "
                              f"known: {', '.join(sorted(table))}")
         for axis in table[name]:  # checked whatever the axis size, so a bad table fails on any mesh
             if axis in owner:
-                raise ValueError(f"{what}: mesh axis '{axis}' would split dimension {owner[axis]} "
+                raise InputError(f"{what}: mesh axis '{axis}' would split dimension {owner[axis]} "
                                  f"('{logical[owner[axis]]}') and dimension {dim} ('{name}') of shape "
                                  f"{tuple(shape)}; one mesh axis can split one dimension only")
             owner[axis] = dim
@@ -50,7 +51,7 @@ def spec_for(logical: Logical, shape: Sequence[int], table: Mapping[str, tuple[s
         ways = math.prod(mesh.shape[axis] for axis in axes)
         if size % ways:
             split = " × ".join(f"{axis}={mesh.shape[axis]}" for axis in axes)
-            raise ValueError(f"{what}: dimension {dim} ('{name}') of size {size} in shape {tuple(shape)} "
+            raise InputError(f"{what}: dimension {dim} ('{name}') of size {size} in shape {tuple(shape)} "
                              f"is not divisible by mesh axes {split}")
         spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)
     return PartitionSpec(*spec)
@@ -64,7 +65,7 @@ def _logical_axes(variable: nnx.Variable, path: tuple) -> tuple[str | None, ...]
     """A variable's logical names; a scalar (an optimizer step count) has none."""
     names = variable.get_metadata().get("out_sharding")
     if names is None and variable.shape:
-        raise ValueError(f"parameter '{_path_name(path)}' of shape {tuple(variable.shape)} has no logical axes: "
+        raise InputError(f"parameter '{_path_name(path)}' of shape {tuple(variable.shape)} has no logical axes: "
                          f"declare them with out_sharding=(...)")
     return tuple(names or ())
 
@@ -81,6 +82,15 @@ def state_specs(abstract_state: nnx.State, mesh: Mesh, rules: Rules, kind: str |
         specs[path] = variable.replace(
             spec_for(_logical_axes(variable, path), variable.shape, table, mesh, f"parameter '{_path_name(path)}'"))
     return nnx.from_flat_state(specs)
+
+
+def axis_size(abstract_state: nnx.State, logical: str) -> int | None:
+    """The size of the logical axis `logical` (e.g. "vocab") in the state's parameters, if one names it."""
+    for path, variable in nnx.to_flat_state(nnx.state(abstract_state, nnx.Param)):
+        names = _logical_axes(variable, path)
+        if logical in names:
+            return int(variable.shape[names.index(logical)])
+    return None
 
 
 def state_shardings(abstract_state: nnx.State, mesh: Mesh, rules: Rules) -> nnx.State:

@@ -35,8 +35,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from meshpar import attention, context, sharding
 from meshpar.loss import next_token_loss
 from meshpar.rules import Rules
+from meshpar.errors import InputError
 
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+NONFINITE = ("stop", "skip")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,27 +57,34 @@ class TrainConfig:
     decay_steps: int = 0  # length of the cosine schedule; 0: train.steps. Fix it to extend a run by resuming.
     attention_kernel: str = "auto"  # auto, dense, blockwise (cudnn: GPUs); see meshpar.attention
     loss_chunk: int = 0  # positions per sequence shard in one loss chunk; 0: auto (meshpar.loss)
+    eval_every: int = 0  # evaluate on the held-out split every this many steps and at the last; 0: never
+    eval_batches: int = 4  # global batches of held-out tokens per evaluation (the same ones every time)
+    on_nonfinite: str = "stop"  # a NaN/Inf loss or gradient norm: "stop" the run, or "skip" the update
 
     def __post_init__(self):
         if self.compute_dtype not in COMPUTE_DTYPES:
-            raise ValueError(f"train.compute_dtype = '{self.compute_dtype}' is not one of "
+            raise InputError(f"train.compute_dtype = '{self.compute_dtype}' is not one of "
                              f"{', '.join(COMPUTE_DTYPES)}")
         if self.remat not in context.REMAT_POLICIES:
-            raise ValueError(f"train.remat = '{self.remat}' is not one of {', '.join(context.REMAT_POLICIES)}")
+            raise InputError(f"train.remat = '{self.remat}' is not one of {', '.join(context.REMAT_POLICIES)}")
         if self.attention_kernel not in attention.KERNELS:
-            raise ValueError(f"train.attention_kernel = '{self.attention_kernel}' is not one of "
+            raise InputError(f"train.attention_kernel = '{self.attention_kernel}' is not one of "
                              f"{', '.join(attention.KERNELS)}")
         if self.loss_chunk < 0:
-            raise ValueError(f"train.loss_chunk = {self.loss_chunk} must be >= 0 (0: auto)")
-        for name in ("steps", "global_batch", "seq_len", "grad_accum"):
+            raise InputError(f"train.loss_chunk = {self.loss_chunk} must be >= 0 (0: auto)")
+        if self.on_nonfinite not in NONFINITE:
+            raise InputError(f"train.on_nonfinite = '{self.on_nonfinite}' is not one of {', '.join(NONFINITE)}")
+        if self.eval_every < 0:
+            raise InputError(f"train.eval_every = {self.eval_every} must be >= 0 (0: no evaluation)")
+        for name in ("steps", "global_batch", "seq_len", "grad_accum", "eval_batches"):
             if getattr(self, name) < 1:
-                raise ValueError(f"train.{name} = {getattr(self, name)} must be >= 1")
+                raise InputError(f"train.{name} = {getattr(self, name)} must be >= 1")
         if self.decay_steps < 0:
-            raise ValueError(f"train.decay_steps = {self.decay_steps} must be >= 0 (0: train.steps)")
+            raise InputError(f"train.decay_steps = {self.decay_steps} must be >= 0 (0: train.steps)")
         if self.warmup_steps < 0:
-            raise ValueError(f"train.warmup_steps = {self.warmup_steps} must be >= 0")
+            raise InputError(f"train.warmup_steps = {self.warmup_steps} must be >= 0")
         if self.global_batch % self.grad_accum:
-            raise ValueError(f"train.global_batch = {self.global_batch} is not divisible into "
+            raise InputError(f"train.global_batch = {self.global_batch} is not divisible into "
                              f"train.grad_accum = {self.grad_accum} microbatches")
 
     @property
@@ -83,18 +92,22 @@ class TrainConfig:
         return COMPUTE_DTYPES[self.compute_dtype]
 
 
-def optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-    """Clip by global norm, then AdamW with linear warmup and cosine decay to a tenth of the peak."""
-    schedule = optax.warmup_cosine_decay_schedule(
+def schedule(cfg: TrainConfig) -> optax.Schedule:
+    """Learning rate by update count: linear warmup, then cosine decay to a tenth of the peak."""
+    return optax.warmup_cosine_decay_schedule(
         init_value=cfg.lr / (cfg.warmup_steps + 1), peak_value=cfg.lr, warmup_steps=cfg.warmup_steps,
         decay_steps=max(cfg.decay_steps or cfg.steps, cfg.warmup_steps + 1), end_value=cfg.lr / 10)
+
+
+def optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+    """Clip by global norm, then AdamW on `schedule(cfg)`; no weight decay on norm scales."""
 
     def decayed(params: nnx.State) -> Any:  # no weight decay on norm scales
         return jax.tree_util.tree_map_with_path(
             lambda path, _: not any("norm" in str(getattr(k, "key", "")) for k in path), params)
 
     return optax.chain(optax.clip_by_global_norm(cfg.clip_norm),
-                       optax.adamw(schedule, b1=0.9, b2=0.95, weight_decay=cfg.weight_decay, mask=decayed))
+                       optax.adamw(schedule(cfg), b1=0.9, b2=0.95, weight_decay=cfg.weight_decay, mask=decayed))
 
 
 class TrainState(nnx.Module):
@@ -125,6 +138,10 @@ def plan_state(make_model: ModelFactory, tx: optax.GradientTransformation, mesh:
     with nnx.use_eager_sharding(False):  # meshpar, not Flax, resolves logical names
         abstract_ts = nnx.eval_shape(lambda: TrainState(make_model(nnx.Rngs(seed)), tx))
     graphdef, abstract = nnx.split(abstract_ts)
+    if mesh.shape["stage"] > 1 and sharding.axis_size(abstract, "layers") is None:
+        raise InputError(f"mesh axis stage = {mesh.shape['stage']} pipelines a stack of layers, and this model "
+                         f"names no 'layers' axis: build its blocks with meshpar.layers.scan over a stacked "
+                         f"'layers' axis, or use a mesh without 'stage'")
     return Sharded(graphdef, abstract, sharding.state_shardings(abstract, mesh, rules), mesh, rules)
 
 
@@ -149,7 +166,15 @@ def replica_axes(mesh: Mesh, rules: Rules) -> tuple[str, ...]:
     return tuple(axis for axis in rules.table("activations")["batch"] if mesh.shape[axis] > 1 and axis not in split)
 
 
+# A loss: (model, tokens [B, T + 1]) → the mean over the batch's rows (a scalar). With gradient accumulation
+# the step averages it over microbatches, so it must be a mean, not a sum.
+Loss = Callable[[nnx.Module, jax.Array], jax.Array]
 LossFn = Callable[[nnx.State, jax.Array], jax.Array]
+
+
+def default_loss(cfg: TrainConfig) -> Loss:
+    """Next-token cross-entropy (`meshpar.loss.next_token_loss`), chunked by `cfg.loss_chunk`."""
+    return lambda model, tokens_BT: next_token_loss(model, tokens_BT, cfg.loss_chunk)
 
 
 def _accumulated(plan: Sharded, cfg: TrainConfig, loss_fn: LossFn, params: nnx.State,
@@ -162,7 +187,7 @@ def _accumulated(plan: Sharded, cfg: TrainConfig, loss_fn: LossFn, params: nnx.S
     R, F = math.prod(mesh.shape[a] for a in replicas), math.prod(mesh.shape[a] for a in others)
     K, (B, T) = cfg.grad_accum, tokens_BT.shape
     if B % (R * F * K):
-        raise ValueError(f"train.global_batch = {B} is not divisible into train.grad_accum = {K} microbatches on "
+        raise InputError(f"train.global_batch = {B} is not divisible into train.grad_accum = {K} microbatches on "
                          f"each of the {R * F} batch shards ({' × '.join(batch)})")
     # Batch shard (r, f) holds rows [(r·F + f)·B/(R·F), …); microbatch k takes the k-th block of b rows of
     # every shard, so that no row moves: [R, F, K, b, T] → [K, R, F·b, T].
@@ -190,10 +215,10 @@ def _accumulated(plan: Sharded, cfg: TrainConfig, loss_fn: LossFn, params: nnx.S
     return loss_sum / (R * K), jax.tree.map(lambda g: g.sum(0) / (R * K), grads_R)
 
 
-def _loss_and_grads(plan: Sharded, cfg: TrainConfig, model: nnx.Module,
+def _loss_and_grads(plan: Sharded, cfg: TrainConfig, loss: Loss, model: nnx.Module,
                     tokens_BT: jax.Array) -> tuple[jax.Array, nnx.State]:
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    loss_fn = lambda p, t: next_token_loss(nnx.merge(graphdef, p, rest), t, cfg.loss_chunk)
+    loss_fn = lambda p, t: loss(nnx.merge(graphdef, p, rest), t)
     if cfg.grad_accum == 1:
         loss, grads = jax.value_and_grad(loss_fn)(params, tokens_BT)
     else:
@@ -201,30 +226,55 @@ def _loss_and_grads(plan: Sharded, cfg: TrainConfig, model: nnx.Module,
     return loss, sharding.constrain_grads(grads, plan.mesh, plan.rules)
 
 
-def loss_and_grads(plan: Sharded, tokens: NamedSharding,
-                   cfg: TrainConfig = TrainConfig()) -> Callable[[nnx.State, jax.Array], tuple[jax.Array, nnx.State]]:
+def loss_and_grads(plan: Sharded, tokens: NamedSharding, cfg: TrainConfig = TrainConfig(),
+                   loss: Loss | None = None) -> Callable[[nnx.State, jax.Array], tuple[jax.Array, nnx.State]]:
     """A jitted `(state, tokens) → (loss, parameter gradients)`: what parity tests compare."""
+    loss = loss or default_loss(cfg)
 
     def fn(state: nnx.State, tokens_BT: jax.Array) -> tuple[jax.Array, nnx.State]:
         with context.use(compute_context(plan, cfg)):
-            return _loss_and_grads(plan, cfg, nnx.merge(plan.graphdef, state).model, tokens_BT)
+            return _loss_and_grads(plan, cfg, loss, nnx.merge(plan.graphdef, state).model, tokens_BT)
 
     return jax.jit(fn, in_shardings=(plan.shardings, tokens))
 
 
-def make_step(plan: Sharded, tokens: NamedSharding,
-              cfg: TrainConfig = TrainConfig()) -> Callable[[nnx.State, jax.Array], tuple[nnx.State, dict[str, jax.Array]]]:
+def make_step(plan: Sharded, tokens: NamedSharding, cfg: TrainConfig = TrainConfig(),
+              loss: Loss | None = None) -> Callable[[nnx.State, jax.Array], tuple[nnx.State, dict[str, jax.Array]]]:
     """The jitted training step `(state, tokens) → (state, metrics)`, donating the old state.
 
-    `tokens` is the sharding of the token batch (`sharding.batch_sharding`).
+    `tokens` is the sharding of the token batch (`sharding.batch_sharding`); `loss` defaults to
+    `default_loss(cfg)`. With `cfg.on_nonfinite = "skip"` a step whose loss or gradient norm is not finite
+    leaves the state as it was (metrics: `skipped` = 1).
     """
+    loss = loss or default_loss(cfg)
 
     def step(state: nnx.State, tokens_BT: jax.Array) -> tuple[nnx.State, dict[str, jax.Array]]:
+        before = jax.tree.leaves(state)  # the arrays; the update below mutates the merged variables
         with context.use(compute_context(plan, cfg)):
             ts = nnx.merge(plan.graphdef, state)
-            loss, grads = _loss_and_grads(plan, cfg, ts.model, tokens_BT)
+            value, grads = _loss_and_grads(plan, cfg, loss, ts.model, tokens_BT)
+            grad_norm = optax.tree.norm(grads)
             ts.opt.update(ts.model, grads)
-            return nnx.state(ts), {"loss": loss, "grad_norm": optax.tree.norm(grads)}
+            new_state, metrics = nnx.state(ts), {"loss": value, "grad_norm": grad_norm}
+            if cfg.on_nonfinite == "skip":
+                finite = jnp.isfinite(value) & jnp.isfinite(grad_norm)
+                after, structure = jax.tree.flatten(new_state)
+                new_state = structure.unflatten([jnp.where(finite, a, b) for a, b in zip(after, before)])
+                metrics["skipped"] = (~finite).astype(jnp.int32)
+            return new_state, metrics
 
     return jax.jit(step, in_shardings=(plan.shardings, tokens), out_shardings=(plan.shardings, None),
                    donate_argnums=0)
+
+
+def make_eval_step(plan: Sharded, tokens: NamedSharding, cfg: TrainConfig = TrainConfig(),
+                   loss: Loss | None = None) -> Callable[[nnx.State, jax.Array], jax.Array]:
+    """The jitted `(state, tokens) → loss` on held-out tokens: the training step's loss and layout, no
+    gradients, the state kept (not donated). Compiled once; every evaluation reuses it."""
+    loss = loss or default_loss(cfg)
+
+    def evaluate(state: nnx.State, tokens_BT: jax.Array) -> jax.Array:
+        with context.use(compute_context(plan, cfg)):
+            return loss(nnx.merge(plan.graphdef, state).model, tokens_BT)
+
+    return jax.jit(evaluate, in_shardings=(plan.shardings, tokens))

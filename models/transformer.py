@@ -25,6 +25,7 @@ from meshpar import layers
 from meshpar.attention import attend
 from meshpar.loss import logits
 from meshpar.sharding import constrain, gathered
+from meshpar.errors import InputError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,14 +44,14 @@ class TransformerConfig:
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len"):
             if getattr(self, name) < 1:
-                raise ValueError(f"model.{name} = {getattr(self, name)} must be >= 1")
+                raise InputError(f"model.{name} = {getattr(self, name)} must be >= 1")
         if self.d_model % self.n_heads:
-            raise ValueError(f"model.d_model = {self.d_model} is not divisible by model.n_heads = {self.n_heads}")
+            raise InputError(f"model.d_model = {self.d_model} is not divisible by model.n_heads = {self.n_heads}")
         if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"model.n_heads = {self.n_heads} is not divisible by "
+            raise InputError(f"model.n_heads = {self.n_heads} is not divisible by "
                              f"model.n_kv_heads = {self.n_kv_heads} (grouped-query attention)")
         if self.head_dim % 2:
-            raise ValueError(f"head dim d_model / n_heads = {self.head_dim} must be even for rotary positions")
+            raise InputError(f"head dim d_model / n_heads = {self.head_dim} must be even for rotary positions")
 
     @property
     def head_dim(self) -> int:

@@ -10,7 +10,8 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from conftest import require_devices
-from meshpar.data import Batches, DataConfig, contiguous_row_range, load_tokens
+from meshpar.data import Batches, DataConfig, contiguous_row_range, load_tokens, split
+from meshpar.errors import InputError
 
 B, T = 16, 7
 
@@ -42,6 +43,7 @@ def one_device_sharding() -> jax.sharding.Sharding:
         ({"source": "bin"}, "needs a path"),
         ({"source": "bin", "path": "x.bin", "token_dtype": "int8"}, "token_dtype 'int8'"),
         ({"max_bytes": 0}, "max_bytes must be positive"),
+        ({"eval_fraction": 0.0}, r"data.eval_fraction = 0.0 must be in \(0, 0.5\)"),
     ],
 )
 def test_config_rejects_bad_values(kwargs, match):
@@ -110,9 +112,9 @@ def test_bin_source_is_memmap_with_file_tokens(tmp_path, dtype):
 
 def test_source_errors_name_the_path(tmp_path):
     missing = tmp_path / "nope.txt"
-    with pytest.raises(FileNotFoundError, match="nope.txt"):
+    with pytest.raises(InputError, match="data.path: text corpus not found: .*nope.txt"):
         load_tokens(DataConfig(source="text", path=str(missing)))
-    with pytest.raises(FileNotFoundError, match="nope.bin"):
+    with pytest.raises(InputError, match="data.path: token file not found: .*nope.bin"):
         load_tokens(DataConfig(source="bin", path=str(tmp_path / "nope.bin")))
 
     empty = tmp_path / "empty.txt"
@@ -133,9 +135,9 @@ def test_source_errors_name_the_path(tmp_path):
 
     odd = tmp_path / "odd.bin"
     odd.write_bytes(b"\x00" * 7)
-    with pytest.raises(ValueError, match="odd.bin.*7 bytes is not a multiple of uint16 size 2"):
+    with pytest.raises(InputError, match=r"odd.bin: size 7 bytes is not a multiple of 2 \(data.token_dtype = uint16\)"):
         load_tokens(DataConfig(source="bin", path=str(odd), token_dtype="uint16"))
-    with pytest.raises(ValueError, match="odd.bin.*not a multiple of uint32 size 4"):
+    with pytest.raises(InputError, match="odd.bin.*not a multiple of 4 .*uint32"):
         load_tokens(DataConfig(source="bin", path=str(odd), token_dtype="uint32"))
 
 
@@ -298,3 +300,47 @@ def test_row_range_rejects_non_contiguous_and_empty():
         contiguous_row_range([slice(0, 2), slice(4, 6)], B)
     with pytest.raises(ValueError, match="no batch rows"):
         contiguous_row_range([], B)
+
+
+# ---------------------------------------------------------------- held-out split, vocabulary, unreadable files
+
+
+def test_held_out_split_is_the_tail_and_no_window_crosses_it(tmp_path):
+    tokens = arange_bin(tmp_path, 10_000)
+    train, held_out = split(tokens, 0.05, seq_len=T)
+    assert len(held_out) == 500 and held_out[0] == 9_500 and len(train) == 9_500
+    assert split(tokens, 0.05, seq_len=T)[1][0] == held_out[0]  # deterministic
+    train_rows = Batches(train, global_batch=B, seq_len=T, seed=0, sharding=one_device_sharding())
+    eval_rows = Batches(held_out, global_batch=B, seq_len=T, seed=0, sharding=one_device_sharding())
+    seen_in_training = np.concatenate([train_rows.rows(step, range(B)).ravel() for step in range(200)])
+    seen_in_eval = np.concatenate([eval_rows.rows(step, range(B)).ravel() for step in range(20)])
+    assert seen_in_training.max() < 9_500 <= seen_in_eval.min()  # an arange corpus: tokens are positions
+    with pytest.raises(InputError, match="corpus of 15 tokens is too short for seq_len = 7 with a held-out split"):
+        split(np.arange(15), 0.01, seq_len=T)
+
+
+def test_out_of_range_tokens_are_refused_with_the_source(tmp_path):
+    tokens = arange_bin(tmp_path, 1000)  # tokens 0..999 against a vocabulary of 256
+    batches = Batches(tokens, global_batch=B, seq_len=T, seed=0, sharding=one_device_sharding(), vocab_size=256,
+                      source="data.bin (bin, uint16)")
+    with pytest.raises(InputError, match=r"data.bin \(bin, uint16\): token \d+ in batch 0 is out of range for "
+                                         r"model.vocab_size = 256 .*data.token_dtype"):
+        next(batches)
+    # a uint16 file read as uint32 pairs its tokens into huge numbers: caught the same way
+    path = tmp_path / "small.bin"
+    np.full(1000, 7, np.uint16).tofile(path)
+    wrong = load_tokens(DataConfig(source="bin", path=str(path), token_dtype="uint32"))
+    with pytest.raises(InputError, match="token 458759 in batch 0 is out of range"):
+        Batches(wrong, global_batch=B, seq_len=T, seed=0, sharding=one_device_sharding(), vocab_size=256).rows(0, [0])
+
+
+def test_unreadable_file_is_named(tmp_path, monkeypatch):
+    path = tmp_path / "secret.txt"
+    path.write_text("x" * 100)
+
+    def refuse(self):  # what an unreadable file does (chmod cannot stop root, who runs CI)
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "read_bytes", refuse)
+    with pytest.raises(InputError, match="cannot read .*secret.txt: Permission denied"):
+        load_tokens(DataConfig(source="text", path=str(path)))

@@ -1,5 +1,8 @@
 """DP, FSDP and hybrid layouts against the one-device run: same init, loss, gradients and losses over
-10 steps; the state really sharded; the collectives each layout compiles to."""
+10 steps (TP, SP, CP and PP meshes too, and bfloat16 on a mesh against bfloat16 on one device); the state
+really sharded; the collectives each layout compiles to."""
+
+import dataclasses
 
 import jax
 import numpy as np
@@ -7,7 +10,8 @@ import pytest
 from flax import nnx
 
 from conftest import require_devices
-from layouts import MODEL, Layout, max_relative_error, param_bytes
+from layouts import MODEL, TRAIN, Layout, max_relative_error, param_bytes
+from meshpar import rules
 
 MESHES = ["data=8", "fsdp=8", "data=2,fsdp=4"]
 
@@ -29,6 +33,25 @@ def test_layout_matches_one_device(single, spec):
     assert abs(loss - ref_loss) / ref_loss < 1e-5
     assert max_relative_error(grads, ref_grads) < 1e-5
     np.testing.assert_allclose(layout.losses(10), single.losses(10), rtol=1e-4)
+
+
+@pytest.mark.parametrize(("spec", "parallel"), [
+    ("model=8", rules.ParallelConfig()),
+    ("data=2,model=4", rules.ParallelConfig(sequence_parallel=True)),
+    ("data=2,sequence=4", rules.ParallelConfig(context_attention="ring")),
+    ("stage=2,data=4", rules.ParallelConfig(microbatches=4)),
+], ids=["tp", "tp+sp", "cp-ring", "pp"])
+def test_ten_steps_match_one_device(single, spec, parallel):
+    require_devices(8)
+    np.testing.assert_allclose(Layout(spec, parallel=parallel).losses(10), single.losses(10), rtol=1e-4)
+
+
+def test_bfloat16_on_a_mesh_matches_bfloat16_on_one_device():
+    """The same bf16 program split over data × fsdp × model: only the order of the reductions differs."""
+    require_devices(8)
+    cfg = dataclasses.replace(TRAIN, compute_dtype="bfloat16")
+    one, mesh = Layout("single", cfg=cfg).losses(10), Layout("data=2,fsdp=2,model=2", cfg=cfg).losses(10)
+    np.testing.assert_allclose(mesh, one, rtol=2e-3)
 
 
 def test_losses_fall(single):

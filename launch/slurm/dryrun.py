@@ -15,6 +15,8 @@ import sys
 
 import numpy as np
 
+from meshpar.errors import InputError
+
 
 @dataclasses.dataclass(frozen=True)
 class PlannedDevice:
@@ -37,7 +39,7 @@ def describe(nodes: int, gpus_per_node: int, config, mesh_text: str) -> list[str
     B, T = config.train.global_batch, config.train.seq_len
     row_blocks = sizes["data"] * sizes["fsdp"]  # the batch is split over (data, fsdp)
     if B % row_blocks:
-        raise ValueError(f"train.global_batch = {B} is not divisible by data × fsdp = {row_blocks}")
+        raise InputError(f"train.global_batch = {B} is not divisible by data × fsdp = {row_blocks}")
     lines = [f"{config.name} on {nodes} nodes × {gpus_per_node} GPUs, mesh {mesh_lib.describe(sizes)}; "
              f"global batch {B} × {T} tokens"]
     for node in range(nodes):
@@ -65,7 +67,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--config", default="tiny")
     p.add_argument("--mesh", help="default: the preset's mesh")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    args, _ = p.parse_known_args(argv)  # the rest are launch.train flags that do not change the plan
+    args, rest = p.parse_known_args(argv)  # the rest must be launch.train flags (they do not change the plan)
+    from launch import train
+
+    train.parse_args([*rest, *(["--mesh", args.mesh] if args.mesh else [])])  # an unknown flag exits here, named
 
     import configs
     from meshpar import config as config_lib
@@ -74,7 +79,7 @@ def main(argv: list[str] | None = None) -> None:
         cfg = config_lib.apply(configs.load(args.config), args.set)
         mesh_text = args.mesh or ",".join(f"{k}={v}" for k, v in dataclasses.asdict(cfg.mesh).items())
         print("\n".join(describe(args.nodes, args.gpus_per_node, cfg, mesh_text)))
-    except ValueError as err:
+    except InputError as err:
         sys.exit(f"error: {err}")
 
 

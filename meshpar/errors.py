@@ -1,0 +1,16 @@
+"""The one exception meshpar raises for bad input.
+
+`InputError` is what meshpar's own checks raise when a setting, a mesh, a file or a checkpoint cannot be
+used: its message names the culprit and says what would work. The command-line entry points print it as
+one line and exit; any other exception is a bug (or an environment failure) and keeps its traceback. It
+is a `ValueError`, so callers that catch those keep working.
+"""
+
+
+class InputError(ValueError):
+    """Bad input, found by meshpar's own checks; the message names the culprit."""
+
+
+class TrainingStopped(RuntimeError):
+    """A run that cannot go on (a non-finite loss or gradient norm); the message names the step and what
+    was kept."""
