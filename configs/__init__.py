@@ -11,11 +11,11 @@ import pkgutil
 
 from meshpar.checkpoint import CheckpointConfig
 from meshpar.data import DataConfig
+from meshpar.errors import InputError
 from meshpar.mesh import MeshConfig
 from meshpar.rules import ParallelConfig
 from meshpar.train import TrainConfig
 from models.transformer import TransformerConfig
-from meshpar.errors import InputError
 
 
 @dataclasses.dataclass(frozen=True)

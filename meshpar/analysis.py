@@ -17,6 +17,7 @@ import re
 import time
 from collections import Counter
 from typing import Any
+
 from meshpar.errors import InputError
 
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "collective-permute", "all-to-all")

@@ -23,6 +23,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 from flax import nnx
+
 from meshpar.errors import InputError
 
 # orbax's name for a step still being written: `<step>.orbax-checkpoint-tmp-<timestamp>`.

@@ -10,6 +10,7 @@ import dataclasses
 import typing
 from collections.abc import Iterable
 from typing import Any
+
 from meshpar.errors import InputError
 
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}

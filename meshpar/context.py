@@ -16,8 +16,8 @@ from collections.abc import Iterator
 
 from jax.sharding import Mesh
 
-from meshpar.rules import Rules
 from meshpar.errors import InputError
+from meshpar.rules import Rules
 
 REMAT_POLICIES = ("none", "full", "dots")
 

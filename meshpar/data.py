@@ -40,6 +40,7 @@ from pathlib import Path
 
 import jax
 import numpy as np
+
 from meshpar.errors import InputError
 
 SOURCES = ("stdlib", "text", "bin")

@@ -15,6 +15,7 @@ import socket
 import time
 
 import jax
+
 from meshpar.errors import InputError
 
 ENV = {"coordinator": "MESHPAR_COORDINATOR", "num_processes": "MESHPAR_NUM_PROCESSES",

@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+
 from meshpar.errors import InputError
 
 SKIP, MASKED, FULL = 0, 1, 2

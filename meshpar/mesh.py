@@ -22,6 +22,7 @@ from collections import defaultdict
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
+
 from meshpar.errors import InputError
 
 AXES = ("data", "stage", "fsdp", "sequence", "model")

@@ -26,12 +26,12 @@ import functools
 import math
 
 from meshpar import attention
+from meshpar.errors import InputError
 from meshpar.mesh import host_split
 from meshpar.plan_cost import (EFFICIENCY, MODES, PRECISIONS, REMATS, Layout, Memory, Run, Shape, check,
                                local_elements, memory)
 from meshpar.plan_hardware import PRESETS, Hardware, parse as parse_hardware
 from meshpar.plan_time import Estimate, bubble, compute_seconds, estimate, iterations
-from meshpar.errors import InputError
 
 __all__ = ["Estimate", "Hardware", "Layout", "NothingFits", "PRESETS", "Run", "Shape", "best_layout",
            "bubble", "estimate", "iterations", "model_states", "overrides", "search", "parse_hardware"]

@@ -14,6 +14,7 @@ bandwidth on large messages) and a per-step latency (`link_latency`, `net_latenc
 from __future__ import annotations
 
 import dataclasses
+
 from meshpar.errors import InputError
 
 

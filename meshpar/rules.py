@@ -35,8 +35,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from meshpar.mesh import AXES
 from meshpar.errors import InputError
+from meshpar.mesh import AXES
 
 Table = tuple[tuple[str, tuple[str, ...]], ...]
 

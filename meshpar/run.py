@@ -104,11 +104,16 @@ def run(make_model: ModelFactory, train: TrainConfig, data: DataConfig | np.ndar
     ckpt = Checkpointer(checkpoint_dir, checkpoint) if checkpoint_dir else None
     start = 0
     if ckpt and ckpt.latest_step() is not None:
-        if ckpt.latest_step() >= train.steps:
-            raise InputError(f"{checkpoint_dir} is at step {ckpt.latest_step()}, and train.steps = {train.steps} "
-                             f"counts from the start of training: nothing to do; pass --steps > "
-                             f"{ckpt.latest_step()} to train on")
-        state, meta = ckpt.restore(plan.abstract, plan.shardings, config, allow_changes=allow_config_change, log=say)
+        try:
+            if ckpt.latest_step() >= train.steps:
+                raise InputError(f"{checkpoint_dir} is at step {ckpt.latest_step()}, and train.steps = {train.steps} "
+                                 f"counts from the start of training: nothing to do; pass --steps > "
+                                 f"{ckpt.latest_step()} to train on")
+            state, meta = ckpt.restore(plan.abstract, plan.shardings, config, allow_changes=allow_config_change,
+                                       log=say)
+        except Exception:
+            ckpt.close()  # the checkpoints on disk stay as they were
+            raise
         start = meta["step"]
         batches.load_state_dict(meta["data"])
         say(f"resumed from {checkpoint_dir} at step {start}")

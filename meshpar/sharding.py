@@ -18,8 +18,8 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshpar import context
-from meshpar.rules import Rules
 from meshpar.errors import InputError
+from meshpar.rules import Rules
 
 Logical = Sequence[str | None]
 

@@ -33,9 +33,9 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from meshpar import attention, context, sharding
+from meshpar.errors import InputError
 from meshpar.loss import next_token_loss
 from meshpar.rules import Rules
-from meshpar.errors import InputError
 
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 NONFINITE = ("stop", "skip")

@@ -23,9 +23,9 @@ from flax import nnx
 
 from meshpar import layers
 from meshpar.attention import attend
+from meshpar.errors import InputError
 from meshpar.loss import logits
 from meshpar.sharding import constrain, gathered
-from meshpar.errors import InputError
 
 
 @dataclasses.dataclass(frozen=True)
