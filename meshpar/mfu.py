@@ -48,4 +48,3 @@ def _probe(device: jax.Device) -> float:
         matmul(x).block_until_ready()
         best = min(best, time.perf_counter() - began)
     return 2 * PROBE_SIZE**3 / best
-
