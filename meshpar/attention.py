@@ -139,15 +139,11 @@ def _dense(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, causal: Caus
                               preferred_element_type=jnp.float32) / jnp.sqrt(H).astype(jnp.float32)
     if causal is not None:
         scores_BKGTS = jnp.where(causal.q_T[:, None] >= causal.k_S[None, :], scores_BKGTS, -jnp.inf)
-    # One exp over the scores: unnormalised probabilities against the row max (a constant for the
-    # gradient), the output normalised after the value matmul, on [T, H] instead of [T, S].
-    max_BKGT = lax.stop_gradient(jnp.max(scores_BKGTS, axis=-1))
-    weights_BKGTS = jnp.exp(scores_BKGTS - max_BKGT[..., None])
-    sum_BKGT = jnp.sum(weights_BKGTS, axis=-1)
-    out_BTKGH = jnp.einsum("bkgts,bskh->btkgh", weights_BKGTS.astype(v_BSKH.dtype), v_BSKH,
-                           preferred_element_type=jnp.float32) / jnp.moveaxis(sum_BKGT, -1, 1)[..., None]
-    lse_BTN = jnp.moveaxis(max_BKGT + jnp.log(sum_BKGT), -1, 1).reshape(B, T, N)
-    return out_BTKGH.reshape(B, T, N, H), lse_BTN
+    lse_BKGT = jax.nn.logsumexp(scores_BKGTS, axis=-1)
+    probs_BKGTS = jnp.exp(scores_BKGTS - lse_BKGT[..., None])
+    out_BTKGH = jnp.einsum("bkgts,bskh->btkgh", probs_BKGTS.astype(v_BSKH.dtype), v_BSKH,
+                           preferred_element_type=jnp.float32)
+    return out_BTKGH.reshape(B, T, N, H), jnp.moveaxis(lse_BKGT, -1, 1).reshape(B, T, N)
 
 
 def merge(a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
