@@ -5,11 +5,15 @@ in the other pytest-xdist worker, or in a subprocess: JAX's persistent compilati
 for this session and handed on through the environment, compiles each once.
 """
 
+import atexit
 import os
+import shutil
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", tempfile.mkdtemp(prefix="meshpar-tests-jax-cache-"))
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # the first pytest process makes it, and removes it at exit
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="meshpar-tests-jax-cache-")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
