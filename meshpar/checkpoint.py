@@ -25,6 +25,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from meshpar.errors import InputError
+from meshpar.sharding import placed_shapes
 
 # orbax's name for a step still being written: `<step>.orbax-checkpoint-tmp-<timestamp>`.
 _UNFINISHED = re.compile(r"^\d+\.orbax-checkpoint-tmp")
@@ -60,12 +61,6 @@ def _steps_on_disk(directory: Path) -> tuple[list[str], list[str], list[str]]:
     return finished, unfinished, other
 
 
-def _abstract(state: nnx.State, shardings: nnx.State) -> dict:
-    """The restore target: each array's shape and dtype, with the sharding of the mesh at hand."""
-    return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                        state.to_pure_dict(), shardings.to_pure_dict())
-
-
 def _differences(saved: dict, now: dict, prefix: str = "") -> list[str]:
     out = []
     for key in sorted(set(saved) | set(now), key=str):
@@ -91,14 +86,13 @@ class Checkpointer:
             tempfile.TemporaryFile(dir=self.directory).close()
         except OSError as err:
             raise InputError(f"checkpoint directory {self.directory} is not writable: {err.strerror}") from None
-        if self.directory.exists():
-            finished, unfinished, other = _steps_on_disk(self.directory)
-            if not finished and unfinished:
-                raise InputError(f"{self.directory} has no finished checkpoint, only unfinished ones "
-                                 f"({', '.join(unfinished)}); remove them or choose another directory")
-            if not finished and other:
-                raise InputError(f"{self.directory} is not a checkpoint directory (it holds "
-                                 f"{', '.join(other[:5])}{' …' if len(other) > 5 else ''}) ")
+        finished, unfinished, other = _steps_on_disk(self.directory)
+        if not finished and unfinished:
+            raise InputError(f"{self.directory} has no finished checkpoint, only unfinished ones "
+                             f"({', '.join(unfinished)}); remove them or choose another directory")
+        if not finished and other:
+            raise InputError(f"{self.directory} is not a checkpoint directory (it holds "
+                             f"{', '.join(other[:5])}{' …' if len(other) > 5 else ''}) ")
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(max_to_keep=config.keep, create=True, cleanup_tmp_directories=True),
@@ -144,7 +138,7 @@ class Checkpointer:
                 log(f"resuming with changed settings: {'; '.join(changed)}")
         self._check_shapes(step, state)
         restored = self._manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(_abstract(state, shardings))))["state"]
+            state=ocp.args.StandardRestore(placed_shapes(state, shardings).to_pure_dict())))["state"]
         out = jax.tree.map(lambda x: x, state)
         nnx.replace_by_pure_dict(out, restored)
         return out, meta
@@ -184,7 +178,7 @@ def load_params(directory: str | Path, params: nnx.State, shardings: nnx.State) 
         if mgr.latest_step() is None:
             raise InputError(f"{directory} holds no exported parameters")
         restored = mgr.restore(mgr.latest_step(), args=ocp.args.Composite(
-            params=ocp.args.StandardRestore(_abstract(params, shardings))))["params"]
+            params=ocp.args.StandardRestore(placed_shapes(params, shardings).to_pure_dict())))["params"]
     out = jax.tree.map(lambda x: x, params)
     nnx.replace_by_pure_dict(out, restored)
     return out

@@ -40,8 +40,7 @@ CHECK_OPTIONS = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"
 
 def abstract_inputs(plan: Sharded, cfg: TrainConfig) -> tuple[Any, jax.ShapeDtypeStruct]:
     """The step's arguments as shapes with shardings: the state and one token batch."""
-    state = jax.tree.map(lambda leaf, s: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=s), plan.abstract,
-                         plan.shardings)
+    state = sharding.placed_shapes(plan.abstract, plan.shardings)
     shape = (cfg.global_batch, cfg.seq_len + 1)
     return state, jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding.batch_sharding(plan.mesh, plan.rules, shape))
 

@@ -93,6 +93,12 @@ def axis_size(abstract_state: nnx.State, logical: str) -> int | None:
     return None
 
 
+def placed_shapes(state: nnx.State, shardings: nnx.State) -> nnx.State:
+    """The state described, not created: each leaf's shape and dtype with its sharding (`ShapeDtypeStruct`),
+    what `jit(...).lower` compiles for and what a checkpoint restores into."""
+    return jax.tree.map(lambda leaf, s: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=s), state, shardings)
+
+
 def state_shardings(abstract_state: nnx.State, mesh: Mesh, rules: Rules) -> nnx.State:
     """NamedShardings for every variable: the `out_shardings` of init and the step's state shardings."""
     return jax.tree.map(lambda spec: NamedSharding(mesh, spec), state_specs(abstract_state, mesh, rules),
