@@ -92,9 +92,10 @@ def run(make_model: ModelFactory, train: TrainConfig, data: DataConfig | np.ndar
     tx = tx or optimizer(train)
     plan = plan_state(make_model, tx, mesh, rules, train.seed)
     tokens_sharding = sharding.batch_sharding(mesh, rules, (train.global_batch, train.seq_len + 1))
-    source = data.describe() if isinstance(data, DataConfig) else "tokens"
-    tokens = load_tokens(data) if isinstance(data, DataConfig) else data
-    fraction = data.eval_fraction if isinstance(data, DataConfig) else DataConfig.eval_fraction
+    if isinstance(data, DataConfig):
+        source, tokens, fraction = data.describe(), load_tokens(data), data.eval_fraction
+    else:
+        source, tokens, fraction = "tokens", data, DataConfig.eval_fraction
     train_tokens, eval_tokens = split(tokens, fraction, train.seq_len)
     vocab = sharding.axis_size(plan.abstract, "vocab")  # every token must index the embedding
     batches = Batches(train_tokens, global_batch=train.global_batch, seq_len=train.seq_len, seed=train.seed,
