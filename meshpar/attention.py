@@ -110,8 +110,8 @@ def block_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, cau
     """GQA attention of T queries over S keys: (out f32 [B, T, N, H], log-sum-exp f32 [B, T, N]).
 
     `causal` None: every key is visible to every query (a ring's off-diagonal block). The log-sum-exp
-    lets partial results over disjoint key sets merge exactly (`merge`). A row with no visible key has
-    out 0 and lse −inf (blockwise) — the schedules never produce one.
+    lets partial results over disjoint key sets combine exactly (the ring's accumulator). A row with no
+    visible key has out 0 and lse −inf (blockwise) — the schedules never produce one.
     """
     T, S = q_BTNH.shape[1], k_BSKH.shape[1]
     platform = platform or jax.default_backend()
@@ -144,13 +144,6 @@ def _dense(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, causal: Caus
     out_BTKGH = jnp.einsum("bkgts,bskh->btkgh", probs_BKGTS.astype(v_BSKH.dtype), v_BSKH,
                            preferred_element_type=jnp.float32)
     return out_BTKGH.reshape(B, T, N, H), jnp.moveaxis(lse_BKGT, -1, 1).reshape(B, T, N)
-
-
-def merge(a: tuple[jax.Array, jax.Array], b: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
-    """Combine (out, lse) of the same queries over two disjoint key sets: weights exp(lse_i − lse)."""
-    (o1, l1), (o2, l2) = a, b
-    lse = jnp.logaddexp(l1, l2)
-    return o1 * jnp.exp(l1 - lse)[..., None] + o2 * jnp.exp(l2 - lse)[..., None], lse
 
 
 def causal_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, *, kernel: str = "auto",
@@ -332,8 +325,30 @@ def allgather_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array,
 
 # --- ring -------------------------------------------------------------------------------------------------
 
-# A partial result for a set of queries is (out, lse): the f32 output over the keys seen so far and the
-# log-sum-exp of their scores; `merge` adds the keys of another block exactly.
+# The ring accumulates, per query row, (o, m, l): o = Σ_b exp(lse_b − m)·out_b and l = Σ_b exp(lse_b − m)
+# over the blocks b seen so far, with m their largest log-sum-exp under stop_gradient (the result o / l
+# does not depend on m, so the gradient is exact). Each block costs two exps over [B, t, N] and a scaled
+# add over the output; normalising at every block (a log-sum-exp merge) measured ~20% slower per ring layer
+# at 16 positions per device. The schedules give every row a finite log-sum-exp (step 0 sees the diagonal).
+
+
+def _start(block: tuple[jax.Array, jax.Array]):
+    out_BtNH, lse_BtN = block
+    m_BtN = lax.stop_gradient(lse_BtN)
+    e_BtN = jnp.exp(lse_BtN - m_BtN)  # 1, but carrying lse's gradient
+    return out_BtNH * e_BtN[..., None], m_BtN, e_BtN
+
+
+def _accumulate(acc, block: tuple[jax.Array, jax.Array]):
+    (o_BtNH, m_BtN, l_BtN), (out_BtNH, lse_BtN) = acc, block
+    m_new = lax.stop_gradient(jnp.maximum(m_BtN, lse_BtN))
+    a_BtN, e_BtN = jnp.exp(m_BtN - m_new), jnp.exp(lse_BtN - m_new)
+    return o_BtNH * a_BtN[..., None] + out_BtNH * e_BtN[..., None], m_new, l_BtN * a_BtN + e_BtN
+
+
+def _finish(acc) -> jax.Array:
+    o_BtNH, _, l_BtN = acc
+    return o_BtNH / l_BtN[..., None]
 
 
 def _ring_local(q_BtNH, k_BtKH, v_BtKH, *, axis: str, n: int, balanced: bool, kernel: str, platform: str):
@@ -346,12 +361,12 @@ def _ring_local(q_BtNH, k_BtKH, v_BtKH, *, axis: str, n: int, balanced: bool, ke
     pos_t = _local_positions(i, t, n, balanced)
     layouts = tuple((p, p) for p in (_local_positions(d, t, n, balanced, np) for d in range(n)))
     diagonal = Causal(pos_t, pos_t, layouts)
-    acc = jax.checkpoint(lambda q, k, v: attend_block(q, k, v, diagonal))(q_BtNH, k_BtKH, v_BtKH)
+    acc = _start(jax.checkpoint(lambda q, k, v: attend_block(q, k, v, diagonal))(q_BtNH, k_BtKH, v_BtKH))
     if n == 1:
-        return acc[0].astype(v_BtKH.dtype)
+        return _finish(acc).astype(v_BtKH.dtype)
 
     def add(acc, q, k, v):
-        return merge(acc, attend_block(q, k, v, None))
+        return _accumulate(acc, attend_block(q, k, v, None))
 
     # Every block that arrives is either fully visible or fully masked (its positions are all before
     # or all after this device's, in both orders), so no mask is built after step 0. The compute of a
@@ -376,7 +391,7 @@ def _ring_local(q_BtNH, k_BtKH, v_BtKH, *, axis: str, n: int, balanced: bool, ke
         c = t // 2
         halves = lambda a: jnp.moveaxis(a.reshape(a.shape[:1] + (2, c) + a.shape[2:]), 1, 0)  # T → [2, ..c..]
         q_2BcNH = halves(q_BtNH)
-        acc = tuple(halves(a) for a in acc)  # out [2, B, c, N, H], lse [2, B, c, N]
+        acc = tuple(halves(a) for a in acc)  # o [2, B, c, N, H], m and l [2, B, c, N]
 
         def balanced_step(acc, q_2BcNH, kv_2BtKH, x):
             k_2BcKH, v_2BcKH = halves(kv_2BtKH[0]), halves(kv_2BtKH[1])
@@ -403,7 +418,7 @@ def _ring_local(q_BtNH, k_BtKH, v_BtKH, *, axis: str, n: int, balanced: bool, ke
     kv_2BtKH = lax.ppermute(jnp.stack([k_BtKH, v_BtKH]), axis, ring)  # one ppermute per step for both
     if n > 2:
         (acc, kv_2BtKH), _ = lax.scan(step, (acc, kv_2BtKH), jnp.arange(1, n - 1))
-    out = compute(acc, kv_2BtKH, n - 1)[0]
+    out = _finish(compute(acc, kv_2BtKH, n - 1))
     if balanced:
         out = jnp.moveaxis(out, 0, 1).reshape(B, t, N, H)
     return out.astype(v_BtKH.dtype)
@@ -416,7 +431,7 @@ def ring_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, *, m
     Sharded: q, k, v and the output along T ([B, t, ·, H] per device, t = T/n); other mesh axes are
     the compiler's. Each device keeps its queries and, over n steps (a `lax.scan` of n−1 shifts after
     the local block), sees every K/V block once, merging each block's (output, log-sum-exp) from the
-    block kernel into its running f32 result (`merge`). Fully masked blocks are skipped: with the contiguous
+    block kernel into its running f32 accumulator. Fully masked blocks are skipped: with the contiguous
     order by `lax.cond` (device i computes i+1 blocks), with `load_balanced=True` (zigzag order, see
     `zigzag`) every step is two unmasked half blocks on every device (equal work, no conditional).
     Collectives per layer: forward, n−1 collective-permutes of the stacked K,V block (2·B·t·K·H·bytes

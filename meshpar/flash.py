@@ -17,7 +17,7 @@ online softmax); the result is out = o / l and the log-sum-exp lse = m + log l o
 Backward (a `jax.custom_vjp`): only q, k, v, out and lse are saved; per pair the block's scores are
 recomputed, p = exp(s − lse), and
     dv += pᵀ·dout,   dp = dout·vᵀ,   ds = p ⊙ (dp − (Σ_h dout ⊙ out − dlse)),   dq += ds·k,   dk += dsᵀ·q
-(the dlse term is the cotangent of the lse output, which ring attention's merge differentiates).
+(the dlse term is the cotangent of the lse output, which ring attention's accumulator differentiates).
 Memory: the saved inputs and outputs, O(T·(N+K)·H), plus the accumulators and one block's scores,
 O(B·N·t·s): linear in T, where dense attention keeps [B, N, T, S] scores and probabilities.
 Compute: the visible pairs' matmuls, forward 4·B·N·H·t·s per pair, backward 2.5× that (the recompute of

@@ -45,7 +45,7 @@ def positions(T: int, order: str) -> np.ndarray:
     (64, 16, 8, 2, "natural"), (96, 32, 8, 1, "natural"), (64, 64, 8, 2, "natural"), (128, 16, 4, 4, "natural"),
     (64, 8, 4, 4, "zigzag2"), (48, 8, 6, 3, "zigzag2"), (128, 16, 8, 2, "zigzag4")])
 def test_matches_dense_attention(T, block, N, K, order):
-    """Values, log-sum-exp and the gradients of both (cotangents for out AND lse, as a ring merge needs)."""
+    """Values, log-sum-exp and the gradients of both (cotangents for out AND lse, as the ring accumulator needs)."""
     q, k, v, d_out, d_lse = inputs(T, N, K)
     pos = positions(T, order)
     pattern = flash.block_pattern(pos, pos, block, block)
