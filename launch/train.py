@@ -40,6 +40,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile-dir", help="where the trace goes (default: TENSORBOARD_DIR/profile, else runs/profile)")
     p.add_argument("--peak-tflops", type=float, help="peak TFLOP/s per device for MFU (default: the hardware "
                                                     "table on GPUs, a matmul probe on CPU)")
+    p.add_argument("--init-from", metavar="DIR",
+                   help="start a new run from the parameters in DIR (launch.convert from-hf's output, exported "
+                        "parameters or a checkpoint); the model's config comes from DIR")
     p.add_argument("--allow-config-change", action="store_true",
                    help="resume a checkpoint although train/data settings differ from the saved ones")
     p.add_argument("--checkpoint-dir", help="save checkpoints here; if it holds one, resume from the latest "
@@ -135,7 +138,13 @@ def main(argv: list[str] | None = None) -> None:
         if joined:
             print(joined, flush=True)
         steps = [] if args.steps is None else [f"train.steps={args.steps}"]
-        cfg, mesh, rules, make_model = configure(args.config, args.mesh, [*args.set, *steps], args.hardware)
+        cfg, mesh, rules, make_model = configure(args.config, args.mesh, [*args.set, *steps], args.hardware,
+                                                 args.init_from)
+        init_params = None
+        if args.init_from:
+            from launch import weights
+
+            init_params = weights.load(args.init_from, mesh, rules)[1]
         profile = parse_profile_steps(args.profile_steps) if args.profile_steps else None
         peak, source = mfu.device_peak(2 if cfg.train.compute_dtype == "bfloat16" else 4, args.peak_tflops)
         throughput = Throughput(Shape.of(cfg.model).model_flops_per_token(cfg.train.seq_len), peak) if peak else None
@@ -145,13 +154,15 @@ def main(argv: list[str] | None = None) -> None:
         run(make_model, cfg.train, cfg.data, mesh, rules, metrics_file=args.metrics_file, report_file=args.report,
             checkpoint_dir=args.checkpoint_dir, checkpoint=cfg.checkpoint, config=dataclasses.asdict(cfg),
             tensorboard_dir=args.tensorboard_dir, profile_steps=profile, profile_dir=args.profile_dir,
-            throughput=throughput, allow_config_change=args.allow_config_change)
+            throughput=throughput, allow_config_change=args.allow_config_change, init_params=init_params)
     except (InputError, TrainingStopped) as err:  # meshpar's own checks: say what, without a traceback
         sys.exit(f"error: {err}")
 
 
-def configure(name: str, mesh_text: str | None, overrides: list[str], hardware: str = "h100"):
-    """(config, mesh, rules, model factory) of a preset with `--mesh` and `--set` applied."""
+def configure(name: str, mesh_text: str | None, overrides: list[str], hardware: str = "h100",
+              init_from: str | None = None):
+    """(config, mesh, rules, model factory) of a preset with `--mesh` and `--set` applied, and the model
+    of `init_from` (a directory of saved parameters) if given."""
     import configs
     from meshpar import config as config_lib, mesh as mesh_lib, rules
 
@@ -159,6 +170,13 @@ def configure(name: str, mesh_text: str | None, overrides: list[str], hardware: 
     if mesh_text not in (None, "auto"):
         cfg = dataclasses.replace(cfg, mesh=mesh_lib.parse(mesh_text))
     cfg = config_lib.apply(cfg, overrides)
+    if init_from:
+        from launch import weights
+        from models.transformer import TransformerConfig
+
+        if changed := [o for o in overrides if o.startswith("model.")]:
+            raise InputError(f"--init-from {init_from} sets the model; {', '.join(changed)} cannot change it")
+        cfg = dataclasses.replace(cfg, model=TransformerConfig(**weights.saved_config(init_from)[0]["model"]))
     if mesh_text == "auto":
         cfg = auto_layout(cfg, hardware)
     return cfg, mesh_lib.build(cfg.mesh), rules.make(cfg.parallel), model_factory(cfg)

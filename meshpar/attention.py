@@ -155,6 +155,16 @@ def causal_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, *,
     return out_BTNH.astype(v_BSKH.dtype)
 
 
+def cached_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, q_pos_T: jax.Array) -> jax.Array:
+    """Causal attention of T queries at positions `q_pos_T` over a KV cache of positions 0..S−1, as
+    generation runs it: keys after a query's position (those not yet written included) are masked. The
+    dense kernel: after the prompt T = 1, so the scores are one row per head."""
+    S = k_BSKH.shape[1]
+    causal = Causal(q_pos_T.astype(jnp.int32), jnp.arange(S, dtype=jnp.int32), layouts=())
+    out_BTNH, _ = _dense(q_BTNH, k_BSKH, v_BSKH, causal)
+    return out_BTNH.astype(v_BSKH.dtype)
+
+
 # --- zigzag (load-balanced) sequence order -------------------------------------------------------------
 
 

@@ -34,7 +34,7 @@ _UNFINISHED = re.compile(r"^\d+\.orbax-checkpoint-tmp")
 # refused unless allowed; `model` must always match.
 RESUMABLE_CHANGES = ("mesh.", "parallel.", "checkpoint.", "name", "train.steps", "train.remat",
                      "train.grad_accum", "train.attention_kernel", "train.loss_chunk", "train.eval_every",
-                     "train.eval_batches", "train.on_nonfinite")
+                     "train.eval_batches", "train.on_nonfinite", "train.sample_every")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 Only process 0 shows progress and writes files, so a multi-host run logs once. The JSON lines are strict
 JSON: a non-finite number (a diverged loss) is written as `null`. TensorBoard event files are written
-with tensorboardX (`--tensorboard-dir`): scalars under `train/`, `eval/` and `perf/`.
+with tensorboardX (`--tensorboard-dir`): scalars under `train/`, `eval/` and `perf/`, samples as text.
 """
 
 from __future__ import annotations
@@ -59,6 +59,8 @@ class StepLog:
             for key, tag in TAGS.items():
                 if record.get(key) is not None:
                     self._board.add_scalar(tag, record[key], record["step"])
+            if "sample" in record:
+                self._board.add_text("train/sample", record["sample"], record["step"])
         self._eval = record.get("eval_loss", self._eval)
         shown = {"loss": f"{record['loss']:.4f}"}
         if self._eval is not None:

@@ -36,10 +36,14 @@ from meshpar import analysis, mesh as mesh_lib, metrics, sharding
 from meshpar.checkpoint import CheckpointConfig, Checkpointer
 from meshpar.data import Batches, DataConfig, load_tokens, split
 from meshpar.errors import InputError, TrainingStopped
+from meshpar.generate import generate
 from meshpar.plan_cost import mfu
 from meshpar.rules import Rules
 from meshpar.train import (Loss, ModelFactory, TrainConfig, init_state, make_eval_step, make_step, optimizer,
                            plan_state, schedule)
+
+# `train.sample_every`: the first positions of the held-out tokens, continued greedily.
+SAMPLE_PROMPT, SAMPLE_TOKENS = 16, 64
 
 
 @dataclasses.dataclass
@@ -78,7 +82,8 @@ def run(make_model: ModelFactory, train: TrainConfig, data: DataConfig | np.ndar
         checkpoint: CheckpointConfig = CheckpointConfig(), config: dict | None = None, progress: bool = True,
         log=print, tensorboard_dir: str | None = None, profile_steps: tuple[int, int] | None = None,
         profile_dir: str | None = None, loss: Loss | None = None, tx: optax.GradientTransformation | None = None,
-        throughput: Throughput | None = None, allow_config_change: bool = False) -> RunResult:
+        throughput: Throughput | None = None, allow_config_change: bool = False,
+        init_params: nnx.State | None = None) -> RunResult:
     """Train `make_model`'s model up to step `train.steps` on `mesh`; return the state and metrics.
 
     `data` is a source to load, or tokens already loaded (a benchmark reuses them across runs); either is
@@ -87,6 +92,8 @@ def run(make_model: ModelFactory, train: TrainConfig, data: DataConfig | np.ndar
     `loss(model, tokens)` defaults to next-token cross-entropy and `tx` to `train.optimizer(train)` (the
     metrics show the learning rate only for that one). `throughput` adds MFU to the metrics.
     `profile_steps` (first, last) writes a `jax.profiler` trace of those steps to `profile_dir`.
+    `init_params` (the model's parameters, laid out on `mesh` by `rules`) start a new run from given weights
+    (a fresh optimizer state); a run that resumes from a checkpoint ignores them.
     """
     learning_rate = schedule(train) if tx is None else None  # the default optimizer's
     tx = tx or optimizer(train)
@@ -120,6 +127,9 @@ def run(make_model: ModelFactory, train: TrainConfig, data: DataConfig | np.ndar
         say(f"resumed from {checkpoint_dir} at step {start}")
     else:
         state = init_state(make_model, tx, plan, train.seed)
+        if init_params is not None:
+            nnx.replace_by_pure_dict(state["model"], nnx.to_pure_dict(init_params))
+            say("parameters from the given weights; optimizer state fresh")
 
     batch = next(batches)
     step, report = analysis.compile_report(make_step(plan, tokens_sharding, train, loss), state, batch)
@@ -138,6 +148,18 @@ def run(make_model: ModelFactory, train: TrainConfig, data: DataConfig | np.ndar
         def evaluate(current: nnx.State) -> float:
             held_out.step = 0  # the same batches every time
             return float(np.mean([float(eval_step(current, next(held_out))) for _ in range(train.eval_batches)]))
+
+    sample = None
+    if train.sample_every:
+        if not hasattr(nnx.merge(plan.graphdef, state).model, "decode"):
+            raise InputError("train.sample_every needs a model that generates (init_cache and decode, as "
+                             "meshpar's transformer has)")
+        prompt_1P = eval_tokens[None, :SAMPLE_PROMPT]  # the same held-out prompt every time
+
+        def sample(current: nnx.State) -> str:
+            ids = generate(nnx.merge(plan.graphdef, current).model, prompt_1P, SAMPLE_TOKENS, mesh, rules)[0].tolist()
+            # The built-in corpus's tokens are bytes; other vocabularies are shown as ids.
+            return bytes(ids).decode("utf-8", errors="replace") if vocab <= 256 else str(ids)
 
     tokens_per_step = train.global_batch * train.seq_len
     steplog = metrics.StepLog(train.steps, start, metrics_file, progress, tensorboard_dir)
@@ -179,8 +201,9 @@ def run(make_model: ModelFactory, train: TrainConfig, data: DataConfig | np.ndar
                 pending = None
             tracing_ends = profiling and number == profile_steps[1]
             evaluating = evaluate is not None and (number % train.eval_every == 0 or number == train.steps)
+            sampling = sample is not None and (number % train.sample_every == 0 or number == train.steps)
             saving = ckpt is not None and ckpt.due(number, train.steps)
-            if tracing_ends or evaluating or saving:
+            if tracing_ends or evaluating or sampling or saving:
                 entry = finish(number, out)
                 if tracing_ends:
                     began = time.perf_counter()
@@ -193,6 +216,11 @@ def run(make_model: ModelFactory, train: TrainConfig, data: DataConfig | np.ndar
                     entry["eval_loss"] = evaluate(state)
                     entry["eval_perplexity"] = math.exp(min(entry["eval_loss"], 700.0))
                     last_done += time.perf_counter() - began  # not part of the next step's time
+                if sampling:
+                    began = time.perf_counter()
+                    entry["sample"] = sample(state)
+                    say(f"step {number} sample: {entry['sample']!r}")
+                    last_done += time.perf_counter() - began
                 publish(entry)  # stops the run before a non-finite state is saved
                 if saving:
                     began = time.perf_counter()

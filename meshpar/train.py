@@ -60,6 +60,7 @@ class TrainConfig:
     eval_every: int = 0  # evaluate on the held-out split every this many steps and at the last; 0: never
     eval_batches: int = 4  # global batches of held-out tokens per evaluation (the same ones every time)
     on_nonfinite: str = "stop"  # a NaN/Inf loss or gradient norm: "stop" the run, or "skip" the update
+    sample_every: int = 0  # print a greedy sample (meshpar.generate) every this many steps and at the last; 0: never
 
     def __post_init__(self):
         if self.compute_dtype not in COMPUTE_DTYPES:
@@ -74,8 +75,9 @@ class TrainConfig:
             raise InputError(f"train.loss_chunk = {self.loss_chunk} must be >= 0 (0: auto)")
         if self.on_nonfinite not in NONFINITE:
             raise InputError(f"train.on_nonfinite = '{self.on_nonfinite}' is not one of {', '.join(NONFINITE)}")
-        if self.eval_every < 0:
-            raise InputError(f"train.eval_every = {self.eval_every} must be >= 0 (0: no evaluation)")
+        for name in ("eval_every", "sample_every"):
+            if getattr(self, name) < 0:
+                raise InputError(f"train.{name} = {getattr(self, name)} must be >= 0 (0: never)")
         for name in ("steps", "global_batch", "seq_len", "grad_accum", "eval_batches"):
             if getattr(self, name) < 1:
                 raise InputError(f"train.{name} = {getattr(self, name)} must be >= 1")

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from meshpar import layers
-from meshpar.attention import attend
+from meshpar.attention import attend, cached_attention
 from meshpar.errors import InputError
 from meshpar.loss import logits
 from meshpar.sharding import constrain, gathered
@@ -62,6 +62,8 @@ class TransformerConfig:
 RESIDUAL = ("batch", "resid_seq", "embed")
 # The input of attention and MLP: whole sequences (with Megatron SP this is where T is all-gathered).
 REGION_INPUT = ("batch", "seq", "embed")
+# A generation's key or value cache [B, S, K, H]: rows like the batch, kv heads like attention's.
+CACHE = ("batch", None, "kv_heads", None)
 
 
 def _param(rngs: nnx.Rngs, shape: tuple[int, ...], logical: tuple[str, ...], std: float) -> nnx.Param:
@@ -101,13 +103,31 @@ class Attention(nnx.Module):
         self.theta, self.dtype = cfg.rope_theta, dtype
 
     def __call__(self, x_BTD: jax.Array, positions_T: jax.Array) -> jax.Array:
+        q_BTNH, k_BTKH, v_BTKH = self._project(x_BTD, positions_T)
+        return self._output(attend(q_BTNH, k_BTKH, v_BTKH))
+
+    def cached(self, x_BTD: jax.Array, positions_T: jax.Array, k_BSKH: jax.Array,
+               v_BSKH: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Attention of T new positions (contiguous from positions_T[0]) over a KV cache of S positions:
+        writes their keys and values into the cache and returns (output, k cache, v cache)."""
+        q_BTNH, k_BTKH, v_BTKH = self._project(x_BTD, positions_T)
+        k_BSKH = constrain(jax.lax.dynamic_update_slice_in_dim(k_BSKH, k_BTKH.astype(k_BSKH.dtype), positions_T[0], 1),
+                           CACHE)
+        v_BSKH = constrain(jax.lax.dynamic_update_slice_in_dim(v_BSKH, v_BTKH.astype(v_BSKH.dtype), positions_T[0], 1),
+                           CACHE)
+        return self._output(cached_attention(q_BTNH, k_BSKH, v_BSKH, positions_T)), k_BSKH, v_BSKH
+
+    def _project(self, x_BTD: jax.Array, positions_T: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Queries and keys rotated to their positions, and values."""
         cast = lambda w: gathered(w, self.dtype)
         x_BTD = constrain(x_BTD, REGION_INPUT)
         q_BTNH = constrain(jnp.einsum("btd,dnh->btnh", x_BTD, cast(self.wq_DNH)), ("batch", "seq", "heads", None))
         k_BTKH = constrain(jnp.einsum("btd,dkh->btkh", x_BTD, cast(self.wk_DKH)), ("batch", "seq", "kv_heads", None))
         v_BTKH = constrain(jnp.einsum("btd,dkh->btkh", x_BTD, cast(self.wv_DKH)), ("batch", "seq", "kv_heads", None))
-        out_BTNH = attend(rotary(q_BTNH, positions_T, self.theta), rotary(k_BTKH, positions_T, self.theta), v_BTKH)
-        return jnp.einsum("btnh,nhd->btd", out_BTNH, cast(self.wo_NHD))
+        return rotary(q_BTNH, positions_T, self.theta), rotary(k_BTKH, positions_T, self.theta), v_BTKH
+
+    def _output(self, out_BTNH: jax.Array) -> jax.Array:
+        return jnp.einsum("btnh,nhd->btd", out_BTNH, gathered(self.wo_NHD, self.dtype))
 
 
 class MLP(nnx.Module):
@@ -139,6 +159,12 @@ class Block(nnx.Module):
         x_BTD = constrain(x_BTD + self.attn(self.attn_norm(x_BTD), positions_T), RESIDUAL)
         return constrain(x_BTD + self.mlp(self.mlp_norm(x_BTD)), RESIDUAL)
 
+    def cached(self, x_BTD: jax.Array, positions_T: jax.Array, k_BSKH: jax.Array,
+               v_BSKH: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        attn_BTD, k_BSKH, v_BSKH = self.attn.cached(self.attn_norm(x_BTD), positions_T, k_BSKH, v_BSKH)
+        x_BTD = constrain(x_BTD + attn_BTD, RESIDUAL)
+        return constrain(x_BTD + self.mlp(self.mlp_norm(x_BTD)), RESIDUAL), k_BSKH, v_BSKH
+
 
 class Transformer(nnx.Module):
     def __init__(self, cfg: TransformerConfig, *, dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs):
@@ -166,6 +192,27 @@ class Transformer(nnx.Module):
             positions_T = jnp.arange(tokens_BT.shape[1])
         x_BTD = constrain(gathered(self.embed_VD, self.dtype, lookup=True)[tokens_BT], RESIDUAL)
         return self.final_norm(layers.scan(self.blocks, x_BTD, positions_T))
+
+    def init_cache(self, batch: int, length: int) -> tuple[jax.Array, jax.Array]:
+        """Empty key and value caches [L, B, S, K, H] of `length` positions, in the compute dtype."""
+        cfg = self.cfg
+        zeros = jnp.zeros((cfg.n_layers, batch, length, cfg.n_kv_heads, cfg.head_dim), self.dtype)
+        return constrain(zeros, ("layers", *CACHE)), constrain(zeros, ("layers", *CACHE))
+
+    def decode(self, tokens_BT: jax.Array, positions_T: jax.Array, k_LBSKH: jax.Array,
+               v_LBSKH: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Logits [B, T, V] of T new tokens at positions (contiguous), attending over the KV caches and
+        everything before them; returns the caches with the new positions written in."""
+        x_BTD = constrain(gathered(self.embed_VD, self.dtype, lookup=True)[tokens_BT], RESIDUAL)
+        graphdef, stacked = nnx.split(self.blocks)
+
+        def one_layer(x_BTD, layer):
+            block, k_BSKH, v_BSKH = layer
+            x_BTD, k_BSKH, v_BSKH = nnx.merge(graphdef, block).cached(x_BTD, positions_T, k_BSKH, v_BSKH)
+            return x_BTD, (k_BSKH, v_BSKH)
+
+        x_BTD, (k_LBSKH, v_LBSKH) = jax.lax.scan(one_layer, x_BTD, (stacked, k_LBSKH, v_LBSKH))
+        return logits(self.final_norm(x_BTD), self.output_head()), k_LBSKH, v_LBSKH
 
     def output_head(self) -> jax.Array:
         """The output projection `[D, V]` as compute uses it (cast; gathered over `fsdp`, vocab split).

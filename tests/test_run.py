@@ -62,7 +62,8 @@ def strict_json(line: str) -> dict:
 def logged(tmp_path_factory):
     require_devices(8)
     out = tmp_path_factory.mktemp("run")
-    error = main("--mesh", "data=2,fsdp=4", "--steps", "4", "--set", "train.eval_every=2", "--set",
+    error = main("--mesh", "data=2,fsdp=4", "--steps", "4", "--set", "train.eval_every=2", "--set", "train.sample_every=4",
+                 "--set",
                  "train.eval_batches=2", "--metrics-file", str(out / "m.jsonl"), "--report", str(out / "r.json"),
                  "--tensorboard-dir", str(out / "tb"), "--profile-steps", "2:3")
     assert error is None, error
@@ -81,6 +82,26 @@ def test_evaluation_joins_the_metrics_and_the_report(logged):
     assert report["eval_loss_last"] == evaluated[1]["eval_loss"]
     assert 0 < report["mfu_median"] < 1
     assert all(0 < r["lr"] <= 3e-3 for r in records) and records[1]["lr"] > records[0]["lr"]  # warmup
+
+
+def test_samples_join_the_metrics(logged):
+    records = [strict_json(line) for line in (logged / "m.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "sample" in r] == [4]
+    assert isinstance(records[-1]["sample"], str) and records[-1]["sample"]
+
+
+def test_a_run_starts_from_given_weights(tmp_path):
+    """--init-from takes the model and its parameters from a directory (here a checkpoint trained 8 steps):
+    the first loss is the trained model's, far below a fresh model's ln 256 ≈ 5.5."""
+    from launch.train import main as train_main
+
+    assert main("--steps", "8", "--checkpoint-dir", str(tmp_path / "ckpt")) is None
+    train_main(["--config", "tiny", "--steps", "1", "--init-from", str(tmp_path / "ckpt"),
+                "--metrics-file", str(tmp_path / "m.jsonl")])
+    first = strict_json((tmp_path / "m.jsonl").read_text().splitlines()[0])
+    assert first["loss"] < 4.0, first
+    assert "sets the model; model.n_layers=1 cannot change it" in main("--steps", "1", "--init-from",
+                                                                       str(tmp_path / "ckpt"))
 
 
 def test_tensorboard_has_every_curve(logged):

@@ -1,0 +1,110 @@
+"""Generate text from a checkpoint (a training run's, or parameters from `launch.convert`).
+
+    python -m launch.generate --checkpoint runs/ckpt --prompt "def main(" --max-new-tokens 64
+    python -m launch.generate --checkpoint runs/llama --tokenizer tokenizer.json --prompt "Once upon" \
+        --temperature 0.8 --top-k 50 --top-p 0.95 --seed 1 --mesh fsdp=2,model=4 --cpu-devices 8 --json
+
+Greedy unless --temperature > 0. Without --tokenizer, text is bytes (the built-in corpus's tokens: ids
+0..255 are the UTF-8 bytes). `--json` prints {"ids": [...], "text": ...} (the new tokens only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from meshpar.errors import InputError
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m launch.generate", description=__doc__.split("\n")[0])
+    p.add_argument("--checkpoint", required=True, help="a checkpoint directory, or a parameters directory")
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="prompt text")
+    prompt.add_argument("--prompt-ids", help="prompt token ids, comma-separated, e.g. 1,2,3")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: all)")
+    p.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of probability >= p")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tokenizer", help="a Hugging Face tokenizer.json to encode the prompt and decode the output "
+                                       "(default: bytes)")
+    p.add_argument("--mesh", help="axis sizes (data, fsdp, model), e.g. fsdp=2,model=4 (default: fsdp over all "
+                                  "devices)")
+    p.add_argument("--cpu-devices", type=int, help="run on this many fake CPU devices")
+    p.add_argument("--json", action="store_true", help='print {"ids": [...], "text": ...}')
+    return p.parse_args(argv)
+
+
+class ByteCodec:
+    """The built-in corpus's tokens: UTF-8 bytes."""
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+
+class TokenizerCodec:
+    def __init__(self, path: str):
+        import tokenizers
+
+        try:
+            self._tokenizer = tokenizers.Tokenizer.from_file(path)
+        except Exception as err:  # the library raises its own exception types for unreadable files
+            raise InputError(f"--tokenizer {path}: cannot read it as a tokenizer.json ({err})") from None
+
+    def encode(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids)
+
+
+def prompt_ids(args: argparse.Namespace, codec) -> list[int]:
+    if args.prompt is not None:
+        return codec.encode(args.prompt)
+    try:
+        return [int(i) for i in args.prompt_ids.split(",")]
+    except ValueError:
+        raise InputError(f"--prompt-ids '{args.prompt_ids}': expected comma-separated integers") from None
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    import jax
+
+    if args.cpu_devices is not None:
+        os.environ["JAX_PLATFORMS"] = "cpu"
+        jax.config.update("jax_platforms", "cpu")
+        jax.config.update("jax_num_cpu_devices", args.cpu_devices)
+
+    from flax import nnx
+
+    from launch import weights
+    from meshpar import generate, mesh as mesh_lib, rules as rules_lib
+    from models.transformer import Transformer
+
+    try:
+        codec = TokenizerCodec(args.tokenizer) if args.tokenizer else ByteCodec()
+        ids = prompt_ids(args, codec)
+        sampling = generate.Sampling(args.temperature, args.top_k, args.top_p, args.seed)
+        mesh = mesh_lib.build(mesh_lib.parse(args.mesh) if args.mesh else mesh_lib.MeshConfig(fsdp=-1))
+        rules = rules_lib.make()
+        cfg, params = weights.load(args.checkpoint, mesh, rules)
+        with nnx.use_eager_sharding(False):
+            abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+        graphdef, _ = nnx.split(abstract)
+        new = generate.generate(nnx.merge(graphdef, params), [ids], args.max_new_tokens, mesh, rules, sampling)
+    except InputError as err:
+        sys.exit(f"error: {err}")
+    new_ids = new[0].tolist()
+    text = codec.decode(new_ids)
+    print(json.dumps({"ids": new_ids, "text": text}) if args.json else text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,112 @@
+"""Generation with a KV cache: the same tokens as recomputing the whole prefix each step, on one device and
+on data, fsdp and model meshes; sampling settings; the CLI; samples during training; --init-from."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from conftest import require_devices
+from meshpar import checkpoint, context, generate, mesh as mesh_lib, rules as rules_lib, sharding
+from meshpar.errors import InputError
+from models.transformer import Transformer, TransformerConfig
+
+CFG = TransformerConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=8, n_kv_heads=4, d_ff=128, max_seq_len=64)
+PROMPT = np.array([[1, 2, 3, 4, 5], [9, 8, 7, 6, 5]])
+NEW = 8
+
+
+@pytest.fixture(scope="module")
+def model():
+    with nnx.use_eager_sharding(False):
+        return Transformer(CFG, rngs=nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def recomputed(model):
+    """Greedy tokens by running the whole sequence again for every new token (no cache)."""
+    ids = PROMPT
+    for _ in range(NEW):
+        ids = np.concatenate([ids, np.asarray(model(jnp.asarray(ids)))[:, -1].argmax(-1)[:, None]], axis=1)
+    return ids[:, PROMPT.shape[1]:]
+
+
+def placed(model, mesh, rules):
+    graphdef, state = nnx.split(model)
+    return nnx.merge(graphdef, jax.device_put(state, sharding.state_shardings(state, mesh, rules)))
+
+
+def one_device():
+    return mesh_lib.build(mesh_lib.parse(""), jax.devices()[:1])
+
+
+def test_cached_greedy_equals_recomputing_the_prefix(model, recomputed):
+    out = generate.generate(model, PROMPT, NEW, one_device(), rules_lib.make())
+    np.testing.assert_array_equal(out, recomputed)
+
+
+@pytest.mark.parametrize("mesh_text", ["fsdp=8", "data=2,model=4", "fsdp=2,model=4"])
+def test_the_same_tokens_on_a_mesh(model, recomputed, mesh_text):
+    require_devices(8)
+    mesh, rules = mesh_lib.build(mesh_lib.parse(mesh_text)), rules_lib.make()
+    np.testing.assert_array_equal(generate.generate(placed(model, mesh, rules), PROMPT, NEW, mesh, rules), recomputed)
+
+
+def test_the_cache_is_split_like_the_keys(model):
+    require_devices(8)
+    mesh, rules = mesh_lib.build(mesh_lib.parse("data=2,model=4")), rules_lib.make()
+    with context.use(context.Compute(mesh, rules)):
+        k, _ = jax.jit(lambda: model.init_cache(2, 16))()
+    assert k.sharding.spec == P(None, "data", None, "model")  # [L, B, S, K, H]: rows over data, kv heads over model
+    assert k.addressable_shards[0].data.shape == (2, 1, 16, 1, 8)
+
+
+def test_sampling(model):
+    mesh, rules = one_device(), rules_lib.make()
+    run = lambda **kw: generate.generate(model, PROMPT, NEW, mesh, rules, generate.Sampling(**kw))
+    greedy = run()
+    np.testing.assert_array_equal(run(temperature=1.0, top_k=1, seed=5), greedy)  # one candidate: the argmax
+    np.testing.assert_array_equal(run(temperature=1.0, top_p=1e-6, seed=5), greedy)  # the most likely alone
+    hot = run(temperature=5.0, seed=1)
+    np.testing.assert_array_equal(hot, run(temperature=5.0, seed=1))  # a seed gives the same draw
+    assert not np.array_equal(hot, run(temperature=5.0, seed=2))
+    assert not np.array_equal(hot, greedy)
+
+
+def test_next_token_keeps_only_the_top_k_and_top_p():
+    logits_BV = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
+    draws = lambda s: {int(generate.next_token(logits_BV, s, jax.random.key(i))[0]) for i in range(200)}
+    assert draws(generate.Sampling(temperature=1.0, top_k=2)) == {0, 1}
+    assert draws(generate.Sampling(temperature=1.0, top_p=0.7)) == {0, 1}  # 0.5 < 0.7 ≤ 0.8
+    assert draws(generate.Sampling(temperature=1.0, top_p=0.9)) == {0, 1, 2}
+
+
+def test_bad_requests_are_refused(model):
+    require_devices(8)
+    rules = rules_lib.make()
+    with pytest.raises(InputError, match="this mesh has sequence = 2"):
+        generate.generate(model, PROMPT, NEW, mesh_lib.build(mesh_lib.parse("sequence=2,fsdp=4")), rules)
+    with pytest.raises(InputError, match=r"must be in \[0, 256\)"):
+        generate.generate(model, [[1, 300]], NEW, one_device(), rules)
+    with pytest.raises(InputError, match="exceeds the model's max_seq_len = 64"):
+        generate.generate(model, PROMPT, 60, one_device(), rules)
+    with pytest.raises(InputError, match="top-p 0 must be in"):
+        generate.Sampling(top_p=0)
+
+
+def test_the_command_line(model, tmp_path, capsys):
+    from launch.generate import main
+
+    checkpoint.export_params(tmp_path / "params", nnx.state(model, nnx.Param), {"model": CFG.__dict__})
+    main(["--checkpoint", str(tmp_path / "params"), "--prompt-ids", "1,2,3,4,5", "--max-new-tokens", str(NEW),
+          "--mesh", "fsdp=8", "--json"])
+    printed = json.loads(capsys.readouterr().out)
+    expected = generate.generate(model, PROMPT[:1], NEW, one_device(), rules_lib.make())[0]
+    assert printed["ids"] == expected.tolist()
+    assert printed["text"] == bytes(expected.tolist()).decode("utf-8", errors="replace")
+    with pytest.raises(SystemExit, match="holds no checkpoint"):
+        main(["--checkpoint", str(tmp_path), "--prompt", "hi"])
