@@ -62,13 +62,16 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m launch.bench", description=__doc__.split("\n")[0])
     p.add_argument("--config", default="tiny")
     p.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated, from: {', '.join(LAYOUTS)}")
+    p.add_argument("--mesh", help="one mesh (e.g. data=2,fsdp=2,model=2) with no other settings, instead of --layouts")
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("--cpu-devices", type=int, help="run on this many fake CPU devices (default: the GPUs if a "
                                                     "CUDA plugin is installed, else 8 CPU devices)")
     p.add_argument("--json", help="also write the rows to this file")
     args = p.parse_args(argv)
-    unknown = [name for name in args.layouts.split(",") if name not in LAYOUTS]
+    layouts = {args.mesh: (args.mesh, [])} if args.mesh else LAYOUTS
+    names = [args.mesh] if args.mesh else args.layouts.split(",")
+    unknown = [name for name in names if name not in layouts]
     if unknown:
         p.error(f"unknown layouts {unknown}; known: {', '.join(LAYOUTS)}")
 
@@ -88,8 +91,8 @@ def main(argv: list[str] | None = None) -> None:
     tokens = load_tokens(base.data)
     rows = []
     print(f"{args.config} on {jax.device_count()} × {jax.devices()[0].device_kind}, {args.steps} steps each")
-    for name in args.layouts.split(","):
-        mesh_text, overrides = LAYOUTS[name]
+    for name in names:
+        mesh_text, overrides = layouts[name]
         cfg = config_lib.apply(base, overrides)
         devices = jax.devices()[:1] if not mesh_text else jax.devices()
         try:

@@ -79,7 +79,7 @@ def check(cfg) -> dict:
 
     mesh = mesh_lib.build(cfg.mesh)
     report = fit.compile_step(train.model_factory(cfg), cfg.train, mesh, rules.make(cfg.parallel))
-    lay = plan.layout_of(dict(mesh.shape), cfg.parallel, cfg.train)
+    lay = plan.layout_of(dict(mesh.shape), cfg.parallel, cfg.train, "cpu")
     predicted = plan.layout_memory(cfg.model, dict(mesh.shape), cfg.parallel, cfg.train, platform="cpu").total
     return {"config": cfg.name, "mesh": dict(mesh.shape), "devices": mesh.size, "layout": plan.describe(lay),
             **report, "predicted_peak_bytes": predicted}

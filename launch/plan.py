@@ -91,6 +91,7 @@ def run(args: argparse.Namespace) -> None:
     import configs
     from meshpar import config as config_lib, mesh as mesh_lib, plan, plan_report
     from meshpar.plan_cost import EFFICIENCY, Shape
+    from meshpar.train import remat_candidates
 
     if not args.config or not args.devices:
         raise InputError("give --config NAME and --devices N (or --params N for model states only)")
@@ -115,8 +116,11 @@ def run(args: argparse.Namespace) -> None:
         sizes = mesh_lib.parse(args.mesh).resolve(args.devices).sizes()
         plan.check_cluster(args.devices, args.devices_per_host)
         mesh_lib.host_split(sizes, dph)
-        lay = plan.layout_of(sizes, cfg.parallel, t)
-        estimates = [plan.estimate(shape, lay, runp, hw, dph, mem_fraction=args.mem_fraction)]
+        for remat in remat_candidates(t, "gpu"):  # auto: the fastest policy that fits
+            lay = plan.layout_of(sizes, cfg.parallel, dataclasses.replace(t, remat=remat))
+            estimates = [plan.estimate(shape, lay, runp, hw, dph, mem_fraction=args.mem_fraction)]
+            if estimates[0].fits:
+                break
         if estimates[0].problems:
             raise InputError(f"layout {plan.describe(lay)} does not build: {'; '.join(estimates[0].problems)}")
         summary = "fits" if estimates[0].fits else (f"does NOT fit: needs {estimates[0].memory.total / 1e9:.1f} GB "

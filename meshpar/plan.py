@@ -32,6 +32,7 @@ from meshpar.plan_cost import (EFFICIENCY, MODES, PRECISIONS, REMATS, Layout, Me
                                local_elements, memory)
 from meshpar.plan_hardware import PRESETS, Hardware, parse as parse_hardware
 from meshpar.plan_time import Estimate, bubble, compute_seconds, estimate, iterations
+from meshpar.train import remat_candidates
 
 __all__ = ["Estimate", "Hardware", "Layout", "NothingFits", "PRESETS", "Run", "Shape", "best_layout",
            "bubble", "estimate", "iterations", "model_states", "overrides", "search", "parse_hardware"]
@@ -298,12 +299,13 @@ def overrides(lay: Layout) -> dict[str, object]:
             "parallel.pipeline_repeats": lay.R, "train.remat": lay.remat, "train.grad_accum": lay.grad_accum}
 
 
-def layout_of(sizes: dict[str, int], parallel, train) -> Layout:
-    """The planner's Layout of a mesh and the run's `rules.ParallelConfig` and `train.TrainConfig`."""
+def layout_of(sizes: dict[str, int], parallel, train, platform: str = "gpu") -> Layout:
+    """The planner's Layout of a mesh and the run's `rules.ParallelConfig` and `train.TrainConfig`;
+    `remat = auto` is the platform's first candidate (`train.remat_candidates`)."""
     return Layout(**sizes, zero_stage=parallel.zero_stage, sequence_parallel=parallel.sequence_parallel,
                   context_attention=parallel.context_attention, load_balance=parallel.load_balance,
-                  microbatches=parallel.microbatches, pipeline_repeats=parallel.pipeline_repeats, remat=train.remat,
-                  grad_accum=train.grad_accum)
+                  microbatches=parallel.microbatches, pipeline_repeats=parallel.pipeline_repeats,
+                  remat=remat_candidates(train, platform)[0], grad_accum=train.grad_accum)
 
 
 def run_of(train, platform: str = "gpu", precision: str = "fp32", efficiency: float = EFFICIENCY) -> Run:
@@ -314,7 +316,7 @@ def run_of(train, platform: str = "gpu", precision: str = "fp32", efficiency: fl
 
 def layout_memory(model_cfg, sizes: dict[str, int], parallel, train, platform: str = "gpu") -> Memory:
     """Predicted per-device memory of a run's layout (`plan_cost.memory`)."""
-    return memory(Shape.of(model_cfg), layout_of(sizes, parallel, train), run_of(train, platform))
+    return memory(Shape.of(model_cfg), layout_of(sizes, parallel, train, platform), run_of(train, platform))
 
 
 def best_layout(model_cfg, *, devices: int, devices_per_host: int, hardware: Hardware | str, global_batch: int,

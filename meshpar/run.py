@@ -40,7 +40,7 @@ from meshpar.generate import generate
 from meshpar.plan_cost import mfu
 from meshpar.rules import Rules
 from meshpar.train import (Loss, ModelFactory, TrainConfig, init_state, make_eval_step, make_step, optimizer,
-                           plan_state, schedule)
+                           plan_state, remat_candidates, schedule)
 
 # `train.sample_every`: the first positions of the held-out tokens, continued greedily.
 SAMPLE_PROMPT, SAMPLE_TOKENS = 16, 64
@@ -132,9 +132,9 @@ def run(make_model: ModelFactory, train: TrainConfig, data: DataConfig | np.ndar
             say("parameters from the given weights; optimizer state fresh")
 
     batch = next(batches)
-    step, report = analysis.compile_report(make_step(plan, tokens_sharding, train, loss), state, batch)
+    train, step, report = _compile_fitting(plan, tokens_sharding, train, loss, state, batch, say)
     report = {"mesh": dict(mesh.shape), "devices": mesh.size, "processes": jax.process_count(),
-              "params": param_count(plan.abstract), **report}
+              "params": param_count(plan.abstract), "remat": train.remat, **report}
     say(f"mesh {mesh_lib.describe(dict(mesh.shape))} on {mesh.size} devices, {jax.process_count()} process(es); "
         f"{report['params']:,} parameters; {report['memory_per_device']['arguments_bytes']:,} state bytes "
         f"per device; compiled in {report['compile_s']:.1f}s")
@@ -251,6 +251,24 @@ def run(make_model: ModelFactory, train: TrainConfig, data: DataConfig | np.ndar
         Path(report_file).parent.mkdir(parents=True, exist_ok=True)
         Path(report_file).write_text(json.dumps(metrics.strict(report), indent=2, allow_nan=False) + "\n")
     return RunResult(state, steplog.records, report)
+
+
+def _compile_fitting(plan, tokens_sharding, train: TrainConfig, loss, state, batch, say):
+    """(train with a concrete remat policy, the compiled step, its report): `remat = auto` compiles its
+    platform's candidates (`train.remat_candidates`) in turn and keeps the first that fits the device."""
+    candidates = remat_candidates(train, plan.mesh.devices.flat[0].platform)
+    limit = (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")  # None on CPU: no limit known
+    for remat in candidates:
+        chosen = dataclasses.replace(train, remat=remat)
+        step, report = analysis.compile_report(make_step(plan, tokens_sharding, chosen, loss), state, batch)
+        peak = report["memory_per_device"]["peak_bytes"]
+        if limit is None or peak <= limit or remat == candidates[-1]:
+            break
+        say(f"remat={remat} needs {peak / 1e9:.1f} GB per device, over the {limit / 1e9:.1f} GB there is; trying the next")
+    if train.remat == "auto":
+        say(f"remat=auto chose {remat}: the fastest that fits of {', '.join(candidates)} on "
+            f"{plan.mesh.devices.flat[0].platform}")
+    return chosen, step, report
 
 
 def stop_if_not_finite(entry: dict[str, Any], train: TrainConfig, ckpt: Checkpointer | None) -> None:

@@ -12,7 +12,7 @@ from meshpar.data import stdlib_tokens
 from models.transformer import Transformer, TransformerConfig
 
 MODEL = TransformerConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=8, n_kv_heads=8, d_ff=128)
-TRAIN = train.TrainConfig(steps=10, global_batch=16, seq_len=32, lr=3e-3, warmup_steps=2)
+TRAIN = train.TrainConfig(steps=10, global_batch=16, seq_len=32, lr=3e-3, warmup_steps=2, remat="none")
 CORPUS = stdlib_tokens(max_bytes=200_000)
 
 
