@@ -253,11 +253,16 @@ def run(make_model: ModelFactory, train: TrainConfig, data: DataConfig | np.ndar
     return RunResult(state, steplog.records, report)
 
 
+def device_memory_limit() -> int | None:
+    """Bytes one device can hold (what XLA's allocator may use); None where unknown (CPU)."""
+    return (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
+
+
 def _compile_fitting(plan, tokens_sharding, train: TrainConfig, loss, state, batch, say):
     """(train with a concrete remat policy, the compiled step, its report): `remat = auto` compiles its
     platform's candidates (`train.remat_candidates`) in turn and keeps the first that fits the device."""
     candidates = remat_candidates(train, plan.mesh.devices.flat[0].platform)
-    limit = (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")  # None on CPU: no limit known
+    limit = device_memory_limit()
     for remat in candidates:
         chosen = dataclasses.replace(train, remat=remat)
         step, report = analysis.compile_report(make_step(plan, tokens_sharding, chosen, loss), state, batch)

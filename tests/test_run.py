@@ -266,3 +266,21 @@ def test_a_bug_keeps_its_traceback(monkeypatch):
     monkeypatch.setattr(meshpar.run, "run", broken)
     with pytest.raises(ValueError, match="a bug deep in the step"):
         main("--steps", "1")
+
+
+def test_remat_auto_takes_the_fastest_policy_that_fits(monkeypatch):
+    """On CPU auto is `dots` (measured fastest); where memory is known it compiles the platform's candidates
+    in order and keeps the first whose step fits: here a limit between `full`'s and `dots`' peak."""
+    import meshpar.run as run_module
+    from meshpar import fit
+
+    mesh, rule = mesh_lib.build(mesh_lib.parse(""), jax.devices()[:1]), rules.make()
+    model = lambda rngs: Transformer(MODEL, rngs=rngs)
+    auto = dataclasses.replace(TRAIN, steps=1, remat="auto")
+    assert run(model, auto, CORPUS, mesh, rule, progress=False).report["remat"] == "dots"
+    peak = {remat: fit.compile_step(model, dataclasses.replace(auto, remat=remat), mesh, rule)
+            ["memory_per_device"]["peak_bytes"] for remat in ("dots", "full")}
+    assert peak["full"] < peak["dots"]
+    monkeypatch.setitem(train.REMAT_AUTO, "cpu", ("none", "dots", "full"))
+    monkeypatch.setattr(run_module, "device_memory_limit", lambda: (peak["full"] + peak["dots"]) // 2)
+    assert run(model, auto, CORPUS, mesh, rule, progress=False).report["remat"] == "full"
