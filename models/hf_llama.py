@@ -1,0 +1,359 @@
+"""Hugging Face Llama checkpoints ↔ meshpar's transformer parameters.
+
+A Hugging Face Llama directory holds `config.json` and its weights as safetensors: `model.safetensors`,
+or shards listed by `model.safetensors.index.json`. Its tensors are torch `nn.Linear` weights, [out, in],
+one per layer; meshpar's are [in, out] with the heads split out and the layers stacked on a leading L axis:
+
+| Hugging Face (layer l)                  | meshpar                            | how                    |
+|-----------------------------------------|------------------------------------|------------------------|
+| model.embed_tokens.weight [V, D]        | embed_VD [V, D]                    | as is                  |
+| lm_head.weight [V, D] (absent if tied)  | head_DV [D, V]                     | transposed             |
+| model.norm.weight [D]                   | final_norm.scale [D]               | as is                  |
+| input_layernorm.weight [D]              | blocks.attn_norm.scale [L, D]      | as is, stacked         |
+| post_attention_layernorm.weight [D]     | blocks.mlp_norm.scale [L, D]       | as is, stacked         |
+| self_attn.q_proj.weight [N·H, D]        | blocks.attn.wq_DNH [L, D, N, H]    | W.T.reshape(D, N, H)   |
+| self_attn.k_proj, v_proj [K·H, D]       | blocks.attn.wk_DKH, wv_DKH         | W.T.reshape(D, K, H)   |
+| self_attn.o_proj.weight [D, N·H]        | blocks.attn.wo_NHD [L, N, H, D]    | W.T.reshape(N, H, D)   |
+| mlp.gate_proj, up_proj [F, D]           | blocks.mlp.w_gate_DF, w_up_DF      | transposed             |
+| mlp.down_proj [D, F]                    | blocks.mlp.w_down_FD [L, F, D]     | transposed             |
+
+Both use rotary positions on the pairs (i, i + H/2) ("rotate half"), so q/k need no permutation.
+
+Import is lazy: every parameter is made with `jax.make_array_from_callback`, whose callback reads from
+the memory-mapped files only the block one device owns (layer by layer for the stacked arrays), so a
+sharded parameter is never whole on one device nor on the host. Export goes the other way, one parameter
+(one layer of it) at a time on the host, and writes float32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import json
+import math
+from pathlib import Path
+
+import jax
+import ml_dtypes  # noqa: F401  registers numpy's "bfloat16", which safetensors' numpy reader needs for BF16
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from safetensors import SafetensorError, safe_open
+from safetensors.numpy import save_file
+
+from meshpar.errors import InputError
+from meshpar.rules import Rules
+from meshpar.sharding import state_shardings
+from models.transformer import Transformer, TransformerConfig
+
+SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
+# Export shards: transformers' own default is larger; 2 GB keeps one shard's host buffer small.
+MAX_SHARD_BYTES = 2 * 10**9
+_READABLE_DTYPES = ("F32", "F16", "BF16", "F64")
+# Old Llama checkpoints store the rotary frequencies as a buffer; they follow from rope_theta.
+_DERIVED_SUFFIX = ".rotary_emb.inv_freq"
+
+
+@dataclasses.dataclass(frozen=True)
+class _Tensor:
+    """One meshpar parameter and its Hugging Face tensor; `{l}` in the name marks a per-layer tensor,
+    stacked on meshpar's leading L axis. `kind` is how the layouts relate (module docstring):
+    `same`, `transpose`, `heads_in` ([X·H, D] → [D, X, H]) or `heads_out` ([D, N·H] → [N, H, D])."""
+
+    path: tuple[str, ...]
+    name: str
+    kind: str
+
+    @property
+    def stacked(self) -> bool:
+        return "{l}" in self.name
+
+
+_LAYER = "model.layers.{l}."
+TENSORS = (
+    _Tensor(("embed_VD",), "model.embed_tokens.weight", "same"),
+    _Tensor(("blocks", "attn_norm", "scale"), _LAYER + "input_layernorm.weight", "same"),
+    _Tensor(("blocks", "attn", "wq_DNH"), _LAYER + "self_attn.q_proj.weight", "heads_in"),
+    _Tensor(("blocks", "attn", "wk_DKH"), _LAYER + "self_attn.k_proj.weight", "heads_in"),
+    _Tensor(("blocks", "attn", "wv_DKH"), _LAYER + "self_attn.v_proj.weight", "heads_in"),
+    _Tensor(("blocks", "attn", "wo_NHD"), _LAYER + "self_attn.o_proj.weight", "heads_out"),
+    _Tensor(("blocks", "mlp_norm", "scale"), _LAYER + "post_attention_layernorm.weight", "same"),
+    _Tensor(("blocks", "mlp", "w_gate_DF"), _LAYER + "mlp.gate_proj.weight", "transpose"),
+    _Tensor(("blocks", "mlp", "w_up_DF"), _LAYER + "mlp.up_proj.weight", "transpose"),
+    _Tensor(("blocks", "mlp", "w_down_FD"), _LAYER + "mlp.down_proj.weight", "transpose"),
+    _Tensor(("final_norm", "scale"), "model.norm.weight", "same"),
+    _Tensor(("head_DV",), "lm_head.weight", "transpose"),
+)
+
+
+# ---------------------------------------------------------------------------------------------- config
+
+def config_from_hf(d: dict) -> TransformerConfig:
+    """The TransformerConfig of a Llama `config.json`; anything meshpar's model does not implement is
+    refused with the option that asks for it."""
+    if d.get("model_type") != "llama":
+        raise InputError(f"config.json: model_type = {d.get('model_type')!r}: only 'llama' (LlamaForCausalLM) "
+                         f"checkpoints can be converted")
+    if "LlamaForCausalLM" not in (d.get("architectures") or ["LlamaForCausalLM"]):
+        raise InputError(f"config.json: architectures = {d['architectures']}: only LlamaForCausalLM (a language "
+                         f"model head) can be converted")
+    if d.get("hidden_act", "silu") != "silu":
+        raise InputError(f"config.json: hidden_act = {d['hidden_act']!r} is not implemented: meshpar's MLP is "
+                         f"SwiGLU (silu)")
+    for key in ("attention_bias", "mlp_bias"):
+        if d.get(key):
+            raise InputError(f"config.json: {key} = true is not implemented: meshpar's projections have no bias")
+    missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                           "num_attention_heads") if k not in d]
+    if missing:
+        raise InputError(f"config.json lacks {', '.join(missing)}")
+    heads, hidden = d["num_attention_heads"], d["hidden_size"]
+    if d.get("head_dim") not in (None, hidden // heads):
+        raise InputError(f"config.json: head_dim = {d['head_dim']} is not implemented: meshpar's head dim is "
+                         f"hidden_size / num_attention_heads = {hidden // heads}")
+    # Defaults are LlamaConfig's, for keys an older config.json leaves out.
+    return TransformerConfig(
+        vocab_size=d["vocab_size"], d_model=hidden, n_layers=d["num_hidden_layers"], n_heads=heads,
+        n_kv_heads=d.get("num_key_value_heads") or heads, d_ff=d["intermediate_size"],
+        max_seq_len=d.get("max_position_embeddings", 2048), tie_embeddings=bool(d.get("tie_word_embeddings", False)),
+        rope_theta=float(_rope_theta(d)), norm_eps=float(d.get("rms_norm_eps", 1e-6)))
+
+
+def _rope_theta(d: dict) -> float:
+    """transformers ≥ 5 writes `rope_parameters` {rope_type, rope_theta}; 4.x `rope_theta` and `rope_scaling`."""
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = d.get(key) or {}
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind != "default":
+            raise InputError(f"config.json: {key} = {json.dumps(rope)} is not implemented: meshpar's rotary "
+                             f"positions are unscaled (rope_type 'default')")
+    return (d.get("rope_parameters") or {}).get("rope_theta", d.get("rope_theta", 10_000.0))
+
+
+def config_to_hf(cfg: TransformerConfig) -> dict:
+    """A `config.json` that transformers loads as LlamaForCausalLM computing what meshpar's model computes."""
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff,
+        "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
+        "max_position_embeddings": cfg.max_seq_len, "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps,
+        "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False, "mlp_bias": False,
+        # transformers ≥ 5 reads rope_parameters and dtype; 4.x reads rope_theta, rope_scaling and torch_dtype
+        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rope_theta": cfg.rope_theta, "rope_scaling": None,
+        "dtype": "float32", "torch_dtype": "float32",
+    }
+
+
+def load_config(hf_dir: str | Path) -> TransformerConfig:
+    """The TransformerConfig of a Hugging Face model directory's `config.json`."""
+    path = Path(hf_dir) / "config.json"
+    try:
+        return config_from_hf(json.loads(path.read_text()))
+    except OSError as err:
+        raise InputError(f"cannot read {path}: {err.strerror}") from None
+    except json.JSONDecodeError as err:
+        raise InputError(f"{path} is not JSON: {err}") from None
+
+
+# ---------------------------------------------------------------------------------------------- layouts
+
+def abstract_params(cfg: TransformerConfig) -> tuple[nnx.GraphDef, nnx.State]:
+    """The model's structure and its parameters as shapes with logical axes; nothing is allocated."""
+    with nnx.use_eager_sharding(False):  # meshpar, not Flax, resolves logical names
+        graphdef, params = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))), nnx.Param)
+    return graphdef, params
+
+
+def _tensors(cfg: TransformerConfig) -> list[_Tensor]:
+    return [t for t in TENSORS if not (cfg.tie_embeddings and t.path == ("head_DV",))]
+
+
+def _hf_shape(kind: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The Hugging Face shape of one layer of a meshpar parameter of (per-layer) `shape`."""
+    if kind == "same":
+        return shape
+    if kind == "transpose":
+        return shape[::-1]
+    if kind == "heads_in":
+        D, X, H = shape
+        return X * H, D
+    N, H, D = shape
+    return D, N * H
+
+
+def _from_hf(kind: str, part, box: list[tuple[int, int]], shape: tuple[int, ...]) -> np.ndarray:
+    """The block `box` (a [start, stop) per dimension) of one layer of a meshpar parameter, read from the
+    Hugging Face tensor `part` (anything sliceable: a safetensors slice), in float32."""
+    s = [slice(a, b) for a, b in box]
+    if kind == "same":
+        out = part[tuple(s)]
+    elif kind == "transpose":
+        out = part[s[1], s[0]].T
+    elif kind == "heads_in":  # rows x·H + h of W [X·H, D]: read whole heads, then take the head-dim slice
+        (d0, d1), (x0, x1), _ = box
+        H = shape[2]
+        out = part[x0 * H:x1 * H, s[0]].T.reshape(d1 - d0, x1 - x0, H)[:, :, s[2]]
+    else:  # heads_out: columns n·H + h of W [D, N·H]
+        (n0, n1), _, (d0, d1) = box
+        H = shape[1]
+        out = part[s[2], n0 * H:n1 * H].T.reshape(n1 - n0, H, d1 - d0)[:, s[1], :]
+    return np.ascontiguousarray(out, dtype=np.float32)
+
+
+def _to_hf(kind: str, w: np.ndarray) -> np.ndarray:
+    """One layer of a meshpar parameter in the Hugging Face layout."""
+    if kind == "same":
+        return w
+    if kind == "transpose":
+        return np.ascontiguousarray(w.T)
+    if kind == "heads_in":  # [D, X, H] → [X·H, D]
+        return np.ascontiguousarray(w.reshape(w.shape[0], -1).T)
+    return np.ascontiguousarray(w.reshape(-1, w.shape[-1]).T)  # heads_out: [N, H, D] → [D, N·H]
+
+
+# ---------------------------------------------------------------------------------------------- import
+
+def _open(path: Path):
+    """A safetensors file, memory-mapped; its tensors are read as numpy arrays."""
+    try:
+        return safe_open(path, framework="np")
+    except (SafetensorError, OSError) as err:
+        raise InputError(f"cannot read {path} as safetensors: {err}") from None
+
+
+def _weight_map(hf_dir: Path) -> dict[str, Path]:
+    """Tensor name → the safetensors file that holds it."""
+    if (hf_dir / SINGLE_FILE).is_file():
+        with _open(hf_dir / SINGLE_FILE) as f:
+            return {name: hf_dir / SINGLE_FILE for name in f.keys()}
+    if (hf_dir / INDEX_FILE).is_file():
+        try:
+            weight_map = json.loads((hf_dir / INDEX_FILE).read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            raise InputError(f"{hf_dir / INDEX_FILE} is not a safetensors index (no weight_map): {err}") from None
+        absent = sorted({f for f in weight_map.values() if not (hf_dir / f).is_file()})
+        if absent:
+            raise InputError(f"{hf_dir / INDEX_FILE} lists shards that are not there: {', '.join(absent)}")
+        return {name: hf_dir / file for name, file in weight_map.items()}
+    raise InputError(f"{hf_dir} holds neither {SINGLE_FILE} nor {INDEX_FILE} (PyTorch .bin checkpoints: "
+                     f"re-save them with transformers' save_pretrained, which writes safetensors)")
+
+
+def _names_of(tensor: _Tensor, n_layers: int) -> list[str]:
+    return [tensor.name.format(l=l) for l in range(n_layers)] if tensor.stacked else [tensor.name]
+
+
+def import_params(hf_dir: str | Path, cfg: TransformerConfig, mesh: Mesh, rules: Rules) -> nnx.State:
+    """The parameters of a Hugging Face Llama checkpoint, laid out on `mesh` by `rules`, in float32.
+
+    Each device reads only its own block of each tensor (float32, bfloat16 and float16 files alike).
+    Missing or unexpected tensors and wrong shapes are refused, naming the tensor.
+    """
+    hf_dir = Path(hf_dir)
+    weight_map = _weight_map(hf_dir)
+    _, abstract = abstract_params(cfg)
+    shardings = dict(nnx.to_flat_state(state_shardings(abstract, mesh, rules)))
+    tensors = _tensors(cfg)
+    expected = {name for t in tensors for name in _names_of(t, cfg.n_layers)}
+    missing = sorted(expected - set(weight_map))
+    ignored = {"lm_head.weight"} if cfg.tie_embeddings else set()  # tied: the embedding is the head
+    unexpected = sorted(n for n in set(weight_map) - expected - ignored if not n.endswith(_DERIVED_SUFFIX))
+    if missing:
+        raise InputError(f"{hf_dir}: tensor {missing[0]} is missing ({len(missing)} missing in all"
+                         f"{': ' + ', '.join(missing[1:4]) + ' …' if len(missing) > 1 else ''}); is config.json "
+                         f"the one of these weights?")
+    if unexpected:
+        raise InputError(f"{hf_dir}: unexpected tensor {unexpected[0]} ({len(unexpected)} in all), which "
+                         f"meshpar's Llama has no parameter for")
+    flat = dict(nnx.to_flat_state(abstract))
+    with contextlib.ExitStack() as stack:
+        files = {f: stack.enter_context(_open(f)) for f in set(weight_map.values())}
+        for t in tensors:
+            layer_shape = flat[t.path].shape[1:] if t.stacked else flat[t.path].shape
+            for name in _names_of(t, cfg.n_layers):
+                part = files[weight_map[name]].get_slice(name)
+                if tuple(part.get_shape()) != _hf_shape(t.kind, layer_shape):
+                    raise InputError(f"{hf_dir}: tensor {name} has shape {tuple(part.get_shape())}, the model "
+                                     f"of config.json needs {_hf_shape(t.kind, layer_shape)}")
+                if part.get_dtype() not in _READABLE_DTYPES:
+                    raise InputError(f"{hf_dir}: tensor {name} is {part.get_dtype()}; readable are "
+                                     f"{', '.join(_READABLE_DTYPES)} (a quantised checkpoint?)")
+        for t in tensors:
+            variable = flat[t.path]
+            read = functools.partial(_read_block, files, weight_map, t, tuple(variable.shape))
+            flat[t.path] = variable.replace(
+                jax.make_array_from_callback(variable.shape, shardings[t.path].get_value(), read))
+    return nnx.from_flat_state(flat)
+
+
+def _read_block(files: dict, weight_map: dict[str, Path], t: _Tensor, shape: tuple[int, ...],
+                index: tuple[slice, ...]) -> np.ndarray:
+    """The block `index` of a meshpar parameter of `shape`: what one device holds."""
+    box = [s.indices(n)[:2] for s, n in zip(index, shape)]
+    if not t.stacked:
+        return _from_hf(t.kind, files[weight_map[t.name]].get_slice(t.name), box, shape)
+    (l0, l1), layer_box = box[0], box[1:]
+    return np.stack([_from_hf(t.kind, files[weight_map[name]].get_slice(name), layer_box, shape[1:])
+                     for name in (t.name.format(l=l) for l in range(l0, l1))])
+
+
+# ---------------------------------------------------------------------------------------------- export
+
+@functools.partial(jax.jit, static_argnums=2)
+def _replicated(x, layer, to: NamedSharding):
+    return jax.lax.with_sharding_constraint(x if layer is None else x[layer], to)
+
+
+def _on_host(x: jax.Array, layer: int | None) -> np.ndarray:
+    """One parameter (one layer of a stacked one) whole on the host, in float32. Every process must call it."""
+    if x.is_fully_addressable:  # one process: copy its shards
+        return np.asarray(x if layer is None else x[layer], dtype=np.float32)
+    # several processes: replicate it on every device (a collective), then copy one device's
+    whole = _replicated(x, layer, NamedSharding(x.sharding.mesh, P()))
+    return np.asarray(whole.addressable_data(0), dtype=np.float32)
+
+
+def export(params: nnx.State, cfg: TransformerConfig, out_dir: str | Path,
+           max_shard_bytes: int = MAX_SHARD_BYTES) -> list[Path]:
+    """Write `params` as a Hugging Face Llama directory: config.json and float32 safetensors, split into
+    shards of at most `max_shard_bytes` with an index when larger (as transformers does). Tensors come to
+    the host one at a time and stay there until their shard is written, by process 0; every process must
+    call this. Returns the files written."""
+    out_dir = Path(out_dir)
+    flat = {path: v.get_value() for path, v in nnx.to_flat_state(params)}
+    tensors = _tensors(cfg)
+    whole = [(t.name, t, None) for t in tensors if not t.stacked]
+    per_layer = [(t.name.format(l=l), t, l) for l in range(cfg.n_layers) for t in tensors if t.stacked]
+    entries = whole[:1] + per_layer + whole[1:]  # transformers' order: embedding, layer by layer, norm, head
+    sizes = {name: 4 * math.prod(flat[t.path].shape) // (cfg.n_layers if t.stacked else 1) for name, t, _ in entries}
+    shards, room = [], 0
+    for entry in entries:
+        if not shards or sizes[entry[0]] > room:
+            shards.append([])
+            room = max_shard_bytes
+        shards[-1].append(entry)
+        room -= sizes[entry[0]]
+    files = [SINGLE_FILE] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                                                    for i in range(len(shards))]
+    writer = jax.process_index() == 0
+    if writer:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "config.json").write_text(json.dumps(config_to_hf(cfg), indent=2) + "\n")
+    for file, shard in zip(files, shards):
+        host = {}  # one shard's tensors: at most max_shard_bytes
+        for name, t, l in shard:
+            w = _on_host(flat[t.path], l)
+            if writer:
+                host[name] = _to_hf(t.kind, w)
+        if writer:
+            save_file(host, out_dir / file, metadata={"format": "pt"})  # transformers checks the format
+    if len(files) > 1:
+        files.append(INDEX_FILE)
+        if writer:
+            index = {"metadata": {"total_size": sum(sizes.values())},
+                     "weight_map": {name: file for file, shard in zip(files, shards) for name, _, _ in shard}}
+            (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    return [out_dir / f for f in ("config.json", *files)]
