@@ -103,7 +103,7 @@ class Checkpointer:
 
     def save(self, step: int, state: nnx.State, meta: dict[str, Any]) -> None:
         """Start saving `state` as `step` (returns once the arrays are copied off the devices)."""
-        self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state.to_pure_dict()),
+        self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(nnx.to_pure_dict(state)),
                                                          meta=ocp.args.JsonSave({**meta, "step": step})))
 
     def due(self, step: int, last_step: int) -> bool:
@@ -138,7 +138,7 @@ class Checkpointer:
                 log(f"resuming with changed settings: {'; '.join(changed)}")
         self._check_shapes(step, state)
         restored = self._manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(placed_shapes(state, shardings).to_pure_dict())))["state"]
+            state=ocp.args.StandardRestore(nnx.to_pure_dict(placed_shapes(state, shardings)))))["state"]
         out = jax.tree.map(lambda x: x, state)
         nnx.replace_by_pure_dict(out, restored)
         return out, meta
@@ -146,7 +146,7 @@ class Checkpointer:
     def _check_shapes(self, step: int, state: nnx.State) -> None:
         saved = self._manager.item_metadata(step)["state"].tree
         saved_shapes = jax.tree.map(lambda m: tuple(m.shape), saved, is_leaf=lambda m: hasattr(m, "shape"))
-        now_shapes = jax.tree.map(lambda x: tuple(x.shape), state.to_pure_dict())
+        now_shapes = jax.tree.map(lambda x: tuple(x.shape), nnx.to_pure_dict(state))
         problems = _differences(_stringify(saved_shapes), _stringify(now_shapes))
         if problems:
             raise InputError(f"{self.directory} step {step} does not fit this model: " + "; ".join(problems[:8]))
@@ -167,7 +167,7 @@ def _stringify(tree: Any) -> Any:
 def export_params(directory: str | Path, params: nnx.State, config: dict | None = None) -> None:
     """Write the parameters alone (for evaluation or inference) with the config that made them."""
     with ocp.CheckpointManager(Path(directory).absolute(), options=ocp.CheckpointManagerOptions(create=True)) as mgr:
-        mgr.save(0, args=ocp.args.Composite(params=ocp.args.StandardSave(params.to_pure_dict()),
+        mgr.save(0, args=ocp.args.Composite(params=ocp.args.StandardSave(nnx.to_pure_dict(params)),
                                             meta=ocp.args.JsonSave({"config": config or {}})))
         mgr.wait_until_finished()
 
@@ -178,7 +178,7 @@ def load_params(directory: str | Path, params: nnx.State, shardings: nnx.State) 
         if mgr.latest_step() is None:
             raise InputError(f"{directory} holds no exported parameters")
         restored = mgr.restore(mgr.latest_step(), args=ocp.args.Composite(
-            params=ocp.args.StandardRestore(placed_shapes(params, shardings).to_pure_dict())))["params"]
+            params=ocp.args.StandardRestore(nnx.to_pure_dict(placed_shapes(params, shardings)))))["params"]
     out = jax.tree.map(lambda x: x, params)
     nnx.replace_by_pure_dict(out, restored)
     return out

@@ -110,3 +110,22 @@ def test_the_command_line(model, tmp_path, capsys):
     assert printed["text"] == bytes(expected.tolist()).decode("utf-8", errors="replace")
     with pytest.raises(SystemExit, match="holds no checkpoint"):
         main(["--checkpoint", str(tmp_path), "--prompt", "hi"])
+
+
+def test_the_command_line_with_a_tokenizer(model, tmp_path, capsys):
+    """--tokenizer encodes the prompt and decodes the new tokens with a Hugging Face tokenizer.json."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from launch.generate import main
+
+    words = [f"w{i}" for i in range(CFG.vocab_size)]
+    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="w0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    checkpoint.export_params(tmp_path / "params", nnx.state(model, nnx.Param), {"model": CFG.__dict__})
+    main(["--checkpoint", str(tmp_path / "params"), "--tokenizer", str(tmp_path / "tokenizer.json"),
+          "--prompt", "w1 w2 w3 w4 w5", "--max-new-tokens", str(NEW), "--json"])
+    printed = json.loads(capsys.readouterr().out)
+    expected = generate.generate(model, PROMPT[:1], NEW, one_device(), rules_lib.make())[0].tolist()
+    assert printed["ids"] == expected
+    assert printed["text"] == " ".join(words[i] for i in expected)
