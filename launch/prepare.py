@@ -11,7 +11,8 @@ tokens (a BOS where its template adds one). Documents are separated by the EOS t
 `eos_token` of a tokenizer_config.json beside the tokenizer, else a well-known EOS among its special
 tokens; none found, documents are simply concatenated. The output is the tokens back to back with no
 header, uint16 when the vocabulary fits (≤ 65536 entries), else uint32 — the layout `meshpar.data`
-memory-maps; training must be told the dtype (`data.token_dtype`), which is printed at the end.
+memory-maps; training must be told the dtype (`data.token_dtype`), which is printed at the end and
+written beside the file (`DATA.bin.json`), where training checks it.
 """
 
 from __future__ import annotations
@@ -136,6 +137,9 @@ def prepare(tokenizer, files: list[Path], out: Path, eos: int | None, progress: 
         if count == 0:
             raise InputError(f"--input {files[0] if len(files) == 1 else files[0].parent}: no tokens (empty text)")
         os.replace(partial, out)
+        # What the file holds, so that training refuses to read it as another token type (meshpar.data).
+        Path(f"{out}.json").write_text(json.dumps({"token_dtype": dtype.name,
+                                                   "vocab_size": tokenizer.get_vocab_size()}) + "\n")
     finally:
         bar.close()
         partial.unlink(missing_ok=True)

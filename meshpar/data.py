@@ -31,6 +31,7 @@ token out of range is an error naming the source and the step, not a silent embe
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import sysconfig
@@ -136,6 +137,11 @@ def bin_tokens(path: str, token_dtype: str) -> np.ndarray:
     if not os.access(p, os.R_OK):
         raise InputError(f"data.path: cannot read {path} (permission denied)")
     size = p.stat().st_size
+    sidecar = Path(f"{path}.json")  # written by launch.prepare: what the file holds
+    if sidecar.is_file():
+        written = json.loads(sidecar.read_text()).get("token_dtype", token_dtype)
+        if written != token_dtype:
+            raise InputError(f"{path} holds {written} tokens ({sidecar.name}), but data.token_dtype = {token_dtype}")
     itemsize = np.dtype(token_dtype).itemsize
     if size == 0:
         raise InputError(f"empty corpus: {path} holds no tokens")

@@ -7,6 +7,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
 from launch import prepare
 from meshpar.data import bin_tokens
+from meshpar.errors import InputError
 
 LINES = ["the cat sat on the mat", "a dog sat on a log", "the cat and the dog", "mats and logs and cats"]
 
@@ -33,6 +34,8 @@ def test_a_file(tokenizer_file, tmp_path, capsys):
     tokens = bin_tokens(str(tmp_path / "out" / "book.bin"), "uint16")  # as training reads it
     assert tokens.tolist() == ids(tokenizer_file, "\n".join(LINES))
     assert "data.token_dtype=uint16" in capsys.readouterr().out
+    with pytest.raises(InputError, match=r"book.bin holds uint16 tokens \(book.bin.json\), but data.token_dtype = uint32"):
+        bin_tokens(str(tmp_path / "out" / "book.bin"), "uint32")
 
 
 def test_a_directory_in_sorted_order_with_eos_between_documents(tokenizer_file, tmp_path):
