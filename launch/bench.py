@@ -13,9 +13,9 @@ layouts run on them (those that fit the GPU count); otherwise on fake CPU device
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 
+from meshpar import gpu_flags
 from meshpar.errors import InputError
 
 LAYOUTS = {  # name → (mesh, overrides)
@@ -77,9 +77,11 @@ def main(argv: list[str] | None = None) -> None:
 
     import jax
 
-    if args.cpu_devices or not _cuda_plugin_installed():  # decided before JAX starts a backend
+    if args.cpu_devices or not gpu_flags.cuda_installed():  # decided before JAX starts a backend
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", args.cpu_devices or 8)
+    else:
+        gpu_flags.apply()
 
     import configs
     from meshpar import config as config_lib, mesh as mesh_lib, rules
@@ -109,10 +111,6 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)
-
-
-def _cuda_plugin_installed() -> bool:
-    return any(importlib.util.find_spec(name) for name in ("jax_cuda12_plugin", "jax_cuda13_plugin"))
 
 
 if __name__ == "__main__":

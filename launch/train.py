@@ -125,6 +125,10 @@ def main(argv: list[str] | None = None) -> None:
         os.environ["JAX_PLATFORMS"] = "cpu"
         jax.config.update("jax_platforms", "cpu")
         jax.config.update("jax_num_cpu_devices", args.cpu_devices)
+    else:
+        from meshpar import gpu_flags
+
+        gpu_flags.apply()  # on GPUs only; the user's XLA_FLAGS win
 
     from meshpar import distributed, metrics, mfu
     from meshpar.errors import TrainingStopped

@@ -13,8 +13,13 @@ f32 output and the log-sum-exp of each query row (what merging blocks needs), wi
 - `blockwise`: `meshpar.flash`, an online softmax over key blocks with a custom backward pass that
   recomputes block scores from the saved output and log-sum-exp: memory linear in T, fully masked
   blocks skipped;
-- `auto`: the fastest for the platform and shape (`resolve_kernel`).
-`cudnn` is reserved for GPUs and refused here.
+- `cudnn` (GPUs): cuDNN's fused flash attention through `jax.nn.dot_product_attention`, for bf16/fp16
+  with a head dim cuDNN supports, where the mask is plain causal or none (one device, Ulysses, a
+  contiguous all-gather block). Where it cannot serve — another mask (zigzag order), or a schedule that
+  needs the log-sum-exp's gradient (the ring: JAX returns cuDNN's log-sum-exp under stop_gradient and in
+  the compute dtype) — that attention runs `blockwise`;
+- `auto`: the fastest for the platform and shape (`resolve_kernel`): on GPUs `cudnn` where it can run,
+  else `blockwise`; elsewhere `dense` for short sequences, `blockwise` above.
 
 With heads split over `model` (K divisible by the axis) each device attends over its own heads and no
 collective runs; with the batch split, likewise. With the sequence split there are three schedules
@@ -63,6 +68,9 @@ KERNELS = ("auto", "dense", "blockwise", "cudnn")
 # H = 16 and 64): 128 beat 256 and 512 from T = 256 to 2048.
 BLOCK = {"cpu": 128}
 DEFAULT_BLOCK = 512
+# cuDNN's fused attention (cuDNN 9 flash path): 16-bit inputs, head dim a multiple of 8 up to 128.
+CUDNN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+CUDNN_MAX_HEAD_DIM = 128
 # CPU, measured the same way: dense won only at T ≤ 128 (one tile), blockwise from T = 256 on.
 DENSE_MAX_T = {"cpu": 128}
 
@@ -92,22 +100,47 @@ def platform_of(mesh: Mesh | None) -> str:
     return mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
 
 
-def resolve_kernel(kernel: str, S: int, platform: str) -> str:
-    """The kernel `block_attention` runs: `auto` becomes `dense` up to the platform's measured length
-    (`DENSE_MAX_T`, by the keys one query sees), `blockwise` above; `cudnn` is refused off GPUs."""
+def cudnn_unsupported(dtype, head_dim: int | None) -> str | None:
+    """Why cuDNN's fused attention cannot take these inputs, or None if it can (a head dim of None:
+    not known yet, not checked)."""
+    if jnp.dtype(dtype) not in CUDNN_DTYPES:
+        return f"it needs bfloat16 or float16 inputs, not {jnp.dtype(dtype).name} (train.compute_dtype)"
+    if head_dim is not None and (head_dim > CUDNN_MAX_HEAD_DIM or head_dim % 8):
+        return f"head dim {head_dim} is not a multiple of 8 up to {CUDNN_MAX_HEAD_DIM}"
+    return None
+
+
+def resolve_kernel(kernel: str, S: int, platform: str, dtype=jnp.float32, head_dim: int | None = None,
+                   needs_lse: bool = False) -> str:
+    """The kernel `block_attention` runs for S keys of `dtype`: `auto` becomes `cudnn` on GPUs where it
+    can run, else `dense` up to the platform's measured length (`DENSE_MAX_T`) and `blockwise` above.
+    `cudnn` is refused off GPUs and for inputs it cannot take; it falls back to `blockwise` where the
+    caller needs the log-sum-exp's gradient (`needs_lse`)."""
     if kernel not in KERNELS:
         raise InputError(f"attention kernel '{kernel}' is not one of {', '.join(KERNELS)}")
     if kernel == "cudnn":
-        raise InputError(f"attention kernel 'cudnn' needs a GPU; this mesh runs on '{platform}' "
-                         f"(use auto, dense or blockwise)")
+        if platform != "gpu":
+            raise InputError(f"attention kernel 'cudnn' needs a GPU; this mesh runs on '{platform}' "
+                             f"(use auto, dense or blockwise)")
+        if reason := cudnn_unsupported(dtype, head_dim):
+            raise InputError(f"attention kernel 'cudnn' cannot run this attention: {reason}")
+    if kernel == "auto" and platform == "gpu" and cudnn_unsupported(dtype, head_dim) is None:
+        kernel = "cudnn"
+    if kernel == "cudnn":
+        return "blockwise" if needs_lse else "cudnn"
     if kernel == "auto":
         return "dense" if S <= DENSE_MAX_T.get(platform, 0) else "blockwise"
     return kernel
 
 
 def block_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, causal: Causal | None, *,
-                    kernel: str = "auto", platform: str | None = None) -> tuple[jax.Array, jax.Array]:
+                    kernel: str = "auto", platform: str | None = None,
+                    needs_lse: bool = False) -> tuple[jax.Array, jax.Array | None]:
     """GQA attention of T queries over S keys: (out f32 [B, T, N, H], log-sum-exp f32 [B, T, N]).
+
+    The log-sum-exp is None from the cuDNN kernel, which runs only where the caller does not need it
+    (`needs_lse` False) and the mask is plain causal or none (`_plain_causal`); elsewhere `cudnn` runs
+    `blockwise`.
 
     `causal` None: every key is visible to every query (a ring's off-diagonal block). The log-sum-exp
     lets partial results over disjoint key sets combine exactly (the ring's accumulator). A row with no
@@ -115,7 +148,11 @@ def block_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, cau
     """
     T, S = q_BTNH.shape[1], k_BSKH.shape[1]
     platform = platform or jax.default_backend()
-    kernel = resolve_kernel(kernel, S, platform)
+    kernel = resolve_kernel(kernel, S, platform, q_BTNH.dtype, q_BTNH.shape[3], needs_lse)
+    if kernel == "cudnn" and (causal is None or _plain_causal(causal, T, S)):
+        out_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, is_causal=causal is not None,
+                                                implementation="cudnn")
+        return out_BTNH.astype(jnp.float32), None
     if kernel == "dense":
         return _dense(q_BTNH, k_BSKH, v_BSKH, causal)
     bt = flash.block_size(T, BLOCK.get(platform, DEFAULT_BLOCK))
@@ -129,6 +166,12 @@ def block_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, cau
             pattern = np.maximum(pattern, flash.block_pattern([q for q, _ in causal.layouts], k, bt, bs))
         q_T, k_S = causal.q_T, causal.k_S
     return flash.attention(q_BTNH, k_BSKH, v_BSKH, q_T, k_S, pattern)
+
+
+def _plain_causal(causal: Causal, T: int, S: int) -> bool:
+    """Whether the mask is cuDNN's `is_causal` (query i sees keys 0..i) in every layout: T = S and
+    positions that are the same contiguous run for queries and keys."""
+    return T == S and all(np.array_equal(q, k) and np.array_equal(np.diff(q), np.ones(T - 1)) for q, k in causal.layouts)
 
 
 def _dense(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, causal: Causal | None):
@@ -364,7 +407,7 @@ def _finish(acc) -> jax.Array:
 def _ring_local(q_BtNH, k_BtKH, v_BtKH, *, axis: str, n: int, balanced: bool, kernel: str, platform: str):
     B, t, N, H = q_BtNH.shape
     i = lax.axis_index(axis)
-    attend_block = functools.partial(block_attention, kernel=kernel, platform=platform)
+    attend_block = functools.partial(block_attention, kernel=kernel, platform=platform, needs_lse=True)
 
     # Step 0: the local (diagonal) block, the only one that needs a mask; every query sees itself, so
     # the log-sum-exp starts finite. Its tile pattern is the same on every device (`Causal.layouts`).

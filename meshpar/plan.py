@@ -310,7 +310,7 @@ def layout_of(sizes: dict[str, int], parallel, train, platform: str = "gpu") -> 
 
 def run_of(train, platform: str = "gpu", precision: str = "fp32", efficiency: float = EFFICIENCY) -> Run:
     """The planner's Run of a `train.TrainConfig`; the attention kernel is resolved for `platform`."""
-    flash = attention.resolve_kernel(train.attention_kernel, train.seq_len, platform) != "dense"
+    flash = attention.resolve_kernel(train.attention_kernel, train.seq_len, platform, train.dtype) != "dense"
     return Run(train.global_batch, train.seq_len, train.compute_dtype, precision, efficiency, flash)
 
 

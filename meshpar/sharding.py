@@ -142,8 +142,10 @@ def gathered(param: nnx.Variable, dtype: jax.typing.DTypeLike, *, lookup: bool =
     """A parameter as compute uses it: cast to `dtype`, then laid out by the ACTIVATION rules.
 
     That is where FSDP's all-gather happens (`embed` is split over `fsdp` at rest, whole in compute);
-    tensor-parallel dimensions stay split. The cast comes first so that the compiler may gather in the
-    compute dtype (XLA on CPU still gathers float32 and converts after: measured, see the README).
+    tensor-parallel dimensions stay split. The cast comes first, pinned to the parameter's own layout
+    behind an optimization barrier: otherwise sharding propagation gives the cast's input the gathered
+    layout, and the partitioner gathers float32 and casts after. So a bf16 run gathers bf16 weights
+    (after SPMD partitioning; XLA:CPU, which has no bf16 collectives, widens them again later).
     In the backward pass the gradient is laid out by the `grads` rules right here, where it is made
     (FSDP's reduce-scatter; on CPU an all-reduce and a slice), so the whole gradient of a weight lives
     only until its reduction, not until the end of the backward pass. `lookup=True` for a table that is
@@ -161,19 +163,28 @@ def gathered(param: nnx.Variable, dtype: jax.typing.DTypeLike, *, lookup: bool =
     layout = lambda kind: NamedSharding(compute.mesh, spec_for(names, value.shape, compute.rules.table(kind),
                                                                compute.mesh, what))
     grads = (layout("activations"), layout("grads")) if lookup else (layout("grads"),)
-    return _gather(value, jnp.dtype(dtype), layout("activations"), grads)
+    # Where the cast changes the dtype it is pinned to the layout at rest (less the axes an enclosing vmap
+    # owns, which a constraint inside it may not name).
+    owned = lambda entry: entry in compute.vmapped or (isinstance(entry, tuple) and set(entry) & set(compute.vmapped))
+    rest = None if jnp.dtype(dtype) == value.dtype else NamedSharding(
+        compute.mesh, PartitionSpec(*(None if owned(e) else e for e in layout("params").spec)))
+    return _gather(value, jnp.dtype(dtype), rest, layout("activations"), grads)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
-def _gather(value: jax.Array, dtype: jnp.dtype, compute: NamedSharding, grads: tuple[NamedSharding, ...]) -> jax.Array:
-    return jax.lax.with_sharding_constraint(value.astype(dtype), compute)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def _gather(value: jax.Array, dtype: jnp.dtype, rest: NamedSharding | None, compute: NamedSharding,
+            grads: tuple[NamedSharding, ...]) -> jax.Array:
+    cast = value.astype(dtype)
+    if rest is not None:
+        cast = jax.lax.optimization_barrier(jax.lax.with_sharding_constraint(cast, rest))
+    return jax.lax.with_sharding_constraint(cast, compute)
 
 
-def _gather_fwd(value, dtype, compute, grads):
-    return _gather(value, dtype, compute, grads), jnp.zeros((), value.dtype)
+def _gather_fwd(value, dtype, rest, compute, grads):
+    return _gather(value, dtype, rest, compute, grads), jnp.zeros((), value.dtype)
 
 
-def _gather_bwd(dtype, compute, grads, like, g):
+def _gather_bwd(dtype, rest, compute, grads, like, g):
     g = g.astype(like.dtype)
     for layout in grads:  # the gradient's layouts, in turn
         g = jax.lax.with_sharding_constraint(g, layout)

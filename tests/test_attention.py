@@ -180,6 +180,28 @@ def test_kernel_setting():
         attention.resolve_kernel("flash", 128, "cpu")
 
 
+def test_cudnn_selection():
+    """On GPUs `auto` is cuDNN for bf16/fp16 with a head dim it supports; a ring (which differentiates the
+    log-sum-exp) and a mask other than plain causal run the blockwise kernel instead."""
+    bf16 = jnp.bfloat16
+    assert attention.resolve_kernel("auto", 8192, "gpu", bf16, 128) == "cudnn"
+    assert attention.resolve_kernel("auto", 8192, "gpu", jnp.float16, 64) == "cudnn"
+    assert attention.resolve_kernel("auto", 8192, "gpu", jnp.float32, 128) == "blockwise"
+    assert attention.resolve_kernel("auto", 8192, "gpu", bf16, 256) == "blockwise"
+    assert attention.resolve_kernel("auto", 8192, "gpu", bf16, 128, needs_lse=True) == "blockwise"
+    assert attention.resolve_kernel("cudnn", 8192, "gpu", bf16, 128, needs_lse=True) == "blockwise"
+    with pytest.raises(ValueError, match="'cudnn' cannot run this attention: it needs bfloat16 or float16 inputs, "
+                                         "not float32"):
+        attention.resolve_kernel("cudnn", 8192, "gpu", jnp.float32, 128)
+    with pytest.raises(ValueError, match="head dim 136 is not a multiple of 8 up to 128"):
+        attention.resolve_kernel("cudnn", 8192, "gpu", bf16, 136)
+    plain, n = np.arange(8), 2
+    assert attention._plain_causal(attention.Causal.static(plain, plain), 8, 8)
+    zigzag = tuple((p, p) for p in (np.asarray(attention.zigzag_positions(16, n)).reshape(n, 8)))
+    assert not attention._plain_causal(attention.Causal(jnp.zeros(8), jnp.zeros(8), zigzag), 8, 8)
+    assert not attention._plain_causal(attention.Causal.static(plain, np.arange(16)), 8, 16)
+
+
 def test_multi_query_ring():
     """K = 1 (every query head shares one kv head), ring on 4 devices."""
     results, _, _ = sharded("ring", "sequence=4", False, 4, 1)

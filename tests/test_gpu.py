@@ -1,0 +1,71 @@
+"""What of the GPU path can be proven on CPU: the XLA flags exist in this jaxlib and yield to the user's,
+and a bf16 run gathers its FSDP weights in bf16 (the HLO right after SPMD partitioning)."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from meshpar import gpu_flags
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_python(code: str, xla_flags: str, tmp_path: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "XLA_FLAGS": xla_flags, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=tmp_path,
+                          timeout=300)
+
+
+def test_every_flag_is_known_to_this_jaxlib(tmp_path):
+    """XLA parses XLA_FLAGS on every backend and aborts on an unknown flag (checked with a made-up one)."""
+    code = "import jax.numpy as jnp; print(float(jnp.ones(3).sum()))"
+    assert run_python(code, gpu_flags.merged(""), tmp_path).stdout.strip() == "3.0"
+    assert "Unknown flag" in run_python(code, "--xla_gpu_not_a_flag=true", tmp_path).stderr
+
+
+def test_the_users_flags_win():
+    mine = "--xla_gpu_enable_triton_gemm=true --xla_dump_to=/tmp/x"
+    flags = gpu_flags.merged(mine).split()
+    assert "--xla_gpu_enable_triton_gemm=true" in flags and "--xla_gpu_enable_triton_gemm=false" not in flags
+    assert "--xla_dump_to=/tmp/x" in flags
+    assert len(flags) == len(gpu_flags.FLAGS) + 1
+
+
+def test_not_applied_without_gpus(monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
+    assert not gpu_flags.apply()  # no CUDA plugin here
+    assert os.environ["XLA_FLAGS"] == "--xla_dump_to=/tmp/x"
+
+
+def test_collectives_move_the_compute_dtype(tmp_path):
+    """tiny, fsdp=8, bf16: the all-gathers the SPMD partitioner makes carry bf16 weights (only the norm
+    scales, which the model uses in float32, are gathered in float32), and the weight gradients are
+    reduced over `fsdp` in bf16, the dtype the weight-gradient matmuls emit; in float32 for a float32 run.
+    (XLA:CPU then widens bf16 collectives to float32, as it has none; a GPU keeps them.)"""
+    code = """
+import jax
+jax.config.update("jax_num_cpu_devices", 8)
+import configs
+from meshpar import config, fit, mesh, rules, train
+from models.transformer import Transformer
+for dtype in ("float32", "bfloat16"):
+    cfg = config.apply(configs.load("tiny"), [f"train.compute_dtype={dtype}"])
+    m, r = mesh.build(mesh.parse("fsdp=8")), rules.make(cfg.parallel)
+    plan = train.plan_state(lambda rngs: Transformer(cfg.model, dtype=cfg.train.dtype, rngs=rngs),
+                            train.optimizer(cfg.train), m, r)
+    state, tokens = fit.abstract_inputs(plan, cfg.train)
+    train.make_step(plan, tokens.sharding, cfg.train).lower(state, tokens).compile()
+"""
+    result = run_python(code, f"--xla_dump_to={tmp_path} --xla_dump_hlo_pass_re=spmd-partitioning", tmp_path)
+    assert result.returncode == 0, result.stderr[-2000:]
+    for hlo, dtype in zip(sorted(tmp_path.glob("*jit_step*after_spmd-partitioning*.txt")), ("f32", "bf16")):
+        text = hlo.read_text()
+        gathers = re.findall(r"= (\w+)\[([\d,]*)\]\{[^}]*\} all-gather\(", text)
+        assert sum(d == dtype for d, _ in gathers) >= 7  # per layer: q, k, v, o, gate, up, down
+        assert all(shape in ("128", "1,128") for d, shape in gathers if d != dtype)  # [D] norm scales, float32
+        reductions = re.findall(r"= (\w+)\[([\d,]*)\]\{[^}]*\} (?:all-reduce|reduce-scatter)\(.*op_name=\"([^\"]*)",
+                                text)
+        weight_grads = {d for d, _, name in reductions if "transpose(jvp())" in name and "dot_general" in name}
+        assert weight_grads == {dtype}, (hlo.name, reductions)
