@@ -254,20 +254,27 @@ def _run(stack: nnx.Module, x_BTD: jax.Array, *args: jax.Array, mesh: Mesh, stag
     def stage_view(variable: nnx.Variable) -> nnx.Variable:
         rest = _stage_weight_spec(variable, mesh)
         value = _constrain(variable[...], mesh, "stage", *rest)  # gather over fsdp in the at-rest layout
-        value = _constrain(value.reshape(R, S, Lc, *value.shape[1:]), mesh, None, "stage", None, *rest)
+        value = value.reshape(R, S, Lc, *value.shape[1:])
+        if R > 1 and R % mesh.shape["stage"] == 0:
+            # The at-rest blocks are split over R here: naming that layout makes the exchange over `stage`
+            # an all-to-all in both passes (without it jax 0.12's partitioner replicates the gradients).
+            value = _constrain(value, mesh, "stage", None, None, *rest)
+        value = _constrain(value, mesh, None, "stage", None, *rest)
         value = jnp.broadcast_to(value, (K, *value.shape))
         return variable.replace(_constrain(value, mesh, batch, None, "stage", None, *rest))
 
     weights = jax.tree.map(stage_view, stacked, is_leaf=lambda v: isinstance(v, nnx.Variable))
     compute = context.active()
-    # Inside the vmaps over stages and batch shards those mesh axes belong to the vmapped dimensions, and
-    # each shard's weight gradients stay in the compute layout (reduced once, after the loop).
+    # Inside the vmaps over stages and batch shards those mesh axes belong to the vmapped dimensions, the
+    # weights are already in their compute layout (their at-rest one there: jax 0.11 rejects a vmapped
+    # axis such as fsdp in a constraint), and each shard's weight gradients stay in the compute layout
+    # (reduced once, after the loop).
     local = None
     if compute is not None:
         activations = tuple((name, () if name == "batch" else axes) for name, axes in compute.rules.activations)
         local = dataclasses.replace(compute, vmapped=compute.vmapped + ("stage",) + (batch or ()),
-                                    rules=dataclasses.replace(compute.rules, activations=activations,
-                                                              grads=activations))
+                                    rules=dataclasses.replace(compute.rules, params=activations,
+                                                              activations=activations, grads=activations))
 
     def one_shard(weights_RC: nnx.State, repeat: jax.Array, x_bTD: jax.Array) -> jax.Array:
         """One stage step on one batch shard: the stage's Lc layers of `repeat` on its rows of a microbatch."""

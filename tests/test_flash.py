@@ -105,7 +105,10 @@ def _scan_stacks(jaxpr) -> list:
     found = []
     for eqn in jaxpr.eqns:
         if eqn.primitive.name == "scan":
-            found += [v.aval for v in eqn.outvars[eqn.params["num_carry"]:] if jnp.issubdtype(v.aval.dtype, jnp.floating)]
+            # jax 0.10 counts the carries (`num_carry`); 0.12 gives the outputs' (carry, ys) tree (`ft_out`)
+            params = eqn.params
+            carries = params["num_carry"] if "num_carry" in params else len(params["ft_out"].unpack()[0])
+            found += [v.aval for v in eqn.outvars[carries:] if jnp.issubdtype(v.aval.dtype, jnp.floating)]
         for param in eqn.params.values():
             for sub in param if isinstance(param, (tuple, list)) else [param]:
                 if isinstance(sub, core.ClosedJaxpr):
