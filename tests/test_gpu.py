@@ -51,7 +51,7 @@ import configs
 from meshpar import config, fit, mesh, rules, train
 from models.transformer import Transformer
 for dtype in ("float32", "bfloat16"):
-    cfg = config.apply(configs.load("tiny"), [f"train.compute_dtype={dtype}"])
+    cfg = config.apply(configs.load("tiny"), [f"train.compute_dtype={dtype}", "model.n_layers=1"])
     m, r = mesh.build(mesh.parse("fsdp=8")), rules.make(cfg.parallel)
     plan = train.plan_state(lambda rngs: Transformer(cfg.model, dtype=cfg.train.dtype, rngs=rngs),
                             train.optimizer(cfg.train), m, r)
