@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import resource
 import sys
 import time
@@ -48,14 +47,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    import jax
+    from launch import devices
 
-    if args.cpu_devices is not None:  # must happen before JAX starts a backend
-        if args.cpu_devices < 1:
-            sys.exit(f"error: --cpu-devices {args.cpu_devices}: must be >= 1")
-        os.environ["JAX_PLATFORMS"] = "cpu"
-        jax.config.update("jax_platforms", "cpu")
-        jax.config.update("jax_num_cpu_devices", args.cpu_devices)
+    devices.setup(args.cpu_devices)  # before JAX starts a backend
+    import jax
 
     from meshpar import distributed, mesh as mesh_lib, rules
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 from meshpar.errors import InputError
@@ -75,12 +74,9 @@ def prompt_ids(args: argparse.Namespace, codec) -> list[int]:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    import jax
+    from launch import devices
 
-    if args.cpu_devices is not None:
-        os.environ["JAX_PLATFORMS"] = "cpu"
-        jax.config.update("jax_platforms", "cpu")
-        jax.config.update("jax_num_cpu_devices", args.cpu_devices)
+    devices.setup(args.cpu_devices)  # before JAX starts a backend
 
     from flax import nnx
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import sys
 
 from meshpar.errors import InputError
@@ -117,18 +116,9 @@ def model_factory(cfg):
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    import jax
+    from launch import devices
 
-    if args.cpu_devices is not None:  # must happen before JAX starts a backend
-        if args.cpu_devices < 1:
-            sys.exit(f"error: --cpu-devices {args.cpu_devices}: must be >= 1")
-        os.environ["JAX_PLATFORMS"] = "cpu"
-        jax.config.update("jax_platforms", "cpu")
-        jax.config.update("jax_num_cpu_devices", args.cpu_devices)
-    else:
-        from meshpar import gpu_flags
-
-        gpu_flags.apply()  # on GPUs only; the user's XLA_FLAGS win
+    devices.setup(args.cpu_devices)  # before JAX starts a backend
 
     from meshpar import distributed, metrics, mfu
     from meshpar.errors import TrainingStopped
