@@ -10,10 +10,12 @@
 
 Nothing is allocated: the state and the batch are shapes with shardings (`meshpar.fit`), so any size
 compiles on this machine (llama_70b on 64 devices: ~5 s). Printed per device: XLA's arguments, temp,
-outputs and aliased bytes and the peak they imply (arguments + temp + outputs − aliased), the collectives
+outputs and aliased bytes and the peak they imply (arguments + temp + outputs − aliased), in device memory
+and beside them in host memory (`parallel.offload`, meshpar.offload), the collectives
 of one step (as `--report` counts them), the compile time, and beside them the planner's prediction for
-the same layout (`predicted_peak_bytes`, `meshpar.plan`). `--mesh auto` compiles the planner's `--top`
-layouts for `--hardware` instead, one report each, and says which fit.
+the same layout (`predicted_peak_bytes`, and `predicted_host_bytes` under host offload, `meshpar.plan`).
+`--mesh auto` compiles the planner's `--top` layouts for `--hardware` instead, one report each, and says
+which fit.
 """
 
 from __future__ import annotations
@@ -80,9 +82,9 @@ def check(cfg) -> dict:
     mesh = mesh_lib.build(cfg.mesh)
     report = fit.compile_step(train.model_factory(cfg), cfg.train, mesh, rules.make(cfg.parallel))
     lay = plan.layout_of(dict(mesh.shape), cfg.parallel, cfg.train, "cpu")
-    predicted = plan.layout_memory(cfg.model, dict(mesh.shape), cfg.parallel, cfg.train, platform="cpu").total
+    predicted = plan.layout_memory(cfg.model, dict(mesh.shape), cfg.parallel, cfg.train, platform="cpu")
     return {"config": cfg.name, "mesh": dict(mesh.shape), "devices": mesh.size, "layout": plan.describe(lay),
-            **report, "predicted_peak_bytes": predicted}
+            **report, "predicted_peak_bytes": predicted.total, "predicted_host_bytes": predicted.host}
 
 
 def describe(report: dict) -> str:
@@ -91,9 +93,10 @@ def describe(report: dict) -> str:
     lines = [f"{report['config']} on {report['devices']} devices: {report['layout']}; compiled in "
              f"{report['compile_s']:.1f}s{fits}", "memory per device (GB = 1e9 bytes):"]
     for key in ("arguments_bytes", "temp_bytes", "outputs_bytes", "alias_bytes", "peak_bytes"):
-        lines.append(f"  {key:<20} {m[key] / GB:9.2f}")
+        lines.append(f"  {key:<20} {m[key] / GB:9.2f}  (host memory: {m['host_' + key] / GB:.2f})")
     predicted = report["predicted_peak_bytes"]
     lines.append(f"  {'planner peak':<20} {predicted / GB:9.2f}  ({predicted / m['peak_bytes'] - 1:+.1%} vs compiler)")
+    lines.append(f"  {'planner host':<20} {report['predicted_host_bytes'] / GB:9.2f}  (host memory, offload)")
     lines.append("collectives per step (count × GB per device):")
     for op, entry in report["collectives"].items():
         lines.append(f"  {op:<20} {entry['count']:6d} × {entry['bytes'] / max(entry['count'], 1) / GB:.4f}")

@@ -7,7 +7,8 @@ A benchmark, not a test. Dims (Llama-style): d_model 256, 4 layers, 8 heads, 4 k
 which splits them), d_ff 1024, vocab 256, T 128, global batch 16, float32, 8 fake CPU devices. Each round
 runs every (framework, JAX, mesh) once, interleaved, so that the machine's drift hits all alike; the table
 shows medians over rounds of each run's median step time, and the ratios that count, within one JAX:
-- this venv's JAX: meshpar and the plain step (`BENCH_DIR/baseline.py`);
+- this venv's JAX: meshpar (its defaults, and `train.remat=none`: the plain step's settings) and the
+  plain step (`BENCH_DIR/baseline.py`);
 - the newest JAX (a Python 3.12 venv built on first use in `$TMPDIR/meshpar-newest`, from PyPI): meshpar,
   the plain step and MaxText (`BENCH_DIR/peer_maxtext.sh`, which builds its own venv on that JAX).
 BENCH_DIR defaults to `../shared/bench` beside the checkout.
@@ -39,10 +40,10 @@ def last_json(text: str) -> dict:
     return json.loads([line for line in text.splitlines() if line.startswith("{")][-1])
 
 
-def run_meshpar(python: str, mesh: str, steps: int) -> float:
+def run_meshpar(python: str, mesh: str, steps: int, remat: str = "auto") -> float:
     sets = {"model.d_model": DIMS["d"], "model.n_layers": DIMS["layers"], "model.n_heads": DIMS["heads"],
             "model.n_kv_heads": kv_heads(mesh), "model.d_ff": DIMS["ff"], "model.vocab_size": DIMS["vocab"],
-            "train.seq_len": DIMS["seq"], "train.global_batch": DIMS["batch"]}
+            "train.seq_len": DIMS["seq"], "train.global_batch": DIMS["batch"], "train.remat": remat}
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         cmd = [python, "-m", "launch.bench", "--mesh", mesh, "--steps", str(steps),
                "--cpu-devices", "8", "--json", out.name] + [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
@@ -103,6 +104,8 @@ def main(argv: list[str] | None = None) -> None:
     for mesh in meshes:
         for python, version in (here, newest):
             runs[("meshpar", version, mesh)] = lambda python=python, mesh=mesh: run_meshpar(python, mesh, args.steps)
+            runs[("meshpar none", version, mesh)] = (lambda python=python, mesh=mesh:  # the plain step's settings
+                                                     run_meshpar(python, mesh, args.steps, remat="none"))
             runs[("plain JAX", version, mesh)] = (lambda python=python, mesh=mesh:
                                                   run_baseline(python, bench, mesh, args.steps))
         if not args.no_maxtext:
@@ -114,15 +117,16 @@ def main(argv: list[str] | None = None) -> None:
             print(f"round {r + 1}/{args.rounds} {key[0]:<9} jax {key[1]:<9} {key[2]:<22} "
                   f"{times[key][-1] * 1e3:7.0f} ms", flush=True)
     median = {key: statistics.median(values) for key, values in times.items()}
-    print("\n| mesh | jax | meshpar ms | plain JAX ms | MaxText ms | meshpar speed vs plain | vs MaxText |")
-    print("|---|---|---|---|---|---|---|")
+    print("\n| mesh | jax | meshpar ms | meshpar none ms | plain JAX ms | MaxText ms | meshpar speed vs plain "
+          "| none vs plain | meshpar vs MaxText |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for mesh in meshes:
         for version in dict.fromkeys((here[1], newest[1])):
-            ours, plain = median[("meshpar", version, mesh)], median[("plain JAX", version, mesh)]
-            peer = median.get(("MaxText", version, mesh))
+            ours, none = median[("meshpar", version, mesh)], median[("meshpar none", version, mesh)]
+            plain, peer = median[("plain JAX", version, mesh)], median.get(("MaxText", version, mesh))
             peer_text = (f"{peer * 1e3:.0f}", f"{peer / ours:.2f}×") if peer else ("–", "–")
-            print(f"| {mesh} | {version} | {ours * 1e3:.0f} | {plain * 1e3:.0f} | {peer_text[0]} | {plain / ours:.2f}× "
-                  f"| {peer_text[1]} |")
+            print(f"| {mesh} | {version} | {ours * 1e3:.0f} | {none * 1e3:.0f} | {plain * 1e3:.0f} | {peer_text[0]} "
+                  f"| {plain / ours:.2f}× | {plain / none:.2f}× | {peer_text[1]} |")
     if args.json:
         Path(args.json).write_text(json.dumps([{"framework": k[0], "jax": k[1], "mesh": k[2], "step_s": v,
                                                 "runs": times[k]} for k, v in median.items()], indent=2))

@@ -8,10 +8,15 @@
     python -m launch.plan --params 7.5e9 --zero-stage 3 --shards 64 --precision mixed   # model states only
     python -m launch.plan --config llama_8b --devices 64 --plot launch/plan_memory.png
     python -m launch.plan --config llama_70b --devices 512 --set train.attention_kernel=dense   # what-if: T² scores
+    python -m launch.plan --config llama_70b --devices 8 --global-batch 8      # fits only with host offload
+    python -m launch.plan --config llama_8b --devices 8 --mesh fsdp=8 --set parallel.offload=optimizer \
+        --set train.remat=offload                                                 # offload, one layout
 
-`--hardware`: h100, h200, a100, `h100,hbm=94e9` (a preset with fields replaced) or a full custom spec
-`flops=...,hbm=...,hbm_bw=...,link_bw=...,net_bw=...` (see meshpar/plan_hardware.py). The model is in
-meshpar/plan_cost.py; what it assumes about overlap is in meshpar/plan_time.py.
+`--hardware`: h100, h200, a100, gh200, `h100,hbm=94e9` (a preset with fields replaced) or a full custom
+spec `flops=...,hbm=...,hbm_bw=...,link_bw=...,net_bw=...` (+ `host_bw=...,host_mem=...` for host offload;
+see meshpar/plan_hardware.py). The search tries host offload (`parallel.offload`, `train.remat=offload`)
+only when no layout fits without it. The model is in meshpar/plan_cost.py; what it assumes about overlap
+is in meshpar/plan_time.py.
 """
 
 from __future__ import annotations
@@ -24,8 +29,8 @@ import sys
 from meshpar.errors import InputError
 
 SETTINGS = ("parallel.zero_stage", "parallel.sequence_parallel", "parallel.context_attention",
-            "parallel.load_balance", "parallel.microbatches", "parallel.pipeline_repeats", "train.remat",
-            "train.grad_accum")  # chosen by the search; train.attention_kernel is not (it is a what-if)
+            "parallel.load_balance", "parallel.microbatches", "parallel.pipeline_repeats", "parallel.offload",
+            "train.remat", "train.grad_accum")  # chosen by the search; train.attention_kernel is not (it is a what-if)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -33,7 +38,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--config", help="preset in configs/ (the model; batch and sequence defaults)")
     p.add_argument("--devices", type=int, help="number of accelerators")
     p.add_argument("--devices-per-host", type=int, default=8, help="accelerators per host (default 8)")
-    p.add_argument("--hardware", default="h100", help="h100, h200, a100, or a custom spec (default h100)")
+    p.add_argument("--hardware", default="h100", help="h100, h200, a100, gh200, or a custom spec (default h100)")
     p.add_argument("--global-batch", type=int, help="sequences per step (default: the preset's)")
     p.add_argument("--seq-len", type=int, help="tokens per sequence (default: the preset's)")
     p.add_argument("--compute-dtype", choices=("bfloat16", "float32"), help="default: the preset's")
@@ -116,15 +121,17 @@ def run(args: argparse.Namespace) -> None:
         sizes = mesh_lib.parse(args.mesh).resolve(args.devices).sizes()
         plan.check_cluster(args.devices, args.devices_per_host)
         mesh_lib.host_split(sizes, dph)
-        for remat in remat_candidates(t, "gpu"):  # auto: the fastest policy that fits
+        for remat in remat_candidates(t, "gpu", cfg.parallel):  # auto: the fastest policy that fits
             lay = plan.layout_of(sizes, cfg.parallel, dataclasses.replace(t, remat=remat))
             estimates = [plan.estimate(shape, lay, runp, hw, dph, mem_fraction=args.mem_fraction)]
             if estimates[0].fits:
                 break
         if estimates[0].problems:
             raise InputError(f"layout {plan.describe(lay)} does not build: {'; '.join(estimates[0].problems)}")
-        summary = "fits" if estimates[0].fits else (f"does NOT fit: needs {estimates[0].memory.total / 1e9:.1f} GB "
-                                                     f"of {estimates[0].budget / 1e9:.1f} GB usable")
+        e = estimates[0]
+        host = f" and {e.memory.host / 1e9:.1f} GB of {e.host_budget / 1e9:.1f} GB host memory" if e.memory.host else ""
+        summary = "fits" if e.fits else (f"does NOT fit: needs {e.memory.total / 1e9:.1f} GB of {e.budget / 1e9:.1f} "
+                                         f"GB usable{host}")
         result = None
     else:
         result = plan.search(shape, devices=args.devices, devices_per_host=args.devices_per_host, hardware=hw,

@@ -12,6 +12,7 @@ output part (see `_output_shape`). The CPU backend emits only the sync forms. Me
 from XLA's own `memory_analysis()` and `cost_analysis()`.
 """
 
+import functools
 import math
 import re
 import time
@@ -200,10 +201,32 @@ def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
     }
 
 
+def _host_entry_bytes(hlo_text: str) -> dict[str, int]:
+    """Bytes of the entry computation's arguments and outputs placed in host memory (memory space 5,
+    `S(5)` in `entry_computation_layout`), and of the donated host arguments that outputs reuse."""
+    header = _COMMENT.sub("", hlo_text.split("\n", 1)[0])
+    start = header.find("entry_computation_layout={")
+    if start < 0:
+        return {"arguments": 0, "outputs": 0, "alias": 0}
+    layout = header[start + len("entry_computation_layout={"):]
+    args, outs = layout.split(")->", 1)
+    end = re.search(r"\}\s*,\s*[a-z_]+=", outs)
+    placed = lambda part: [(_parse_shape(m.group(0), 0, header)[0], "S(5)" in (m["layout"] or ""))
+                           for m in _ARRAY_SHAPE.finditer(part)]
+    args_placed, outs_placed = placed(args), placed(outs[:end.start()] if end else outs)
+    aliased = {int(param) for param in re.findall(r"\{\d*\}:\s*\((\d+),", header.split("entry_computation_layout")[0])}
+    return {"arguments": sum(b for b, host in args_placed if host),
+            "outputs": sum(b for b, host in outs_placed if host),
+            "alias": sum(b for i, (b, host) in enumerate(args_placed) if host and i in aliased)}
+
+
 def memory_per_device(compiled: Any) -> dict[str, int]:
-    """Argument, output, temporary and aliased bytes per device, from XLA's memory analysis, and the
-    peak they imply: arguments + temp + outputs − aliased (outputs that reuse a donated argument's
-    buffer count once). XLA's own `peak_memory_in_bytes` is not meaningful on CPU (arguments only)."""
+    """Argument, output, temporary and aliased bytes per device in device memory, from XLA's memory
+    analysis, and the peak they imply: arguments + temp + outputs − aliased (outputs that reuse a donated
+    argument's buffer count once). XLA's own `peak_memory_in_bytes` is not meaningful on CPU (arguments
+    only). The same in host memory (`host_*`, meshpar.offload): XLA's host fields where it fills them;
+    XLA:CPU does not (its host memory is device memory), so arguments and outputs placed in host memory
+    are read from the compiled module's entry layout there and taken out of the device figures."""
     stats = compiled.memory_analysis()
     if stats is None:
         raise InputError("this backend gives no memory analysis")
@@ -212,9 +235,51 @@ def memory_per_device(compiled: Any) -> dict[str, int]:
         "outputs_bytes": stats.output_size_in_bytes,
         "temp_bytes": stats.temp_size_in_bytes,
         "alias_bytes": stats.alias_size_in_bytes,
+        "host_arguments_bytes": stats.host_argument_size_in_bytes,
+        "host_outputs_bytes": stats.host_output_size_in_bytes,
+        "host_temp_bytes": stats.host_temp_size_in_bytes,
+        "host_alias_bytes": stats.host_alias_size_in_bytes,
     }
+    if not (out["host_arguments_bytes"] or out["host_outputs_bytes"]):
+        host = _host_entry_bytes(compiled.as_text() or "")
+        for kind in ("arguments", "outputs", "alias"):
+            out[f"host_{kind}_bytes"] = host[kind]
+            out[f"{kind}_bytes"] -= host[kind]
     out["peak_bytes"] = out["arguments_bytes"] + out["temp_bytes"] + out["outputs_bytes"] - out["alias_bytes"]
+    out["host_peak_bytes"] = (out["host_arguments_bytes"] + out["host_temp_bytes"] + out["host_outputs_bytes"]
+                              - out["host_alias_bytes"])
     return out
+
+
+# A dot: `%dot.8 = f32[32,32]{1,0} dot(%param_0, %param_1), lhs_contracting_dims={1}, ...`; any instruction's
+# name and array dims (operands are defined before their users).
+_DEFINED = re.compile(r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+) = \w+\[(?P<dims>[\d,]*)\]")
+_DOT = re.compile(r" dot\((?:\S+ )?%(?P<lhs>[\w.\-]+),.*\blhs_contracting_dims=\{(?P<contracting>[\d,]*)\}")
+
+
+def matmul_flops(hlo_text: str) -> int:
+    """Matmul FLOPs per device of one run of a compiled module (its `dot` instructions, as XLA:CPU emits
+    them), each loop body counted as many times as it runs (the trip counts `collectives` reads). XLA's
+    `cost_analysis()`, behind `flops_per_device`, counts a while body once: for a program that is a loop
+    (the pipeline schedule, the layer scan) its FLOPs are one iteration's."""
+    computations, entry = _parse_module(hlo_text)
+    own: dict[str, int] = {}
+    current, dims = None, {}
+    for line in hlo_text.splitlines():
+        if header := _COMPUTATION.match(line.strip()):
+            current, dims, own[header["name"]] = header["name"], {}, 0
+        elif current is not None and (defined := _DEFINED.match(line)):
+            dims[defined["name"]] = [int(size) for size in defined["dims"].split(",") if size]
+            if dot := _DOT.search(line):
+                lhs = dims[dot["lhs"]]
+                contracted = math.prod(lhs[int(i)] for i in dot["contracting"].split(",") if i)
+                own[current] += 2 * math.prod(dims[defined["name"]]) * contracted
+
+    @functools.cache
+    def total(name: str) -> int:
+        return own.get(name, 0) + sum(runs * total(callee) for callee, runs in computations[name].calls)
+
+    return total(entry)
 
 
 def flops_per_device(compiled: Any) -> float:

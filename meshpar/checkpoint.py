@@ -2,9 +2,11 @@
 
 A checkpoint holds the whole training state (parameters, AdamW moments and counts, the step) as global
 arrays, plus JSON metadata: the step, the data position, and the config the run was saved with. The
-arrays are stored by their global shapes (layers stacked `[L, ...]` whatever the pipeline does), so the
-layout on disk does not depend on the mesh: restoring reads each array straight into the shardings of
-the mesh at hand, whether it has other axes, another device count or another process count.
+arrays are stored by their global shapes (layers stacked `[L, ...]` in layer order whatever the pipeline
+does: `run` hands a training state over through `pipeline.to_layers`, and puts what it restores back
+through `pipeline.to_rest`), so the layout on disk does not depend on the mesh: restoring reads each
+array straight into the shardings of the mesh at hand, whether it has other axes, another device count
+or another process count.
 
 Saving is asynchronous: `save` waits only for the device-to-host copy, and the files are written in the
 background while training goes on. orbax writes each step into a temporary directory and renames it

@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 from meshpar.errors import InputError
 from meshpar.rules import Rules
 
-REMAT_POLICIES = ("none", "full", "dots")
+REMAT_POLICIES = ("none", "full", "dots", "offload")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,11 +4,15 @@ Compile time does not grow with depth, and the stacked axis is what the pipeline
 With the mesh's `stage` axis > 1 the stack runs as a pipeline instead (`meshpar.pipeline`).
 Rematerialisation is applied per layer, inside the scan, by the active policy:
 
-- `none`: keep every intermediate of every layer for the backward pass (fastest, most memory);
+- `none`: keep every intermediate of every layer for the backward pass (fastest, most memory), but
+  not the weights FSDP gathered: the backward pass gathers them again;
 - `dots`: keep only the outputs of matmuls against weights (projections and MLP; not the attention
   scores, whose size grows with T²), recompute the rest (norms, activations, softmax);
 - `full`: keep only each layer's input; recompute the whole layer in the backward pass (about one more
   forward pass of compute, activation memory of one layer plus the layer inputs).
+- `offload`: what `dots` keeps, kept in host memory instead (copied out in the forward pass, back in
+  the backward pass); the devices keep what `full` keeps. On XLA:CPU, where host memory is device
+  memory, it compiles to `dots`.
 """
 
 from __future__ import annotations
@@ -16,11 +20,20 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from meshpar import context, pipeline
+from meshpar import context, pipeline, sharding
+
+def _all_but_gathered_weights(prim, *_, **params) -> bool:
+    """`none`: keep every value the layer computes but its gathered weights (`sharding.gathered`), which
+    the backward pass gathers again, as a plain step does. Kept, the scan would stack every layer's
+    gathered weights ([L, D, F] whole per device under FSDP) for the backward pass."""
+    return not sharding.is_weight_gather(prim, params)
+
 
 _POLICIES = {
+    "none": _all_but_gathered_weights,
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "offload": jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
 }
 
 
@@ -38,6 +51,6 @@ def scan(stack: nnx.Module, x: jax.Array, *args: jax.Array) -> jax.Array:
         return pipeline.pipeline(stack, x, *args, mesh=compute.mesh, stages=S,
                                  microbatches=parallel.microbatches or 2 * S, repeats=parallel.pipeline_repeats,
                                  remat=compute.remat)
-    if compute is not None and compute.remat != "none":
+    if compute is not None:
         one_layer = jax.checkpoint(one_layer, policy=_POLICIES[compute.remat], prevent_cse=False)
     return jax.lax.scan(one_layer, x, stacked)[0]

@@ -228,6 +228,19 @@ def takes_positions(model) -> bool:
     return sum(p.kind in kinds for p in parameters) >= 2 or any(p.kind == p.VAR_POSITIONAL for p in parameters)
 
 
+def next_token_inputs(tokens_BT: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """(inputs [B, T], targets [B, T], positions [T]) of tokens [B, T + 1], in zigzag order when the sequence
+    is split over `sequence` with `load_balance` on (see `next_token_loss`)."""
+    inputs_BT, targets_BT = tokens_BT[:, :-1], tokens_BT[:, 1:]
+    positions_T = jnp.arange(inputs_BT.shape[1])
+    compute = context.active()
+    if compute is not None and compute.mesh.shape["sequence"] > 1 and compute.rules.parallel.load_balance:
+        n = compute.mesh.shape["sequence"]
+        inputs_BT, targets_BT = attention.zigzag(inputs_BT, n), attention.zigzag(targets_BT, n)
+        positions_T = attention.zigzag_positions(inputs_BT.shape[1], n)
+    return inputs_BT, targets_BT, positions_T
+
+
 def next_token_loss(model, tokens_BT: jax.Array, chunk: int = 0) -> jax.Array:
     """Mean cross-entropy of predicting tokens[:, 1:] from tokens[:, :-1].
 
@@ -237,15 +250,10 @@ def next_token_loss(model, tokens_BT: jax.Array, chunk: int = 0) -> jax.Array:
     model that takes positions (`takes_positions`) gets the zigzag order: one called as `model(tokens)`
     sees its tokens in order, so a causal mask it builds itself stays right.
     """
-    inputs_BT, targets_BT = tokens_BT[:, :-1], tokens_BT[:, 1:]
     if not takes_positions(model):
+        inputs_BT, targets_BT = tokens_BT[:, :-1], tokens_BT[:, 1:]
         return cross_entropy(model(inputs_BT), targets_BT) / targets_BT.size
-    positions_T = jnp.arange(inputs_BT.shape[1])
-    compute = context.active()
-    if compute is not None and compute.mesh.shape["sequence"] > 1 and compute.rules.parallel.load_balance:
-        n = compute.mesh.shape["sequence"]
-        inputs_BT, targets_BT = attention.zigzag(inputs_BT, n), attention.zigzag(targets_BT, n)
-        positions_T = attention.zigzag_positions(inputs_BT.shape[1], n)
+    inputs_BT, targets_BT, positions_T = next_token_inputs(tokens_BT)
     if hasattr(model, "hidden_states") and hasattr(model, "output_head"):
         return chunked_cross_entropy(model.hidden_states(inputs_BT, positions_T), model.output_head(), targets_BT,
                                      chunk)

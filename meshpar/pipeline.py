@@ -3,9 +3,15 @@
 What is sharded. The `[L, ...]` layer stack is viewed as `[R, S, L/(R·S), ...]` and its stage dimension
 lives on the `stage` mesh axis: the devices of stage s hold the layers it runs, (r·S + s)·L/(R·S) …
 (r·S + s + 1)·L/(R·S) − 1 in repeat r (R > 1 is the circular, "interleaved" schedule: each stage holds R
-chunks of layers and every microbatch goes round the ring of stages R times). The batch `[B, T, D]` is
-split into M microbatches `[M, B/M, T, D]`; microbatch m is the rows m, M + m, 2M + m, … so that every
-microbatch stays split over the batch mesh axes (data × fsdp) exactly as the batch was, with no movement.
+chunks of layers and every microbatch goes round the ring of stages R times). At rest the stack is split
+over `stage` in contiguous blocks, and with R > 1 it is kept in the order that puts each stage group's R
+chunks in its own block (`to_rest`: block g holds chunk r of group g, r = 0 … R−1, in turn), so the
+interleaved view is a local reshape: no weight, and no gradient, crosses stages in a step. Init and
+restore put the layers in that order; checkpoints hold them in layer order (`to_layers`, one
+all-to-all over `stage` per stacked array at each save, into a copy that lives until the save has it on
+the host), so any layout resumes any other. The batch `[B, T, D]` is split into M microbatches
+`[M, B/M, T, D]`; microbatch m is the rows m, M + m, 2M + m, … so that every microbatch stays split over
+the batch mesh axes (data × fsdp) exactly as the batch was, with no movement.
 
 The schedule. One `lax.scan` over n = (R−1)·max(M, S) + M + S − 1 iterations (= R·M + S − 1 whenever
 M ≥ S or R = 1). In each, every stage runs its L/(R·S) layers on the microbatch in front of it — one
@@ -43,7 +49,6 @@ activations on one device; w = one device's share of a weight: the stack / stage
 | result leaves stage 0; x's gradient     | all-reduce over stage             | 1 + 1           | M·a        |
 | FSDP: stage weights gathered            | all-gather over fsdp              | 1 / weight      | w          |
 | weight gradients over data and fsdp     | all-reduce (CPU) / reduce-scatter | 1 / weight      | w          |
-| R > 1: contiguous at rest → interleaved | all-to-all over stage, and back   | 2 / weight      | w          |
 | tensor parallelism, inside the layers   | all-reduce over model             | 4·n·L/(R·S) (*) | a          |
 
 (*) Megatron's 2 forward + 2 backward per layer (2 more with remat's recompute), in every iteration:
@@ -54,10 +59,10 @@ With FSDP the stage weights are gathered ONCE per step, not once per microbatch:
 are constrained to their compute layout (split over `stage` and `model`, whole over `fsdp`), so the loop
 reads loop-invariant gathered weights, and (per shard, above) their gradients are reduced once after it.
 The price is memory: a stage's weights stay whole over `fsdp` for the step (1/stage of the layers,
-/model under TP), and so does their gradient accumulator. With R > 1 and the stack split over `stage`
-at rest in contiguous blocks of L/S layers, the interleaved view differs from the at-rest one, so the
-weights are exchanged between stages (all-to-all) once per step, and their gradients back; storing the
-stack in interleaved order at rest would make that local.
+/model under TP), and so does their gradient accumulator. With R > 1 nothing is exchanged between
+stages for the weights: stored contiguously in layer order, the interleaved view needed an all-to-all
+of every weight over `stage` per step and one of its gradient back; the order at rest (above) makes it
+local (the tests check the compiled step for it).
 
 The bubble. Each stage works R·M of the n iterations; the rest it idles (computes on a bubble):
   bubble = (S − 1) / (R·M + S − 1)   [GPipe, Huang et al. §2.3, with R repeats: Narayanan et al. §2.2]
@@ -66,7 +71,10 @@ stage but one idle at any time. The bubble is small when R·M ≫ S (GPipe: M �
 microbatch comes back to stage 0 before the others are through, and the schedule waits: n grows to
 (R−1)·S + M + S − 1 (see `bubble_fraction`). Bubble iterations compute on zeros and their outputs are
 discarded by selects; `poison_bubbles=True` fills every bubble slot with NaN instead, so a test proves
-that no bubble value reaches the result or the gradients.
+that no bubble value reaches the result or the gradients. As every iteration computes, a device's
+matmul FLOPs are n iterations × L/(R·S) layers on one microbatch, and the bubble shows in the compiled
+program as 1 − (the unpipelined FLOPs / devices) / (one device's FLOPs) = 1 − R·M/n (the tests measure
+it, counting each loop body as often as it runs: XLA's `cost_analysis()` counts a loop body once).
 
 Memory. The scan stores, per iteration, what the backward pass of one stage step needs: with
 `remat="full"` only the stage input (one microbatch per iteration, n in all: the GPipe activation
@@ -92,15 +100,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import Offloadable
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from meshpar import context, sharding
+from meshpar import context, offload, sharding
 from meshpar.errors import InputError
 
 P = PartitionSpec
@@ -123,7 +133,13 @@ def _projections_saveable(prim: Any, *_, **params: Any) -> bool:
     return False
 
 
-_POLICIES = {"full": jax.checkpoint_policies.nothing_saveable, "dots": _projections_saveable}
+def _projections_offloaded(prim: Any, *args, **params: Any) -> Any:
+    """`_projections_saveable`, saving to host memory (`remat="offload"`, meshpar.layers)."""
+    return _projections_saveable(prim, *args, **params) and Offloadable("device", "pinned_host")
+
+
+_POLICIES = {"full": jax.checkpoint_policies.nothing_saveable, "dots": _projections_saveable,
+             "offload": _projections_offloaded}
 
 
 def iterations(stages: int, microbatches: int, repeats: int = 1) -> int:
@@ -170,6 +186,63 @@ def _stage_weight_spec(variable: nnx.Variable, mesh: Mesh) -> tuple[Any, ...]:
     spec = sharding.spec_for(tuple(names)[-ndim:] if ndim else (), variable[...].shape[1:],
                              compute.rules.table("activations"), mesh, "pipelined stage weight")
     return tuple(spec) + (None,) * (ndim - len(spec))
+
+
+def to_rest(state: nnx.State, mesh: Mesh, repeats: int) -> nnx.State:
+    """`state` (arrays laid out on `mesh`) with each stacked variable's `layers` axis from layer order into
+    the pipeline's order at rest; each array keeps its sharding. The identity unless stage > 1 and R > 1.
+
+    At rest the stack is split over `stage` in k = stage-size contiguous blocks, and block g holds the R
+    chunks that stage group g runs, in turn: position (g, r, j) holds layer (r·k + g)·J + j (J = L/(k·R)),
+    so the interleaved view [R, S, L/(R·S)] is a local reshape for any S divisible by k (`_run`). Called on
+    the state after init and restore; checkpoints hold layer order (`to_layers`).
+    """
+    return _reordered(state, mesh, repeats, to_rest=True)
+
+
+def to_layers(state: nnx.State, mesh: Mesh, repeats: int) -> nnx.State:
+    """The inverse of `to_rest`: stacked variables (and their gradients) back in layer order."""
+    return _reordered(state, mesh, repeats, to_rest=False)
+
+
+def _reordered(state: nnx.State, mesh: Mesh, repeats: int, *, to_rest: bool) -> nnx.State:
+    if mesh.shape["stage"] == 1 or repeats == 1:
+        return state
+
+    def one(variable: nnx.Variable) -> nnx.Variable:
+        names = tuple(variable.get_metadata().get("out_sharding") or ())
+        if "layers" not in names:
+            return variable
+        value = variable[...]
+        layout = value.sharding if isinstance(value.sharding, NamedSharding) else NamedSharding(mesh, P())
+        return variable.replace(_swap_chunks(value, layout, names.index("layers"), repeats, to_rest))
+
+    return jax.tree.map(one, state, is_leaf=lambda v: isinstance(v, nnx.Variable))
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def _swap_chunks(x: jax.Array, layout: NamedSharding, dim: int, repeats: int, to_rest: bool) -> jax.Array:
+    """Axis `dim` of `x` viewed as [R, k, J] (layer order) → [k, R, J] (at rest), or back; laid out as `x`.
+
+    The k blocks stay on `stage` through the swap, so the exchange is one all-to-all over `stage` (into
+    the view for `to_rest`, out of it for `to_layers`), never a gather of the whole stack.
+    """
+    mesh, k, L = layout.mesh, layout.mesh.shape["stage"], x.shape[dim]
+    if L % (k * repeats):
+        raise InputError(f"pipeline: L = {L} layers cannot be stored as stage={k} blocks of R = {repeats} "
+                         f"chunks each: L is not divisible by {k * repeats}")
+    spec = (*layout.spec, *(None,) * (x.ndim - len(layout.spec)))
+    before, after = spec[:dim], spec[dim + 1:]
+
+    def blocks(y: jax.Array, k_at: int) -> jax.Array:  # the layers axis as 3 dims, the k blocks on `stage`
+        view = tuple("stage" if i == k_at else None for i in range(3))
+        return jax.lax.with_sharding_constraint(y, NamedSharding(mesh, P(*before, *view, *after),
+                                                                 memory_kind=layout.memory_kind))
+
+    source, k_at = ((repeats, k), 1) if to_rest else ((k, repeats), 0)
+    y = blocks(x.reshape(*x.shape[:dim], *source, L // (k * repeats), *x.shape[dim + 1:]), k_at)
+    y = blocks(jnp.swapaxes(y, dim, dim + 1), 1 - k_at)
+    return jax.lax.with_sharding_constraint(y.reshape(x.shape), layout)
 
 
 def _shift(x_S: jax.Array, mesh: Mesh) -> jax.Array:
@@ -221,7 +294,8 @@ def pipeline(stack: nnx.Module, x_BTD: jax.Array, *args: jax.Array, mesh: Mesh, 
              repeats: int = 1, remat: str = "none", poison_bubbles: bool = False) -> jax.Array:
     """Apply the L stacked layers of `stack` to `x_BTD` in order, as a pipeline over the `stage` axis.
 
-    The same result as `meshpar.layers.scan(stack, x_BTD, *args)`; `args` (e.g. the positions `[T]`) go
+    The stack's variables are in the order at rest for this mesh and R (`to_rest`; layer order when R = 1).
+    The same result as `meshpar.layers.scan` on the layers in order; `args` (e.g. the positions `[T]`) go
     to every layer unchanged, the same for every microbatch and stage. `stages` S (a multiple of the
     mesh's stage size), `microbatches` M (B/M rows each, divisible by the batch mesh axes), `repeats` R
     (circular schedule; L divisible by S·R), `remat` the per-iteration rematerialisation ("none", "full",
@@ -242,6 +316,7 @@ def _run(stack: nnx.Module, x_BTD: jax.Array, *args: jax.Array, mesh: Mesh, stag
     _check(L, B, mesh=mesh, stages=stages, microbatches=microbatches, repeats=repeats, remat=remat)
     S, M, R = stages, microbatches, repeats
     Lc, mb = L // (S * R), B // M  # layers per stage per repeat; rows per microbatch
+    k = mesh.shape["stage"]  # stage groups of devices
     period = max(M, S)  # stage 0 starts microbatch m of repeat r at iteration r·period + m
     n_iter = iterations(S, M, R)
     batch = _batch_axes(mesh) or None
@@ -251,15 +326,18 @@ def _run(stack: nnx.Module, x_BTD: jax.Array, *args: jax.Array, mesh: Mesh, stag
     # [L, ...] → [R, S, Lc, ...] with S on `stage`, gathered over fsdp here, ONCE per step; then one copy
     # per batch shard [K, R, S, Lc, ...] (K over the batch axes: still one copy per device), so that each
     # shard accumulates its own weight gradients over the iterations and they are reduced once, after.
+    offloaded = context.active() is not None and offload.weights_offloaded(context.active().rules.parallel)
+
     def stage_view(variable: nnx.Variable) -> nnx.Variable:
         rest = _stage_weight_spec(variable, mesh)
-        value = _constrain(variable[...], mesh, "stage", *rest)  # gather over fsdp in the at-rest layout
-        value = value.reshape(R, S, Lc, *value.shape[1:])
-        if R > 1 and R % mesh.shape["stage"] == 0:
-            # The at-rest blocks are split over R here: naming that layout makes the exchange over `stage`
-            # an all-to-all in both passes (without it jax 0.12's partitioner replicates the gradients).
-            value = _constrain(value, mesh, "stage", None, None, *rest)
-        value = _constrain(value, mesh, None, "stage", None, *rest)
+        value = variable[...]
+        if offloaded:
+            value = offload.to_device(value)  # fetched from host memory once per step, like the gather
+        value = _constrain(value, mesh, "stage", *rest)  # gather over fsdp in the at-rest layout
+        # At rest stage group g holds its R chunks in turn (`to_rest`): [k, R, S/k, Lc] → [R, S, Lc] is local.
+        value = value.reshape(k, R, S // k, Lc, *value.shape[1:])
+        value = _constrain(value, mesh, "stage", None, None, None, *rest).swapaxes(0, 1)
+        value = _constrain(value.reshape(R, S, Lc, *value.shape[4:]), mesh, None, "stage", None, *rest)
         value = jnp.broadcast_to(value, (K, *value.shape))
         return variable.replace(_constrain(value, mesh, batch, None, "stage", None, *rest))
 

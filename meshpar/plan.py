@@ -15,7 +15,9 @@ gradient, then all-gathers the parameters); the zigzag order for ring attention 
 `sequence` and `model` may cross hosts, priced at the network's bandwidth; microbatches M ∈ {S, 2S, 4S,
 8S} (the two largest the batch allows) and repeats R ∈ {1, 2, 4}; and per layout only the fastest
 (remat, grad_accum) pair that fits. Layouts that differ only in how the batch ways split into data × fsdp
-are ranked once, by their fastest split.
+are ranked once, by their fastest split. Host offload (`parallel.offload`, remat `offload`) only when no
+layout fits without it: its copies are priced as an upper bound (`meshpar.plan_time`), and the host's
+memory must hold what it moves there.
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ import math
 from meshpar import attention
 from meshpar.errors import InputError
 from meshpar.mesh import host_split
-from meshpar.plan_cost import (EFFICIENCY, MODES, PRECISIONS, REMATS, Layout, Memory, Run, Shape, check,
-                               local_elements, memory)
+from meshpar.plan_cost import (EFFICIENCY, MODES, OFFLOADS, PRECISIONS, REMATS, Layout, Memory, Run, Shape, check,
+                               layer_applications, local_elements, memory)
 from meshpar.plan_hardware import PRESETS, Hardware, parse as parse_hardware
 from meshpar.plan_time import Estimate, bubble, compute_seconds, estimate, iterations
 from meshpar.train import remat_candidates
@@ -159,9 +161,9 @@ def _accums(rows: int) -> list[int]:
 
 
 def _layout(sizes: dict[str, int], zero: int, sp: bool, mode: str, M: int, R: int, remat: str = "none",
-            accum: int = 1) -> Layout:
+            accum: int = 1, offload: str = "none") -> Layout:
     return Layout(**sizes, zero_stage=zero, sequence_parallel=sp, context_attention=mode, microbatches=M,
-                  pipeline_repeats=R, remat=remat, grad_accum=accum)
+                  pipeline_repeats=R, remat=remat, grad_accum=accum, offload=offload)
 
 
 def _tp_floor(shape: Shape, lay: Layout, run: Run, hw: Hardware) -> float:
@@ -170,9 +172,15 @@ def _tp_floor(shape: Shape, lay: Layout, run: Run, hw: Hardware) -> float:
         return 0.0
     b = run.global_batch / (lay.data * lay.fsdp * lay.M * lay.grad_accum)
     a = b * run.seq_len / lay.sequence * shape.d_model * run.c
-    passes = lay.grad_accum * (iterations(lay.stage, lay.M, lay.R) if lay.stage > 1 else 1)
-    steps = passes * shape.layers / (lay.stage * lay.R)
-    return 13 * a * (lay.model - 1) / lay.model * steps / max(hw.link_bw, hw.net_bw)
+    return 13 * a * (lay.model - 1) / lay.model * layer_applications(shape, lay) / max(hw.link_bw, hw.net_bw)
+
+
+# (offload, remat) variants of a layout. Without offload, cheapest first: per accumulation the first that
+# fits is timed. Offload is tried only when no layout fits without it (meshpar.offload: `optimizer+params`
+# needs a remat), and every offload variant that fits is timed: their speed order is not known in advance.
+PLAIN = tuple(("none", remat) for remat in ("none", "dots", "full"))
+OFFLOADED = tuple((offload, remat) for offload in OFFLOADS for remat in REMATS
+                  if (offload, remat) not in PLAIN and (offload, remat) != ("optimizer+params", "none"))
 
 
 def search(model, *, devices: int, devices_per_host: int, hardware: Hardware | str, global_batch: int,
@@ -186,6 +194,8 @@ def search(model, *, devices: int, devices_per_host: int, hardware: Hardware | s
     communication: a lower bound of every variant); the search stops when that bound passes the
     `top`-th best step time found, or reaches layouts whose model states alone do not fit. For each
     layout visited, per gradient accumulation, the cheapest remat that fits is timed; the fastest kept.
+    Only if nothing fits, and the hardware gives its host (`Hardware.offloads`), the same search runs
+    again over the host-offload variants (`OFFLOADED`), with the host memory as a second budget.
     """
     shape, hw = Shape.of(model), _hardware(hardware)
     dph = check_cluster(devices, devices_per_host)
@@ -196,15 +206,33 @@ def search(model, *, devices: int, devices_per_host: int, hardware: Hardware | s
     if top < 1:
         raise InputError(f"top = {top} must be >= 1")
     run = Run(global_batch, seq_len, compute_dtype, precision, efficiency, flash_attention)
-    budget = hw.hbm * mem_fraction
-    pb, _, ob = PRECISIONS[precision]
+    result = _search(shape, dph, run, hw, top, mem_fraction, devices, PLAIN)
+    if not result.ranked and hw.offloads:
+        result = _search(shape, dph, run, hw, top, mem_fraction, devices, OFFLOADED)
+    if not result.ranked:
+        raise _nothing_fits(shape, devices, dph, run, hw, mem_fraction)
+    return result
+
+
+def _search(shape: Shape, dph: int, run: Run, hw: Hardware, top: int, mem_fraction: float, devices: int,
+            variants: tuple[tuple[str, str], ...]) -> SearchResult:
+    """One branch-and-bound pass over the layouts with these (offload, remat) variants (see `search`)."""
+    budget, host_budget = hw.hbm * mem_fraction, hw.host_mem * mem_fraction
+    pb, _, ob = PRECISIONS[run.precision]
+    first_only = variants == PLAIN
+
+    def states_fit(base: Layout, offload: str) -> bool:
+        params, moments = pb * local_elements(shape, base, "params"), ob * local_elements(shape, base, "optimizer")
+        device = {"none": params + moments, "optimizer": params, "optimizer+params": 0.0}[offload]
+        return device <= budget and params + moments - device <= host_budget
+
     bases = []
     for sizes in _meshes(shape, devices, dph, run):
         for zero, sp, mode, M, R in _settings(shape, sizes, run):
             base = _layout(sizes, zero, sp, mode, M, R)
             if check(shape, base, run):
                 continue
-            if pb * local_elements(shape, base, "params") + ob * local_elements(shape, base, "optimizer") > budget:
+            if not any(states_fit(base, offload) for offload in {offload for offload, _ in variants}):
                 bases.append((math.inf, base))  # the model states alone do not fit
             else:
                 bases.append((compute_seconds(shape, base, run, hw)[0] + _tp_floor(shape, base, run, hw), base))
@@ -214,26 +242,22 @@ def search(model, *, devices: int, devices_per_host: int, hardware: Hardware | s
     for n, (lower, base) in enumerate(bases):
         if lower == math.inf or (len(best) >= top and lower >= best[top - 1].step_s):
             break  # sorted: no later layout can beat the top ones
-        chosen, levels = None, set()
-        at_one = {remat: memory(shape, _layout(base.sizes, base.zero_stage, base.sequence_parallel,
-                                               base.context_attention, base.microbatches, base.pipeline_repeats,
-                                               remat), run) for remat in REMATS}
-        accumulator = PRECISIONS[precision][1] * local_elements(shape, base, "grads")  # in the gradients' layout
-        for accum in _accums(global_batch // (base.data * base.fsdp * base.M)):
-            for remat in REMATS:  # activations scale with 1/K; see memory()
+        chosen, timed = None, set()
+        for accum in _accums(run.global_batch // (base.data * base.fsdp * base.M)):
+            for offload, remat in variants:
                 evaluated += 1
-                m = at_one[remat]
-                if m.total - m.activations * (1 - 1 / accum) + (accumulator if accum > 1 else 0) > budget:
+                lay = dataclasses.replace(base, offload=offload, remat=remat, grad_accum=accum)
+                mem = memory(shape, lay, run)
+                if mem.total > budget or mem.host > host_budget:
                     continue
-                if remat not in levels:  # the same remat at a larger accumulation is never faster
-                    levels.add(remat)
-                    lay = _layout(base.sizes, base.zero_stage, base.sequence_parallel, base.context_attention,
-                                  base.microbatches, base.pipeline_repeats, remat, accum)
+                if (offload, remat) not in timed:  # the same variant at a larger accumulation is never faster
+                    timed.add((offload, remat))
                     est = estimate(shape, lay, run, hw, dph, mem_fraction=mem_fraction, strict=False)
                     if chosen is None or est.step_s < chosen.step_s:
                         chosen = est
-                break  # a cheaper remat fits at this accumulation
-            if "none" in levels:
+                if first_only:
+                    break  # a cheaper remat fits at this accumulation
+            if first_only and variants[0] in timed:
                 break
         if chosen is not None:
             fitting += 1
@@ -247,33 +271,38 @@ def search(model, *, devices: int, devices_per_host: int, hardware: Hardware | s
             del best[top:]
     else:
         n = len(bases)
-    considered, pruned = len(bases), len(bases) - n
-    if not best:
-        raise _nothing_fits(shape, devices, dph, run, hw, mem_fraction)
-    return SearchResult(best, considered, evaluated, fitting, pruned)
+    return SearchResult(best, len(bases), evaluated, fitting, len(bases) - n)
 
 
 def _nothing_fits(shape: Shape, devices: int, dph: int, run: Run, hw: Hardware, mem_fraction: float) -> NothingFits:
-    """The error, naming the layout that needs the least memory (an exhaustive pass: this is the rare case)."""
+    """The error, naming the layout that needs the least memory (an exhaustive pass: this is the rare case);
+    with offload, the least of device and host memory over their budgets."""
+    budget, host_budget = hw.hbm * mem_fraction, hw.host_mem * mem_fraction
+    offloads = OFFLOADS if hw.offloads else ("none",)
     smallest: tuple[float, Layout] | None = None
     for sizes in _meshes(shape, devices, dph, run):
         for zero, sp, mode, M, R in _settings(shape, sizes, run):
             for accum in _accums(run.global_batch // (sizes["data"] * sizes["fsdp"] * (M or 1))):
-                lay = _layout(sizes, zero, sp, mode, M, R, "full", accum)
-                if not check(shape, lay, run):
-                    need = memory(shape, lay, run).total
-                    if smallest is None or need < smallest[0]:
-                        smallest = (need, lay)
-    budget = hw.hbm * mem_fraction
+                for offload in offloads:
+                    lay = _layout(sizes, zero, sp, mode, M, R, "full", accum, offload)
+                    if not check(shape, lay, run):
+                        mem = memory(shape, lay, run)
+                        need = max(mem.total / budget, mem.host / host_budget if mem.host else 0.0)
+                        if smallest is None or need < smallest[0]:
+                            smallest = (need, lay)
     if smallest is None:
         return NothingFits(f"nothing fits: no layout of {devices} devices builds for this model and batch (global "
                            f"batch {run.global_batch}, sequence {run.seq_len}): the batch must divide over the "
                            f"data-parallel ways, heads / kv heads / d_ff / vocab over model", None)
     small = estimate(shape, smallest[1], run, hw, dph, mem_fraction=mem_fraction)
+    offloaded = small.layout.offload != "none"
+    host_need = f" and {small.memory.host / GB:.1f} GB of host memory per device" if offloaded else ""
+    host_have = f" and {host_budget / GB:.1f} GB of host memory per device" if offloaded else ""
     return NothingFits(
-        f"nothing fits: the smallest layout needs {small.memory.total / GB:.1f} GB per device "
+        f"nothing fits: the smallest layout needs {small.memory.total / GB:.1f} GB per device{host_need} "
         f"({describe(small.layout)}), but {hw.name} has {budget / GB:.1f} GB usable ({mem_fraction:.0%} of "
-        f"{hw.hbm / GB:.0f} GB); use more devices, a smaller batch or sequence, or GPUs with more memory", small)
+        f"{hw.hbm / GB:.0f} GB){host_have}; use more devices, a smaller batch or sequence, or GPUs with more "
+        f"memory", small)
 
 
 def describe(lay: Layout) -> str:
@@ -286,6 +315,8 @@ def describe(lay: Layout) -> str:
     if lay.stage > 1:
         parts.append(f"M={lay.M},R={lay.R}")
     parts.append(f"remat={lay.remat}")
+    if lay.offload != "none":
+        parts.append(f"offload={lay.offload}")
     if lay.grad_accum > 1:
         parts.append(f"accum={lay.grad_accum}")
     return " ".join(parts)
@@ -296,7 +327,8 @@ def overrides(lay: Layout) -> dict[str, object]:
     return {"parallel.zero_stage": lay.zero_stage, "parallel.sequence_parallel": lay.sequence_parallel,
             "parallel.context_attention": lay.context_attention, "parallel.load_balance": lay.load_balance,
             "parallel.microbatches": lay.M if lay.stage > 1 else 0,
-            "parallel.pipeline_repeats": lay.R, "train.remat": lay.remat, "train.grad_accum": lay.grad_accum}
+            "parallel.pipeline_repeats": lay.R, "parallel.offload": lay.offload, "train.remat": lay.remat,
+            "train.grad_accum": lay.grad_accum}
 
 
 def layout_of(sizes: dict[str, int], parallel, train, platform: str = "gpu") -> Layout:
@@ -305,7 +337,9 @@ def layout_of(sizes: dict[str, int], parallel, train, platform: str = "gpu") -> 
     return Layout(**sizes, zero_stage=parallel.zero_stage, sequence_parallel=parallel.sequence_parallel,
                   context_attention=parallel.context_attention, load_balance=parallel.load_balance,
                   microbatches=parallel.microbatches, pipeline_repeats=parallel.pipeline_repeats,
-                  remat=remat_candidates(train, platform)[0], grad_accum=train.grad_accum)
+                  pipeline_schedule=parallel.pipeline_schedule,
+                  remat=remat_candidates(train, platform, parallel)[0], grad_accum=train.grad_accum,
+                  offload=parallel.offload)
 
 
 def run_of(train, platform: str = "gpu", precision: str = "fp32", efficiency: float = EFFICIENCY) -> Run:

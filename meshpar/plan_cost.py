@@ -24,10 +24,19 @@ tests hold the per-device peak to 10% at `llama_8b`/`llama_70b` sizes, T 4k–32
   working set (`WORKING`, fitted): the peak is inside a layer's backward pass. The loss is chunked
   (`meshpar.loss`): it holds at most one chunk of logits, counted in the working set. The pipeline's
   scan keeps every iteration's stage input ((R·M + S − 1) microbatch passes), plus one stage's layers
-  while it recomputes them.
+  while it recomputes them; 1F1B (`pipeline_schedule`) 2(S − 1) + 2 whatever M (`activations_1f1b`).
 - other: the output head's whole float32 gradient and gathered compute copy (`HEAD_BYTES` per element),
   the int32 token batch, the pipeline's stage weights held for the step (`PIPELINE_BYTES`, more with
   fsdp), and the accumulation buffer (K > 1), in the gradients' own layout: its fsdp/model/stage shard.
+- host offload (`meshpar.offload`), per device: `optimizer` moves the Adam moments (8 bytes per element of
+  the optimizer table) to host memory (`host_states`); `optimizer+params` the float32 weights too, and
+  the weight gradients land there (`host_temp`), while one layer's fetched weights and their gradient
+  pass through the device. The update brings each offloaded array to the device in turn (XLA moves each
+  array separately; the new values overwrite it before it goes back): `update` holds the largest
+  tensor's offloaded states, and the peak is the larger of that and the activations (freed by then).
+  Remat `offload` keeps on the device what `full` keeps (each layer's input) and in host memory (host
+  temp) what `dots` keeps beyond it (q, k, v, the attention projection, gate and up); one layer's come
+  back for its backward pass, which otherwise works as with `dots`.
 
 Collectives per device per step (`Collective`: mesh axes, op, bytes, count). Bytes are the RESULT on
 one device (what `meshpar.analysis` counts); time uses the wire bytes of a ring over the axes, split into
@@ -57,8 +66,8 @@ collective-permute size.
   overlapped with the block matmuls, + the zigzag reorder (load_balance) ~2·b·t·(N_l+K_l)·H·c each way;
   Ulysses: 8 all-to-alls of q, k, v, out. Plus the gradient sync over `sequence` above.
 - pipeline (meshpar.pipeline's table): 2 collective-permutes of b·t·D·c per schedule iteration (forward
-  and backward), the result leaving stage 0 and its gradient (all-reduces of M·b·t·D·c), with R > 1 the
-  stage weights and their gradients exchanged once (all-to-alls); exposed.
+  and backward), the result leaving stage 0 and its gradient (all-reduces of M·b·t·D·c); exposed. (With
+  R > 1 the stack is stored in the stages' order, so no weights move between stages.)
 
 Compute: model FLOPs per token 6·N_mm + 12·L·N·H·T (PaLM, arXiv:2204.02311 App. B, N_mm the matmul
 parameters: every weight but the input embedding lookup and the norm scales; the attention term is the
@@ -68,7 +77,10 @@ masked half too; zigzag ring only the visible blocks, ≈ half), backward twice 
 layers with full remat, +1 attention forward with dots and with ring (its steps are rematerialised).
 Time = FLOPs / (peak · efficiency) + HBM traffic of the non-matmul tensors (3 passes over the
 activations, / HBM bandwidth) per microbatch, times the pipeline schedule's (R·M + S − 1)/(R·M), plus the
-exposed communication, plus the optimizer update (memory-bound).
+exposed communication, plus the optimizer update (memory-bound), plus the host↔device copies of offload
+(`host_traffic`: the moments in and out for the update; with `optimizer+params` the weights fetched where
+the ZeRO-3 gathers happen, the gradients out, and the weights and gradients in and the weights out for
+the update; remat `offload`'s saved projections out in the forward, in in the backward).
 """
 
 from __future__ import annotations
@@ -81,9 +93,9 @@ import jax
 
 from meshpar.mesh import AXES, host_split
 from meshpar.plan_hardware import Hardware
-from meshpar.rules import ParallelConfig, make as make_rules
+from meshpar.rules import OFFLOAD as OFFLOADS, ParallelConfig, make as make_rules
 
-REMATS = ("none", "dots", "full")
+REMATS = ("none", "dots", "full", "offload")
 MODES = ("allgather", "ring", "ulysses")
 PRECISIONS = {"fp32": (4, 4, 8), "mixed": (2, 2, 12)}  # bytes per element: params, grads, optimizer
 EFFICIENCY = 0.6  # achieved / peak matmul FLOP/s: a stated default, not fitted (see the published-run tests)
@@ -181,6 +193,8 @@ class Layout:
     pipeline_repeats: int = 1
     remat: str = "none"
     grad_accum: int = 1
+    offload: str = "none"  # parallel.offload: none, optimizer, optimizer+params
+    pipeline_schedule: str = "gpipe"  # parallel.pipeline_schedule: gpipe, 1f1b (activations_1f1b)
 
     @property
     def sizes(self) -> dict[str, int]:
@@ -231,7 +245,8 @@ def check(shape: Shape, lay: Layout, run: Run) -> list[str]:
 
     Mirrors the checks of `meshpar.sharding.spec_for` (a dimension its mesh axes do not divide), the
     pipeline (`L % (S·R)`, the batch into M microbatches over data × fsdp), gradient accumulation and
-    context attention (T over `sequence`, 2·sequence for the zigzag order, heads for Ulysses).
+    context attention (T over `sequence`, 2·sequence for the zigzag order, heads for Ulysses), and
+    host offload's (`optimizer+params` needs a remat that fetches the weights again).
     """
     s, m, n, B, T = shape, lay.model, lay.sequence, run.global_batch, run.seq_len
     rules = (
@@ -239,6 +254,12 @@ def check(shape: Shape, lay: Layout, run: Run) -> list[str]:
          lambda: f"sizes, grad_accum and pipeline_repeats must be >= 1 and microbatches >= 0 ({lay})"),
         (lay.zero_stage in (0, 1, 2, 3), lambda: f"zero_stage {lay.zero_stage} is not one of 0, 1, 2, 3"),
         (lay.remat in REMATS, lambda: f"remat '{lay.remat}' is not one of {', '.join(REMATS)}"),
+        (lay.pipeline_schedule == "gpipe" or (lay.pipeline_schedule == "1f1b" and lay.R == 1),
+         lambda: f"pipeline_schedule '{lay.pipeline_schedule}': gpipe, or 1f1b with pipeline_repeats 1"),
+        (lay.offload in OFFLOADS, lambda: f"offload '{lay.offload}' is not one of {', '.join(OFFLOADS)}"),
+        (lay.offload != "optimizer+params" or lay.remat != "none",  # as meshpar.offload.check
+         lambda: "offload 'optimizer+params' needs remat dots, full or offload (with none every layer's fetched "
+                 "weights stay on the device until the backward pass)"),
         (lay.context_attention in MODES,
          lambda: f"context_attention '{lay.context_attention}' is not one of {', '.join(MODES)}"),
         (s.heads % m == 0 and s.kv_heads % m == 0,
@@ -275,28 +296,45 @@ def local_elements(shape: Shape, lay: Layout, kind: str, only_layers: bool = Fal
     return _local_elements(shape, lay.zero_stage, lay.stage, lay.fsdp, lay.model, kind, only_layers)
 
 
+def local_tensors(shape: Shape, lay: Layout, kind: str) -> tuple[float, ...]:
+    """Elements on one device of each parameter tensor (`Shape.tensors` order) under a rules table."""
+    return _local_tensors(shape, lay.zero_stage, lay.stage, lay.fsdp, lay.model, kind)
+
+
+@functools.lru_cache(maxsize=65536)
+def _local_tensors(shape: Shape, zero: int, stage: int, fsdp: int, model: int, kind: str) -> tuple[float, ...]:
+    table, sizes = _tables(zero)[kind], {"stage": stage, "fsdp": fsdp, "model": model}
+    # params are never split over data or sequence
+    return tuple(n / math.prod(sizes.get(a, 1) for name in names for a in table.get(name, ()))
+                 for n, names in shape.tensors())
+
+
 @functools.lru_cache(maxsize=65536)
 def _local_elements(shape: Shape, zero: int, stage: int, fsdp: int, model: int, kind: str, only_layers: bool) -> float:
-    table, sizes = _tables(zero)[kind], {"stage": stage, "fsdp": fsdp, "model": model}
-    total = 0.0
-    for n, names in shape.tensors():  # params are never split over data or sequence
-        if only_layers and names[0] != "layers":
-            continue
-        total += n / math.prod(sizes.get(a, 1) for name in names for a in table.get(name, ()))
-    return total
+    tensors = _local_tensors(shape, zero, stage, fsdp, model, kind)
+    return sum(n for n, (_, names) in zip(tensors, shape.tensors()) if not only_layers or names[0] == "layers")
 
 
 @dataclasses.dataclass(frozen=True)
 class Memory:
+    """Bytes per device: on the device (params … other, update; `total`: the peak) and in its host's memory."""
+
     params: float
     grads: float
     optimizer: float
     activations: float
     other: float
+    update: float = 0.0  # offload: the update's offloaded states of one tensor, after the activations are freed
+    host_states: float = 0.0  # offloaded params and moments at rest (XLA's host argument bytes)
+    host_temp: float = 0.0  # offloaded gradients and saved activations (XLA's host temp bytes)
 
     @property
     def total(self) -> float:
-        return self.params + self.grads + self.optimizer + self.activations + self.other
+        return self.params + self.grads + self.optimizer + max(self.activations, self.update) + self.other
+
+    @property
+    def host(self) -> float:
+        return self.host_states + self.host_temp
 
     @property
     def states(self) -> float:
@@ -319,7 +357,7 @@ def local_dims(shape: Shape, lay: Layout, run: Run):
 # backend, bfloat16 compute, checked by `launch.compile`; tests/test_plan.py holds the fit to 10% of
 # the per-device peak at 8B and 70B sizes). Coefficients of the per-device widths: D (d_model), Dsp
 # (D / model under Megatron SP: the residual stream), F (d_ff / model), Q (N·H / model) and KV (K·H / model).
-SAVED_NONE = {"Dsp": 20, "D": 6, "F": 17, "Q": 20, "KV": 2}  # one layer, remat none: every intermediate
+SAVED_NONE = {"Dsp": 15, "D": 4.5, "F": 12.75, "Q": 15, "KV": 1.5}  # one layer, remat none: every intermediate
 WORKING = {"none": {}, "dots": {"D": 13, "F": 3, "Q": 19, "KV": 8},  # one layer's backward pass
            "full": {"D": 17, "F": 14, "Q": 12, "KV": 2}}
 HEAD_BYTES = 6  # per element of the output head: its whole float32 gradient and its gathered compute copy
@@ -349,18 +387,57 @@ def attention_bytes_per_token(shape: Shape, lay: Layout, run: Run) -> float:
     return out
 
 
+def _projections(w: dict[str, float], c: int) -> float:
+    """What `dots` keeps of a layer beyond its input, per token: q, k, v, the attention projection, gate, up."""
+    return c * (w["Dsp"] + w["Q"] + 2 * w["KV"] + 2 * w["F"])
+
+
 def layer_bytes_per_token(shape: Shape, lay: Layout, run: Run, *, saved: bool = True) -> float:
-    """Activation bytes of one layer per local token: what the backward pass keeps of it under the
-    layout's remat (`saved`), or what its backward pass works with (`saved=False`)."""
+    """Activation bytes of one layer per local token on the device: what the backward pass keeps of it
+    under the layout's remat (`saved`), or what its backward pass works with (`saved=False`)."""
     w, c = _widths(shape, lay), run.c
-    if not saved:
-        return _weighted(WORKING[lay.remat], w, run) + (attention_bytes_per_token(shape, lay, run)
-                                                         if lay.remat != "none" else 0.0)
-    if lay.remat == "full":
+    if not saved:  # offload's backward pass is dots', with the layer's projections fetched back
+        remat = "dots" if lay.remat == "offload" else lay.remat
+        return (_weighted(WORKING[remat], w, run) + host_layer_bytes_per_token(shape, lay, run)
+                + (attention_bytes_per_token(shape, lay, run) if remat != "none" else 0.0))
+    if lay.remat in ("full", "offload"):  # the layer's input (offload: the rest is in host memory)
         return c * w["Dsp"]
-    if lay.remat == "dots":  # x, q, k, v, the attention projection, gate and up
-        return c * (2 * w["Dsp"] + w["Q"] + 2 * w["KV"] + 2 * w["F"])
+    if lay.remat == "dots":
+        return c * w["Dsp"] + _projections(w, c)
     return _weighted(SAVED_NONE, w, run) + attention_bytes_per_token(shape, lay, run)
+
+
+def host_layer_bytes_per_token(shape: Shape, lay: Layout, run: Run) -> float:
+    """What one layer keeps in host memory per local token: remat `offload`'s projections."""
+    return _projections(_widths(shape, lay), run.c) if lay.remat == "offload" else 0.0
+
+
+def layer_applications(shape: Shape, lay: Layout) -> float:
+    """Layers a device applies per step: per accumulation step its layers, in every pipeline iteration."""
+    passes = lay.grad_accum * (iterations(lay.stage, lay.M, lay.R) if lay.stage > 1 else 1)
+    return passes * shape.layers / (lay.stage * lay.R)
+
+
+def update_bytes(shape: Shape, lay: Layout, run: Run) -> float:
+    """Device bytes of the update under offload: it streams (meshpar.offload.update), so the largest of one
+    layer's share of a stacked tensor's offloaded states, or a whole unstacked tensor's, brought in."""
+    pb, gb, ob = PRECISIONS[run.precision]
+    kinds = {"none": {}, "optimizer": {"optimizer": ob},
+             "optimizer+params": {"params": pb, "grads": gb, "optimizer": ob}}[lay.offload]
+    layers_here = shape.layers / lay.stage  # the stacked layers one device holds
+    per_tensor = zip(*(local_tensors(shape, lay, kind) for kind in kinds), (names for _, names in shape.tensors()))
+    return max((sum(nbytes * n for nbytes, n in zip(kinds.values(), ns[:-1])) / (layers_here if "layers" in ns[-1] else 1)
+                for ns in per_tensor), default=0.0)
+
+
+def activations_1f1b(shape: Shape, lay: Layout, run: Run) -> float:
+    """What the 1F1B schedule (meshpar.pipeline_1f1b) keeps per device beyond one layer's working set,
+    whatever M: its stash of 2(S − 1) stage inputs and the two microbatches in flight (activations and
+    cotangents), and one stage's layers, as the remat policy saves them, while its backward recomputes them."""
+    b, t, *_ = local_dims(shape, lay, run)
+    stage_inputs = 2 * (lay.stage - 1) + 2
+    stage = shape.layers / lay.stage * layer_bytes_per_token(shape, lay, run)
+    return (stage_inputs * run.c * shape.d_model + stage) * b * t
 
 
 def memory(shape: Shape, lay: Layout, run: Run) -> Memory:
@@ -372,12 +449,14 @@ def memory(shape: Shape, lay: Layout, run: Run) -> Memory:
     tokens = b * t  # one microbatch on this device
     per_layer = layer_bytes_per_token(shape, lay, run)
     working = layer_bytes_per_token(shape, lay, run, saved=False) * tokens
-    if lay.stage > 1:
-        # Every schedule iteration keeps what its stage step's remat saves: the stage input (full) or
-        # every layer's (dots, none); the backward pass then recomputes one stage, keeping per layer.
+    if lay.stage > 1 and lay.pipeline_schedule == "1f1b":
+        saved = activations_1f1b(shape, lay, run)
+    elif lay.stage > 1:
+        # Every schedule iteration keeps what its stage step's remat saves: the stage input (full, offload)
+        # or every layer's (dots, none); the backward pass then recomputes one stage, keeping per layer.
         S, M, R = lay.stage, lay.M, lay.R
         layers = shape.layers / (S * R)
-        per_iteration = run.c * shape.d_model if lay.remat == "full" else layers * per_layer
+        per_iteration = run.c * shape.d_model if lay.remat in ("full", "offload") else layers * per_layer
         saved = (iterations(S, M, R) * per_iteration + layers * per_layer) * tokens
     else:
         saved = shape.layers * per_layer * tokens
@@ -388,7 +467,43 @@ def memory(shape: Shape, lay: Layout, run: Run) -> Memory:
         other += per_weight * local_elements(shape, lay, "activations", only_layers=True)
     if lay.grad_accum > 1:
         other += gb * local_elements(shape, lay, "grads")  # the accumulator, in the gradients' layout
-    return Memory(params, grads, optimizer, saved + working, other)
+    # remat offload: every layer application of one accumulation step keeps its projections
+    kept = layer_applications(shape, lay) / lay.grad_accum
+    host_states, host_temp = 0.0, host_layer_bytes_per_token(shape, lay, run) * kept * tokens
+    if lay.offload != "none":
+        host_states, optimizer = optimizer, 0.0
+    if lay.offload == "optimizer+params":
+        host_states += params
+        host_temp += grads
+        per_layer_share = lay.stage / shape.layers  # one layer's fetched weights and its gradient on the way out
+        other += per_layer_share * (pb * local_elements(shape, lay, "params", only_layers=True)
+                                    + gb * local_elements(shape, lay, "grads", only_layers=True))
+        params = grads = 0.0
+    return Memory(params, grads, optimizer, saved + working, other, update_bytes(shape, lay, run),
+                  host_states, host_temp)
+
+
+def weight_passes(lay: Layout) -> int:
+    """How often a step gathers (ZeRO-3) or fetches from host memory (offload) the layers' weights: per
+    accumulation step once, and outside a pipeline again in the backward pass (every remat policy,
+    `none` too, gathers again instead of keeping them: meshpar.layers; a pipeline holds its stage's
+    weights)."""
+    return lay.grad_accum * (2 if lay.stage == 1 else 1)
+
+
+def host_traffic(shape: Shape, lay: Layout, run: Run) -> tuple[float, float]:
+    """(host→device, device→host) bytes per device per step of host offload (see the module docstring)."""
+    pb, gb, ob = PRECISIONS[run.precision]
+    moments = ob * local_elements(shape, lay, "optimizer") if lay.offload != "none" else 0.0
+    in_, out = moments, moments  # the update's moments
+    if lay.offload == "optimizer+params":
+        params, grads = pb * local_elements(shape, lay, "params"), gb * local_elements(shape, lay, "grads")
+        layers = pb * local_elements(shape, lay, "params", only_layers=True)
+        in_ += params - layers + layers * weight_passes(lay) + params + grads  # fetches; the update's inputs
+        out += grads + params  # the gradients landing in host memory; the updated weights
+    b, t, *_ = local_dims(shape, lay, run)
+    saved = host_layer_bytes_per_token(shape, lay, run) * b * t * layer_applications(shape, lay)
+    return in_ + saved, out + saved  # remat offload: out in the forward pass, in in the backward
 
 
 def collectives(shape: Shape, lay: Layout, run: Run, *, cpu: bool = False) -> list[Collective]:
@@ -400,7 +515,7 @@ def collectives(shape: Shape, lay: Layout, run: Run, *, cpu: bool = False) -> li
     b, t, N, K, F, V = local_dims(shape, lay, run)
     rs = "all-reduce" if cpu else "reduce-scatter"
     passes = lay.grad_accum * (iterations(lay.stage, lay.M, lay.R) if lay.stage > 1 else 1)
-    layer_steps = passes * shape.layers / (lay.stage * lay.R)  # layer applications on this device per step
+    layer_steps = layer_applications(shape, lay)
 
     # gradient sync over the replicas of the weights, and ZeRO's parameter all-gathers. The output head's
     # gradient leaves the loss reduced (meshpar.loss): with ZeRO-2/3 over fsdp as an explicit reduce-scatter
@@ -430,10 +545,8 @@ def collectives(shape: Shape, lay: Layout, run: Run, *, cpu: bool = False) -> li
         out.append(Collective(fsdp, "all-gather", pb * whole, 1, "dp"))  # the updated parameters
     if fsdp and lay.zero_stage == 3:
         g = pb if cpu else min(c, pb)
-        regather = 2 if lay.remat != "none" and lay.stage == 1 else 1
-        layers_gathers = lay.grad_accum * regather
         out.append(Collective(fsdp, "all-gather", g * (whole - layer_whole), 1, "dp"))  # embedding and head
-        out.append(Collective(fsdp, "all-gather", g * layer_whole, layers_gathers, "dp"))
+        out.append(Collective(fsdp, "all-gather", g * layer_whole, weight_passes(lay), "dp"))
 
     if lay.model > 1:  # Megatron tensor parallelism, per layer per microbatch pass (bubbles included)
         a = b * t * D * c
@@ -473,9 +586,6 @@ def collectives(shape: Shape, lay: Layout, run: Run, *, cpu: bool = False) -> li
     if lay.stage > 1:  # pipeline.py's table: the shifts, the result leaving stage 0 (and its gradient)
         out.append(Collective(("stage",), "collective-permute", b * t * D * c, 2 * passes, "pp"))
         out.append(Collective(("stage",), "all-reduce", lay.M * b * t * D * c, 2 * lay.grad_accum, "pp"))
-        if lay.R > 1:  # contiguous stage blocks at rest → the interleaved view, and the gradients back
-            out.append(Collective(("stage",), "all-to-all", pb * layer_whole, 1, "pp"))
-            out.append(Collective(("stage",), "all-to-all", gb * layer_whole, 1, "pp"))
     return out
 
 

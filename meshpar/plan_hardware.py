@@ -4,11 +4,16 @@ Every number is per GPU and in bytes, bytes/s or FLOP/s (decimal units: 1 GB = 1
 datasheets print them). `link_bw` is NVLink (inside a host), one direction; `net_bw` is the network
 (across hosts) per GPU, one direction: one 400 Gb/s (H100, H200) or 200 Gb/s (A100) NIC per GPU, as in
 the DGX systems. Collective times use these with `net_efficiency` (NCCL reaches ~80% of a link's
-bandwidth on large messages) and a per-step latency (`link_latency`, `net_latency`).
+bandwidth on large messages) and a per-step latency (`link_latency`, `net_latency`). Host offload
+(`parallel.offload`, `train.remat=offload`) uses `host_bw`, the host↔device link per GPU, one direction
+(PCIe, or NVLink-C2C on a Grace Hopper superchip), at the same `net_efficiency` (an assumption: not
+measured here), and `host_mem`, the host's memory per GPU (a DGX host's RAM over its 8 GPUs); a spec
+without them (0) is never planned with offload.
 
     h100                     the presets below
     h100,hbm=94e9            a preset with fields replaced
-    flops=312e12,hbm=40e9,hbm_bw=1.6e12,link_bw=300e9,net_bw=25e9   every field given
+    flops=312e12,hbm=40e9,hbm_bw=1.6e12,link_bw=300e9,net_bw=25e9   every required field given
+    ...,host_bw=32e9,host_mem=250e9                                  and the host, for offload
 """
 
 from __future__ import annotations
@@ -16,6 +21,9 @@ from __future__ import annotations
 import dataclasses
 
 from meshpar.errors import InputError
+
+
+REQUIRED = ("flops", "hbm", "hbm_bw", "link_bw", "net_bw")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,13 +36,24 @@ class Hardware:
     net_bw: float  # network bandwidth per GPU per direction, bytes/s
     link_latency: float = 5e-6  # seconds per step of a collective inside a host
     net_latency: float = 15e-6  # seconds per step across hosts
-    net_efficiency: float = 0.8  # fraction of link bandwidth a large collective reaches
+    net_efficiency: float = 0.8  # fraction of link bandwidth a large collective (or host copy) reaches
     fp32_flops: float = 0.0  # float32 matmul FLOP/s (0: bf16 peak / 2); JAX runs f32 matmuls as TF32 on GPUs
+    host_bw: float = 0.0  # host↔device bandwidth per GPU per direction, bytes/s (0: not given, no offload)
+    host_mem: float = 0.0  # host memory per GPU, bytes (0: not given, no offload)
 
     def __post_init__(self):
-        for field in ("flops", "hbm", "hbm_bw", "link_bw", "net_bw"):
+        for field in REQUIRED:
             if not getattr(self, field) > 0:
                 raise InputError(f"hardware '{self.name}': {field} = {getattr(self, field)} must be > 0")
+        for field in ("host_bw", "host_mem"):
+            if getattr(self, field) < 0:
+                raise InputError(f"hardware '{self.name}': {field} = {getattr(self, field)} must be >= 0 "
+                                 f"(0: not given)")
+
+    @property
+    def offloads(self) -> bool:
+        """Whether the host is known well enough to plan host offload."""
+        return self.host_bw > 0 and self.host_mem > 0
 
     def peak(self, dtype_bytes: int) -> float:
         """Peak matmul FLOP/s for the compute dtype (2 bytes: bf16; 4: float32)."""
@@ -46,17 +65,28 @@ PRESETS = {
     # HBM3 80 GB at 3.35 TB/s; NVLink 4 900 GB/s per GPU (both directions) → 450 GB/s each way.
     # DGX H100 datasheet: 8× ConnectX-7 400 Gb/s (one per GPU) → 50 GB/s per GPU each way.
     # TF32 Tensor Core 989 TFLOPS sparse → 494 dense (JAX's default precision for f32 matmuls on GPUs).
+    # Host: PCIe Gen5 x16, 128 GB/s (datasheet, both directions) → 64 GB/s each way; DGX H100: 2 TB of
+    # system memory for 8 GPUs → 250 GB per GPU.
     "h100": Hardware("h100", flops=989e12, hbm=80e9, hbm_bw=3.35e12, link_bw=450e9, net_bw=50e9,
-                     fp32_flops=494e12),
+                     fp32_flops=494e12, host_bw=64e9, host_mem=250e9),
     # NVIDIA H200 SXM datasheet: same compute as H100 (BF16 1,979 TFLOPS sparse → 989 dense);
-    # HBM3e 141 GB at 4.8 TB/s; NVLink 900 GB/s. DGX H200: 8× 400 Gb/s ConnectX-7.
+    # HBM3e 141 GB at 4.8 TB/s; NVLink 900 GB/s; PCIe Gen5 128 GB/s. DGX H200: 8× 400 Gb/s ConnectX-7,
+    # 2 TB of system memory.
     "h200": Hardware("h200", flops=989e12, hbm=141e9, hbm_bw=4.8e12, link_bw=450e9, net_bw=50e9,
-                     fp32_flops=494e12),
+                     fp32_flops=494e12, host_bw=64e9, host_mem=250e9),
     # NVIDIA A100 80GB SXM datasheet: BF16 Tensor Core 312 TFLOPS dense (624 sparse); HBM2e 80 GB at
-    # 2,039 GB/s; NVLink 3 600 GB/s per GPU → 300 each way. DGX A100: 8× 200 Gb/s HDR InfiniBand
-    # (one per GPU) → 25 GB/s each way. TF32 156 TFLOPS dense.
+    # 2,039 GB/s; NVLink 3 600 GB/s per GPU → 300 each way; PCIe Gen4 64 GB/s → 32 each way. DGX A100
+    # (640 GB): 8× 200 Gb/s HDR InfiniBand (one per GPU) → 25 GB/s each way; 2 TB of system memory.
+    # TF32 156 TFLOPS dense.
     "a100": Hardware("a100", flops=312e12, hbm=80e9, hbm_bw=2.039e12, link_bw=300e9, net_bw=25e9,
-                     fp32_flops=156e12),
+                     fp32_flops=156e12, host_bw=32e9, host_mem=250e9),
+    # NVIDIA GH200 Grace Hopper Superchip datasheet: the H100 GPU's compute (BF16 1,979 TFLOPS sparse →
+    # 989 dense) with 96 GB HBM3 at 4 TB/s; NVLink 900 GB/s to other GPUs; NVLink-C2C 900 GB/s to the
+    # Grace CPU (both directions → 450 each way) and its 480 GB LPDDR5X (at up to 512 GB/s, so the
+    # link is the limit), one GPU per superchip. Network: one 400 Gb/s NIC per superchip assumed, as in
+    # the DGX systems. (Its device kind contains "h200": meshpar.mfu finds that preset, the same peak.)
+    "gh200": Hardware("gh200", flops=989e12, hbm=96e9, hbm_bw=4e12, link_bw=450e9, net_bw=50e9,
+                      fp32_flops=494e12, host_bw=450e9, host_mem=480e9),
 }
 ALIASES = {"h100-sxm": "h100", "h100_sxm": "h100", "a100-80gb": "a100", "a100_80gb": "a100"}
 _FIELDS = [f.name for f in dataclasses.fields(Hardware) if f.name != "name"]
@@ -85,7 +115,7 @@ def parse(text: str) -> Hardware:
             raise InputError(f"hardware spec item '{item}': '{value}' is not a number") from None
     if base is not None:
         return dataclasses.replace(base, name=text, **changes) if changes else base
-    missing = [f for f in ("flops", "hbm", "hbm_bw", "link_bw", "net_bw") if f not in changes]
+    missing = [f for f in REQUIRED if f not in changes]
     if missing:
         raise InputError(f"custom hardware spec '{text}' lacks {', '.join(missing)} (or start from a preset: "
                          f"{', '.join(PRESETS)})")

@@ -23,38 +23,62 @@ def _comm(e: Estimate) -> str:
     return ", ".join(parts) or "-"
 
 
+def _offloads(lay: Layout) -> bool:
+    return lay.offload != "none" or lay.remat == "offload"
+
+
 def header(shape: Shape, run: Run, hw: Hardware, devices: int, devices_per_host: int, mem_fraction: float,
            name: str = "model") -> str:
     hosts = max(1, devices // devices_per_host)
+    host = (f"; host memory {hw.host_mem * mem_fraction / GB:.1f} per device, host↔device {hw.host_bw / GB:.0f} "
+            f"GB/s each way (offload: only when nothing fits without it)" if hw.offloads else "")
     return (f"{name} ({shape.params / 1e9:.2f}B parameters) on {devices} × {hw.name} ({hosts} host(s) of "
             f"{min(devices, devices_per_host)}), global batch {run.global_batch} × {run.seq_len} tokens, "
             f"{run.compute_dtype} compute, "
             f"{'fp32 master weights + Adam' if run.precision == 'fp32' else 'mixed precision (ZeRO paper)'}\n"
             f"memory per device in GB (1e9 bytes), usable {hw.hbm * mem_fraction / GB:.1f} "
-            f"({mem_fraction:.0%} of {hw.hbm / GB:.0f}); comm per mesh axis: GB on the wire / seconds per step; "
-            f"MFU: PaLM's 6N + 12·L·H·Q·T per token (full attention square)")
+            f"({mem_fraction:.0%} of {hw.hbm / GB:.0f}){host}; comm per mesh axis: GB on the wire / seconds per "
+            f"step; MFU: PaLM's 6N + 12·L·H·Q·T per token (full attention square)")
 
 
 def table(estimates: list[Estimate]) -> str:
-    head = ["#", "mesh", "zero", "sp", "attention", "M/R", "remat", "accum", "params", "grads", "optim", "acts",
-            "other", "total", "fits", "comm per axis (GB/s)", "compute s", "step s", "tokens/s", "MFU"]
-    rows = [head]
-    for i, e in enumerate(estimates, 1):
-        lay, m = e.layout, e.memory
-        sp = "yes" if lay.sequence_parallel and lay.model > 1 else "-"
-        rows.append([str(i), lay.describe(), str(lay.zero_stage), sp,
-                     _attention(lay), f"{lay.M}/{lay.R}" if lay.stage > 1 else "-", lay.remat, str(lay.grad_accum),
-                     *(f"{x / GB:.1f}" for x in (m.params, m.grads, m.optimizer, m.activations, m.other, m.total)),
-                     "yes" if e.fits else "NO", _comm(e), f"{e.compute_s:.2f}", f"{e.step_s:.2f}",
-                     f"{e.tokens_per_s:,.0f}", f"{e.mfu:.1%}"])
-    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    left = {1, 4, 6, 15}
-    fmt = lambda r: "  ".join(c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+    gb = lambda x: f"{x / GB:.1f}"
+    host = any(_offloads(e.layout) for e in estimates)
+    only_host = lambda *columns: list(columns) if host else []  # the offload columns, where a row offloads
+    columns = [  # (header, left-aligned, cell of (rank, estimate))
+        ("#", False, lambda i, e: str(i)),
+        ("mesh", True, lambda i, e: e.layout.describe()),
+        ("zero", False, lambda i, e: str(e.layout.zero_stage)),
+        ("sp", False, lambda i, e: "yes" if e.layout.sequence_parallel and e.layout.model > 1 else "-"),
+        ("attention", True, lambda i, e: _attention(e.layout)),
+        ("M/R", False, lambda i, e: f"{e.layout.M}/{e.layout.R}" if e.layout.stage > 1 else "-"),
+        ("remat", True, lambda i, e: e.layout.remat),
+        *only_host(("offload", True, lambda i, e: "-" if e.layout.offload == "none" else e.layout.offload)),
+        ("accum", False, lambda i, e: str(e.layout.grad_accum)),
+        *((label, False, lambda i, e, part=part: gb(getattr(e.memory, part))) for label, part in (
+            ("params", "params"), ("grads", "grads"), ("optim", "optimizer"), ("acts", "activations"),
+            ("other", "other"))),
+        *only_host(("update", False, lambda i, e: gb(e.memory.update))),
+        ("total", False, lambda i, e: gb(e.memory.total)),
+        *only_host(("host", False, lambda i, e: gb(e.memory.host))),
+        ("fits", False, lambda i, e: "yes" if e.fits else "NO"),
+        ("comm per axis (GB/s)", True, lambda i, e: _comm(e)),
+        ("compute s", False, lambda i, e: f"{e.compute_s:.2f}"),
+        *only_host(("host s", False, lambda i, e: f"{e.host_s:.2f}")),
+        ("step s", False, lambda i, e: f"{e.step_s:.2f}"),
+        ("tokens/s", False, lambda i, e: f"{e.tokens_per_s:,.0f}"),
+        ("MFU", False, lambda i, e: f"{e.mfu:.1%}"),
+    ]
+    rows = [[label for label, _, _ in columns]]
+    rows += [[cell(i, e) for _, _, cell in columns] for i, e in enumerate(estimates, 1)]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(columns))]
+    fmt = lambda r: "  ".join(c.ljust(w) if left else c.rjust(w) for c, w, (_, left, _) in zip(r, widths, columns))
     return "\n".join(fmt(r).rstrip() for r in rows)
 
 
 def _parts(e: Estimate) -> dict[str, float]:
-    return {"compute": e.compute_s, **{k: v for k, v in e.exposed.items()}, "optimizer": e.optimizer_s}
+    return {"compute": e.compute_s, **{k: v for k, v in e.exposed.items()}, "optimizer": e.optimizer_s,
+            "host": e.host_s}
 
 
 def why(ranked: list[Estimate], shape: Shape | None = None, run: Run | None = None) -> str:
@@ -64,12 +88,16 @@ def why(ranked: list[Estimate], shape: Shape | None = None, run: Run | None = No
     kind, seconds = max(best.exposed.items(), key=lambda kv: kv[1]) if best.exposed else ("dp", 0.0)
     notes = ([f"{lay.remat} remat"] if lay.remat != "none" else []) + (
         [f"pipeline bubble {best.bubble:.0%}"] if lay.stage > 1 else [])
-    text = (f"why: #1 fits ({m.total / GB:.1f} of {best.budget / GB:.1f} GB) and its {best.step_s:.2f} s step is "
-            f"{best.compute_s:.2f} s of compute" + (f" ({', '.join(notes)})" if notes else "")
-            + f" + {best.exposed_s:.2f} s of exposed communication (most: {KINDS[kind]} {seconds:.2f} s)")
-    if shape is not None and run is not None and (lay.remat != "none" or lay.grad_accum > 1):
-        plain = memory(shape, dataclasses.replace(lay, remat="none", grad_accum=1), run).total
-        text += f"; without remat and accumulation it would need {plain / GB:.0f} GB"
+    host = f"; host {m.host / GB:.1f} of {best.host_budget / GB:.1f} GB" if _offloads(lay) else ""
+    copies = f" + {best.host_s:.2f} s of host↔device copies" if _offloads(lay) else ""
+    text = (f"why: #1 fits ({m.total / GB:.1f} of {best.budget / GB:.1f} GB{host}) and its {best.step_s:.2f} s step "
+            f"is {best.compute_s:.2f} s of compute" + (f" ({', '.join(notes)})" if notes else "")
+            + f" + {best.exposed_s:.2f} s of exposed communication (most: {KINDS[kind]} {seconds:.2f} s){copies}")
+    used = [what for what, on in (("remat", lay.remat != "none"), ("accumulation", lay.grad_accum > 1),
+                                  ("offload", lay.offload != "none")) if on]
+    if shape is not None and run is not None and used:
+        plain = memory(shape, dataclasses.replace(lay, remat="none", grad_accum=1, offload="none"), run).total
+        text += f"; without {' and '.join(used)} it would need {plain / GB:.0f} GB"
     if len(ranked) > 1:
         other = ranked[1]
         diff = {k: _parts(other).get(k, 0.0) - v for k, v in _parts(best).items()}
@@ -77,10 +105,11 @@ def why(ranked: list[Estimate], shape: Shape | None = None, run: Run | None = No
         key = max(diff, key=diff.get)
         reason = {"compute": "more compute" + (" (recompute)" if other.layout.remat != lay.remat else "")
                   + (" (pipeline bubble)" if other.bubble > best.bubble else ""),
-                  "optimizer": "a larger optimizer update"}.get(
+                  "optimizer": "a larger optimizer update", "host": "more host↔device copies"}.get(
                       key, f"more exposed {KINDS.get(key, key)} communication")
-        text += (f"; #2 ({other.layout.describe()}, {other.layout.remat} remat) is "
-                 f"{other.step_s / best.step_s - 1:.1%} slower: {reason} (+{diff[key]:.2f} s)")
+        text += (f"; #2 ({other.layout.describe()}, {other.layout.remat} remat"
+                 + (f", offload {other.layout.offload}" if other.layout.offload != "none" else "")
+                 + f") is {other.step_s / best.step_s - 1:.1%} slower: {reason} (+{diff[key]:.2f} s)")
     return text
 
 

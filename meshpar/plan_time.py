@@ -5,6 +5,14 @@ critical path (the next matmul needs them); ring attention's K/V permutes hide b
 (exposed: what exceeds the attention compute); data-parallel / ZeRO traffic (gradient reduction, ZeRO-3
 weight gathers) runs asynchronously beside compute — exposed is what exceeds the step's compute, and at
 least one layer's share (the last gradients are reduced after the last backward layer).
+
+Host offload's copies (`plan_cost.host_traffic`) are charged in full at `host_bw`·`net_efficiency`, one
+direction after the other: not overlapped with compute or with each other. An upper bound, stated: the
+update's copies wait for the last gradients and prefetching them would hold them in device memory, which
+offload exists to avoid; the weight fetches and remat `offload`'s copies could hide behind the layers'
+compute (XLA's async copies), but whether XLA's schedule does is not measured here (no GPU in the tests).
+The search only reaches for offload when no layout fits without it, so the bound ranks offload layouts
+among themselves and never displaces a layout that fits without it.
 """
 
 from __future__ import annotations
@@ -12,7 +20,8 @@ from __future__ import annotations
 import dataclasses
 
 from meshpar.plan_cost import (PRECISIONS, Layout, Memory, Run, Shape, attention_bytes_per_token, check,
-                               collective_time, collectives, iterations, local_dims, local_elements, memory, mfu)
+                               collective_time, collectives, host_traffic, iterations, layer_applications,
+                               local_dims, local_elements, memory, mfu)
 from meshpar.plan_hardware import Hardware
 
 
@@ -38,10 +47,12 @@ class Estimate:
     problems: tuple[str, ...] = ()
     exposed: dict[str, float] = dataclasses.field(default_factory=dict)  # kind → exposed seconds
     optimizer_s: float = 0.0
+    host_budget: float = 0.0  # usable host bytes per device
+    host_s: float = 0.0  # host↔device copies of offload (not overlapped)
 
     @property
     def fits(self) -> bool:
-        return self.memory.total <= self.budget and not self.problems
+        return self.memory.total <= self.budget and self.memory.host <= self.host_budget and not self.problems
 
     def row(self) -> dict:
         lay, mem = self.layout, self.memory
@@ -50,13 +61,15 @@ class Estimate:
             "context_attention": lay.context_attention if lay.sequence > 1 else None,
             "load_balance": lay.load_balance if lay.sequence > 1 else None,
             "microbatches": lay.M if lay.stage > 1 else None, "pipeline_repeats": lay.R if lay.stage > 1 else None,
-            "remat": lay.remat, "grad_accum": lay.grad_accum,
+            "remat": lay.remat, "grad_accum": lay.grad_accum, "offload": lay.offload,
             "memory_bytes": {"params": mem.params, "grads": mem.grads, "optimizer": mem.optimizer,
-                             "activations": mem.activations, "other": mem.other, "total": mem.total},
-            "fits": self.fits, "budget_bytes": self.budget,
+                             "activations": mem.activations, "other": mem.other, "update": mem.update,
+                             "total": mem.total},
+            "host_memory_bytes": {"states": mem.host_states, "temp": mem.host_temp, "total": mem.host},
+            "fits": self.fits, "budget_bytes": self.budget, "host_budget_bytes": self.host_budget,
             "comm": {axis: {"bytes": b, "seconds": s} for axis, (b, s) in self.comm.items()},
             "compute_s": self.compute_s, "exposed_comm_s": self.exposed_s, "exposed_by_kind_s": self.exposed,
-            "optimizer_s": self.optimizer_s, "step_s": self.step_s,
+            "optimizer_s": self.optimizer_s, "host_transfer_s": self.host_s, "step_s": self.step_s,
             "tokens_per_s": self.tokens_per_s, "mfu": self.mfu, "bubble": self.bubble,
             "problems": list(self.problems),
         }
@@ -97,7 +110,7 @@ def compute_seconds(shape: Shape, lay: Layout, run: Run, hw: Hardware) -> tuple[
     tokens = b * t  # one microbatch on one device
     proj, attn = layer_flops_per_token(shape, lay, run)
     ring = lay.sequence > 1 and lay.context_attention == "ring"
-    recompute = {"none": 0.0, "dots": attn, "full": proj + attn}[lay.remat]
+    recompute = {"none": 0.0, "dots": attn, "offload": attn, "full": proj + attn}[lay.remat]
     recompute += attn if ring and lay.remat != "full" else 0.0  # ring steps are rematerialised anyway
     flops_layer = (3 * (proj + attn) + recompute) * tokens
     act = layer_traffic_per_token(shape, lay, run)
@@ -105,9 +118,8 @@ def compute_seconds(shape: Shape, lay: Layout, run: Run, hw: Hardware) -> tuple[
         N, n = shape.heads / lay.model, lay.sequence
         act += N * (attn / (4 * N * shape.head_dim) - run.seq_len / n) * (4 + run.c)
     hbm_layer = 3 * act * tokens * (2 if lay.remat == "full" else 1) / hw.hbm_bw
-    S, M, R, Kacc = lay.stage, lay.M, lay.R, lay.grad_accum
-    layer_steps = Kacc * (iterations(S, M, R) if S > 1 else 1) * shape.layers / (S * R)
-    head = (3 * 2 * shape.d_model * V / peak + 3 * 4 * V / hw.hbm_bw) * tokens * Kacc * M
+    layer_steps = layer_applications(shape, lay)
+    head = (3 * 2 * shape.d_model * V / peak + 3 * 4 * V / hw.hbm_bw) * tokens * lay.grad_accum * lay.M
     return layer_steps * (flops_layer / peak + hbm_layer) + head, 3 * attn * tokens / peak * layer_steps
 
 
@@ -119,6 +131,10 @@ def estimate(model, lay: Layout, run: Run, hw: Hardware, devices_per_host: int, 
     """
     shape = Shape.of(model)
     problems = tuple(check(shape, lay, run)) if strict else ()
+    offloads = lay.offload != "none" or lay.remat == "offload"
+    if offloads and not hw.offloads:
+        problems += (f"hardware '{hw.name}' does not give host_bw and host_mem, which host offload needs: add "
+                     f"e.g. host_bw=64e9,host_mem=250e9 (PCIe Gen5 x16, 2 TB for 8 GPUs) to the spec",)
     mem = memory(shape, lay, run)
     compute, attn_s = compute_seconds(shape, lay, run, hw)
     timed = [(x, *collective_time(x, lay, hw, devices_per_host)) for x in collectives(shape, lay, run)]
@@ -130,7 +146,8 @@ def estimate(model, lay: Layout, run: Run, hw: Hardware, devices_per_host: int, 
     exposed["dp"] = max(dp / max(1.0, shape.layers / lay.stage), dp - compute - critical)
     _, _, ob = PRECISIONS[run.precision]
     optimizer_s = local_elements(shape, lay, "optimizer") * (4 + 4 + ob + 4 + ob) / hw.hbm_bw  # r p,g,m,v; w p,m,v
-    step = compute + sum(exposed.values()) + optimizer_s
+    host_s = sum(host_traffic(shape, lay, run)) / (hw.host_bw * hw.net_efficiency) if offloads and hw.offloads else 0.0
+    step = compute + sum(exposed.values()) + optimizer_s + host_s
     comm: dict[str, list[float]] = {}
     for x, wire, sec in timed:
         entry = comm.setdefault("×".join(x.axes), [0.0, 0.0])
@@ -142,7 +159,8 @@ def estimate(model, lay: Layout, run: Run, hw: Hardware, devices_per_host: int, 
                     exposed_s=sum(exposed.values()), step_s=step, tokens_per_s=tokens_step / step,
                     mfu=mfu(shape.model_flops_per_token(run.seq_len), tokens_step / step, lay.devices,
                             hw.peak(run.c)), bubble=bubble(lay),
-                    problems=problems, exposed=exposed, optimizer_s=optimizer_s)
+                    problems=problems, exposed=exposed, optimizer_s=optimizer_s,
+                    host_budget=hw.host_mem * mem_fraction, host_s=host_s)
 
 
 __all__ = ["Estimate", "estimate", "bubble", "compute_seconds", "iterations", "layer_flops_per_token"]

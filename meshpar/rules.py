@@ -42,6 +42,8 @@ Table = tuple[tuple[str, tuple[str, ...]], ...]
 
 
 CONTEXT_ATTENTION = ("ring", "allgather", "ulysses")
+PIPELINE_SCHEDULES = ("gpipe", "1f1b")  # meshpar.pipeline (R > 1: circular), meshpar.pipeline_1f1b
+OFFLOAD = ("none", "optimizer", "optimizer+params")  # what lives in host memory: meshpar.offload
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +56,8 @@ class ParallelConfig:
     load_balance: bool = True  # zigzag the sequence so causal attention work is equal on every shard
     microbatches: int = 0  # pipeline microbatches M over `stage`; 0: twice the number of stages
     pipeline_repeats: int = 1  # R > 1: circular (interleaved) pipeline, bubble (S-1)/(R·M+S-1)
+    pipeline_schedule: str = "gpipe"  # gpipe, or 1f1b: the same bubble, activation memory flat in M (R = 1)
+    offload: str = "none"  # host memory: none, optimizer (Adam moments), optimizer+params (+ float32 weights)
 
     def __post_init__(self):
         if self.zero_stage not in (0, 1, 2, 3):
@@ -65,6 +69,18 @@ class ParallelConfig:
             raise InputError(f"parallel.microbatches = {self.microbatches} must be >= 0 (0: twice the stages)")
         if self.pipeline_repeats < 1:
             raise InputError(f"parallel.pipeline_repeats = {self.pipeline_repeats} must be >= 1")
+        if self.pipeline_schedule not in PIPELINE_SCHEDULES:
+            raise InputError(f"parallel.pipeline_schedule = '{self.pipeline_schedule}' is not one of "
+                             f"{', '.join(PIPELINE_SCHEDULES)}")
+        if self.pipeline_schedule == "1f1b" and self.pipeline_repeats > 1:
+            raise InputError(f"parallel.pipeline_schedule = 1f1b runs each stage's layers as one chunk: "
+                             f"parallel.pipeline_repeats = {self.pipeline_repeats} (interleaved 1F1B) is not "
+                             f"supported; use pipeline_schedule=gpipe for the circular schedule")
+        if self.offload not in OFFLOAD:
+            raise InputError(f"parallel.offload = '{self.offload}' is not one of {', '.join(OFFLOAD)}")
+        if self.pipeline_schedule == "1f1b" and self.offload == "optimizer+params":
+            raise InputError("parallel.pipeline_schedule = 1f1b does not fetch weights from host memory: "
+                             "parallel.offload = 'optimizer+params' is not supported with it ('optimizer' is)")
 
 
 @dataclasses.dataclass(frozen=True)

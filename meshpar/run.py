@@ -32,7 +32,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
-from meshpar import analysis, mesh as mesh_lib, metrics, sharding
+from meshpar import analysis, mesh as mesh_lib, metrics, pipeline, sharding
 from meshpar.checkpoint import CheckpointConfig, Checkpointer
 from meshpar.data import Batches, DataConfig, load_tokens, split
 from meshpar.errors import InputError, TrainingStopped
@@ -48,7 +48,7 @@ SAMPLE_PROMPT, SAMPLE_TOKENS = 16, 64
 
 @dataclasses.dataclass
 class RunResult:
-    state: nnx.State
+    state: nnx.State  # the final state, the stacked layers in order (as checkpoints hold them)
     records: list[dict[str, Any]]
     report: dict[str, Any]
 
@@ -98,6 +98,7 @@ def run(make_model: ModelFactory, train: TrainConfig, data: DataConfig | np.ndar
     learning_rate = schedule(train) if tx is None else None  # the default optimizer's
     tx = tx or optimizer(train)
     plan = plan_state(make_model, tx, mesh, rules, train.seed)
+    repeats = rules.parallel.pipeline_repeats  # the state's stacked layers are in the pipeline's order at rest
     tokens_sharding = sharding.batch_sharding(mesh, rules, (train.global_batch, train.seq_len + 1))
     if isinstance(data, DataConfig):
         source, tokens, fraction = data.describe(), load_tokens(data), data.eval_fraction
@@ -122,22 +123,25 @@ def run(make_model: ModelFactory, train: TrainConfig, data: DataConfig | np.ndar
         except Exception:
             ckpt.close()  # the checkpoints on disk stay as they were
             raise
+        state = pipeline.to_rest(state, mesh, repeats)  # checkpoints hold the layers in order
         start = meta["step"]
         batches.load_state_dict(meta["data"])
         say(f"resumed from {checkpoint_dir} at step {start}")
     else:
         state = init_state(make_model, tx, plan, train.seed)
         if init_params is not None:
-            nnx.replace_by_pure_dict(state["model"], nnx.to_pure_dict(init_params))
+            nnx.replace_by_pure_dict(state["model"], nnx.to_pure_dict(pipeline.to_rest(init_params, mesh, repeats)))
             say("parameters from the given weights; optimizer state fresh")
 
     batch = next(batches)
     train, step, report = _compile_fitting(plan, tokens_sharding, train, loss, state, batch, say)
     report = {"mesh": dict(mesh.shape), "devices": mesh.size, "processes": jax.process_count(),
               "params": param_count(plan.abstract), "remat": train.remat, **report}
+    memory = report["memory_per_device"]
+    host = f" (+ {memory['host_arguments_bytes']:,} in host memory)" if memory["host_arguments_bytes"] else ""
     say(f"mesh {mesh_lib.describe(dict(mesh.shape))} on {mesh.size} devices, {jax.process_count()} process(es); "
-        f"{report['params']:,} parameters; {report['memory_per_device']['arguments_bytes']:,} state bytes "
-        f"per device; compiled in {report['compile_s']:.1f}s")
+        f"{report['params']:,} parameters; {memory['arguments_bytes']:,} state bytes per device{host}; "
+        f"compiled in {report['compile_s']:.1f}s")
 
     evaluate = None
     if train.eval_every:
@@ -224,7 +228,8 @@ def run(make_model: ModelFactory, train: TrainConfig, data: DataConfig | np.ndar
                 publish(entry)  # stops the run before a non-finite state is saved
                 if saving:
                     began = time.perf_counter()
-                    ckpt.save(number, state, {"data": batches.state_dict(), "config": config or {}})
+                    ckpt.save(number, pipeline.to_layers(state, mesh, repeats),
+                              {"data": batches.state_dict(), "config": config or {}})
                     blocked.append(time.perf_counter() - began)
             else:
                 pending = (number, out)
@@ -250,7 +255,7 @@ def run(make_model: ModelFactory, train: TrainConfig, data: DataConfig | np.ndar
     if report_file and metrics.is_logger():
         Path(report_file).parent.mkdir(parents=True, exist_ok=True)
         Path(report_file).write_text(json.dumps(metrics.strict(report), indent=2, allow_nan=False) + "\n")
-    return RunResult(state, steplog.records, report)
+    return RunResult(pipeline.to_layers(state, mesh, repeats), steplog.records, report)
 
 
 def device_memory_limit() -> int | None:
@@ -261,7 +266,7 @@ def device_memory_limit() -> int | None:
 def _compile_fitting(plan, tokens_sharding, train: TrainConfig, loss, state, batch, say):
     """(train with a concrete remat policy, the compiled step, its report): `remat = auto` compiles its
     platform's candidates (`train.remat_candidates`) in turn and keeps the first that fits the device."""
-    candidates = remat_candidates(train, plan.mesh.devices.flat[0].platform)
+    candidates = remat_candidates(train, plan.mesh.devices.flat[0].platform, plan.rules.parallel)
     limit = device_memory_limit()
     for remat in candidates:
         chosen = dataclasses.replace(train, remat=remat)

@@ -15,9 +15,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from meshpar import context
+from meshpar import context, offload
 from meshpar.errors import InputError
 from meshpar.rules import Rules
 
@@ -100,9 +101,16 @@ def placed_shapes(state: nnx.State, shardings: nnx.State) -> nnx.State:
 
 
 def state_shardings(abstract_state: nnx.State, mesh: Mesh, rules: Rules) -> nnx.State:
-    """NamedShardings for every variable: the `out_shardings` of init and the step's state shardings."""
-    return jax.tree.map(lambda spec: NamedSharding(mesh, spec), state_specs(abstract_state, mesh, rules),
-                        is_leaf=lambda x: isinstance(x, PartitionSpec))
+    """NamedShardings for every variable: the `out_shardings` of init and the step's state shardings.
+
+    Under `parallel.offload` the offloaded variables get the same sharding in host memory (meshpar.offload).
+    """
+    specs = dict(nnx.to_flat_state(state_specs(abstract_state, mesh, rules)))
+    shardings = {}
+    for path, variable in nnx.to_flat_state(abstract_state):
+        kind = offload.HOST if offload.in_host_memory(variable, rules.parallel) else None
+        shardings[path] = variable.replace(NamedSharding(mesh, specs[path].get_value(), memory_kind=kind))
+    return nnx.from_flat_state(shardings)
 
 
 def sharding_table(abstract_state: nnx.State, mesh: Mesh, rules: Rules) -> str:
@@ -158,6 +166,8 @@ def gathered(param: nnx.Variable, dtype: jax.typing.DTypeLike, *, lookup: bool =
     compute = context.active()
     if compute is None:
         return value.astype(dtype)
+    if offload.weights_offloaded(compute.rules.parallel):  # this layer's weights, fetched from host memory
+        value = jax.device_put(value, jax.memory.Space.Device)
     names = param.get_metadata()["out_sharding"][-value.ndim:] if value.ndim else ()
     what = f"parameter {tuple(names)}"
     layout = lambda kind: NamedSharding(compute.mesh, spec_for(names, value.shape, compute.rules.table(kind),
@@ -171,13 +181,22 @@ def gathered(param: nnx.Variable, dtype: jax.typing.DTypeLike, *, lookup: bool =
     return _gather(value, jnp.dtype(dtype), rest, layout("activations"), grads)
 
 
+_GATHERED = "meshpar_gathered_weight"
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
 def _gather(value: jax.Array, dtype: jnp.dtype, rest: NamedSharding | None, compute: NamedSharding,
             grads: tuple[NamedSharding, ...]) -> jax.Array:
     cast = value.astype(dtype)
     if rest is not None:
         cast = jax.lax.optimization_barrier(jax.lax.with_sharding_constraint(cast, rest))
-    return jax.lax.with_sharding_constraint(cast, compute)
+    return checkpoint_name(jax.lax.with_sharding_constraint(cast, compute), _GATHERED)
+
+
+def is_weight_gather(prim: jax.extend.core.Primitive, params: dict) -> bool:
+    """Whether a remat policy is looking at `gathered`'s custom-VJP call (found by the name it carries)."""
+    return prim.name == "custom_vjp_call" and any(
+        eqn.primitive.name == "name" and eqn.params.get("name") == _GATHERED for eqn in params["call_jaxpr"].jaxpr.eqns)
 
 
 def _gather_fwd(value, dtype, rest, compute, grads):

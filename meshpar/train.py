@@ -5,7 +5,9 @@ abstractly (`nnx.eval_shape`), the rules turn its logical axes into shardings, a
 those `out_shardings` creates every array directly on the devices that own it, so no full-size array
 ever exists on one device. The step is one jitted program with the state donated; the compiler (GSPMD)
 inserts the collectives the layout needs: the gradient all-reduce for data parallelism, per-layer
-parameter all-gathers (and gradient reductions) for FSDP, the TP all-reduces.
+parameter all-gathers (and gradient reductions) for FSDP, the TP all-reduces. With
+`parallel.pipeline_schedule=1f1b` on a `stage` mesh the loss and gradients come from the 1F1B schedule
+(`meshpar.pipeline_1f1b`, which runs the loss inside the pipeline), not from `jax.value_and_grad`.
 
 Gradient accumulation (`grad_accum=K`) runs K microbatches in a `lax.scan` inside the step. The
 accumulator has the gradient's own layout (the `grads` rules: split over `fsdp` under ZeRO-2/3, over
@@ -32,10 +34,10 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from meshpar import attention, context, sharding
+from meshpar import attention, context, offload, pipeline, pipeline_1f1b, sharding
 from meshpar.errors import InputError
 from meshpar.loss import next_token_loss
-from meshpar.rules import Rules
+from meshpar.rules import ParallelConfig, Rules
 
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 NONFINITE = ("stop", "skip")
@@ -52,7 +54,7 @@ class TrainConfig:
     clip_norm: float = 1.0
     seed: int = 0
     compute_dtype: str = "float32"
-    remat: str = "auto"  # auto, none, dots, full: see REMAT_AUTO
+    remat: str = "auto"  # auto, none, dots, full, offload (meshpar.layers): see REMAT_AUTO
     grad_accum: int = 1
     decay_steps: int = 0  # length of the cosine schedule; 0: train.steps. Fix it to extend a run by resuming.
     attention_kernel: str = "auto"  # auto, dense, blockwise (cudnn: GPUs); see meshpar.attention
@@ -149,13 +151,15 @@ def plan_state(make_model: ModelFactory, tx: optax.GradientTransformation, mesh:
 
 def init_state(make_model: ModelFactory, tx: optax.GradientTransformation, plan: Sharded,
                seed: int = 0) -> nnx.State:
-    """Create the state directly in its shardings (the same values on every mesh for one seed)."""
+    """Create the state directly in its shardings (the same values on every mesh for one seed), the stacked
+    layers in the pipeline's order at rest (`pipeline.to_rest`)."""
 
     def create() -> nnx.State:
         with nnx.use_eager_sharding(False):
             return nnx.state(TrainState(make_model(nnx.Rngs(seed)), tx))
 
-    return jax.jit(create, out_shardings=plan.shardings)()
+    return pipeline.to_rest(jax.jit(create, out_shardings=plan.shardings)(), plan.mesh,
+                            plan.rules.parallel.pipeline_repeats)
 
 
 # `train.remat = auto`: the policies to try on a platform, fastest first; a run takes the first whose
@@ -166,14 +170,21 @@ REMAT_AUTO = {"cpu": ("dots",)}
 REMAT_AUTO_DEFAULT = ("none", "dots", "full")
 
 
-def remat_candidates(cfg: TrainConfig, platform: str) -> tuple[str, ...]:
-    """The policies `cfg.remat` may run as on `platform`: itself, or auto's candidates."""
-    return REMAT_AUTO.get(platform, REMAT_AUTO_DEFAULT) if cfg.remat == "auto" else (cfg.remat,)
+def remat_candidates(cfg: TrainConfig, platform: str, parallel: ParallelConfig | None = None) -> tuple[str, ...]:
+    """The policies `cfg.remat` may run as on `platform`: itself, or auto's candidates (less `none` where
+    `parallel` offloads the weights: meshpar.offload)."""
+    if cfg.remat != "auto":
+        return (cfg.remat,)
+    candidates = REMAT_AUTO.get(platform, REMAT_AUTO_DEFAULT)
+    if parallel is not None and offload.weights_offloaded(parallel):
+        candidates = tuple(remat for remat in candidates if remat != "none")
+    return candidates
 
 
 def compute_context(plan: Sharded, cfg: TrainConfig) -> context.Compute:
     """How the step computes; `remat = auto` without a memory check is its platform's first candidate."""
-    remat = remat_candidates(cfg, plan.mesh.devices.flat[0].platform)[0]
+    remat = remat_candidates(cfg, plan.mesh.devices.flat[0].platform, plan.rules.parallel)[0]
+    offload.check(plan.rules.parallel, remat)
     return context.Compute(plan.mesh, plan.rules, remat, cfg.attention_kernel)
 
 
@@ -186,7 +197,7 @@ def replica_axes(mesh: Mesh, rules: Rules) -> tuple[str, ...]:
 # A loss: (model, tokens [B, T + 1]) → the mean over the batch's rows (a scalar). With gradient accumulation
 # the step averages it over microbatches, so it must be a mean, not a sum.
 Loss = Callable[[nnx.Module, jax.Array], jax.Array]
-LossFn = Callable[[nnx.State, jax.Array], jax.Array]
+ValueAndGrad = Callable[[nnx.State, jax.Array], tuple[jax.Array, nnx.State]]  # (params, tokens) → (loss, grads)
 
 
 def default_loss(cfg: TrainConfig) -> Loss:
@@ -194,7 +205,7 @@ def default_loss(cfg: TrainConfig) -> Loss:
     return lambda model, tokens_BT: next_token_loss(model, tokens_BT, cfg.loss_chunk)
 
 
-def _accumulated(plan: Sharded, cfg: TrainConfig, loss_fn: LossFn, params: nnx.State,
+def _accumulated(plan: Sharded, cfg: TrainConfig, value_and_grad: ValueAndGrad, params: nnx.State,
                  tokens_BT: jax.Array) -> tuple[jax.Array, nnx.State]:
     """Loss and gradients over `grad_accum` microbatches into a sharded accumulator (module docstring)."""
     mesh, rules = plan.mesh, plan.rules
@@ -215,7 +226,7 @@ def _accumulated(plan: Sharded, cfg: TrainConfig, loss_fn: LossFn, params: nnx.S
     outer = context.active()
     local = dataclasses.replace(outer, vmapped=outer.vmapped + replicas, rules=dataclasses.replace(
         rules, activations=tuple((name, others if name == "batch" else axes) for name, axes in rules.activations)))
-    per_shard = jax.vmap(jax.value_and_grad(loss_fn), in_axes=(None, 0), spmd_axis_name=replicas or None)
+    per_shard = jax.vmap(value_and_grad, in_axes=(None, 0), spmd_axis_name=replicas or None)
     accumulator = jax.tree.map(lambda spec: NamedSharding(mesh, P(replicas or None, *spec)),
                                sharding.state_specs(params, mesh, rules, "grads"), is_leaf=lambda x: isinstance(x, P))
 
@@ -232,27 +243,37 @@ def _accumulated(plan: Sharded, cfg: TrainConfig, loss_fn: LossFn, params: nnx.S
     return loss_sum / (R * K), jax.tree.map(lambda g: g.sum(0) / (R * K), grads_R)
 
 
-def _loss_and_grads(plan: Sharded, cfg: TrainConfig, loss: Loss, model: nnx.Module,
+def _loss_and_grads(plan: Sharded, cfg: TrainConfig, loss: Loss | None, model: nnx.Module,
                     tokens_BT: jax.Array) -> tuple[jax.Array, nnx.State]:
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    loss_fn = lambda p, t: loss(nnx.merge(graphdef, p, rest), t)
-    if cfg.grad_accum == 1:
-        loss, grads = jax.value_and_grad(loss_fn)(params, tokens_BT)
+    if plan.mesh.shape["stage"] > 1 and plan.rules.parallel.pipeline_schedule == "1f1b":  # the loss runs inside
+        value_and_grad = pipeline_1f1b.value_and_grad(graphdef, rest, loss, cfg.loss_chunk)
     else:
-        loss, grads = _accumulated(plan, cfg, loss_fn, params, tokens_BT)
+        loss = loss or default_loss(cfg)
+        value_and_grad = jax.value_and_grad(lambda p, t: loss(nnx.merge(graphdef, p, rest), t))
+    if cfg.grad_accum == 1:
+        loss, grads = value_and_grad(params, tokens_BT)
+    else:
+        loss, grads = _accumulated(plan, cfg, value_and_grad, params, tokens_BT)
     return loss, sharding.constrain_grads(grads, plan.mesh, plan.rules)
 
 
 def loss_and_grads(plan: Sharded, tokens: NamedSharding, cfg: TrainConfig = TrainConfig(),
                    loss: Loss | None = None) -> Callable[[nnx.State, jax.Array], tuple[jax.Array, nnx.State]]:
-    """A jitted `(state, tokens) → (loss, parameter gradients)`: what parity tests compare."""
-    loss = loss or default_loss(cfg)
+    """`(state, tokens) → (loss, parameter gradients)`, jitted: what parity tests compare. The state is at
+    rest (as `init_state` makes it); the gradients come in layer order (`pipeline.to_layers`), as on any mesh."""
 
     def fn(state: nnx.State, tokens_BT: jax.Array) -> tuple[jax.Array, nnx.State]:
         with context.use(compute_context(plan, cfg)):
             return _loss_and_grads(plan, cfg, loss, nnx.merge(plan.graphdef, state).model, tokens_BT)
 
-    return jax.jit(fn, in_shardings=(plan.shardings, tokens))
+    jitted = jax.jit(fn, in_shardings=(plan.shardings, tokens))
+
+    def in_layer_order(state: nnx.State, tokens_BT: jax.Array) -> tuple[jax.Array, nnx.State]:
+        value, grads = jitted(state, tokens_BT)
+        return value, pipeline.to_layers(grads, plan.mesh, plan.rules.parallel.pipeline_repeats)
+
+    return in_layer_order
 
 
 def make_step(plan: Sharded, tokens: NamedSharding, cfg: TrainConfig = TrainConfig(),
@@ -263,20 +284,24 @@ def make_step(plan: Sharded, tokens: NamedSharding, cfg: TrainConfig = TrainConf
     `default_loss(cfg)`. With `cfg.on_nonfinite = "skip"` a step whose loss or gradient norm is not finite
     leaves the state as it was (metrics: `skipped` = 1).
     """
-    loss = loss or default_loss(cfg)
 
     def step(state: nnx.State, tokens_BT: jax.Array) -> tuple[nnx.State, dict[str, jax.Array]]:
         before = jax.tree.leaves(state)  # the arrays; the update below mutates the merged variables
         with context.use(compute_context(plan, cfg)):
             ts = nnx.merge(plan.graphdef, state)
             value, grads = _loss_and_grads(plan, cfg, loss, ts.model, tokens_BT)
-            grad_norm = optax.tree.norm(grads)
-            ts.opt.update(ts.model, grads)
+            offloaded, skip = plan.rules.parallel.offload != "none", cfg.on_nonfinite == "skip"
+            grad_norm = offload.global_norm(ts.model, grads) if offloaded else optax.tree.norm(grads)
+            finite = jnp.isfinite(value) & jnp.isfinite(grad_norm)
+            if offloaded:  # streams the state through the devices a layer at a time (meshpar.offload)
+                offload.update(ts.opt, ts.model, grads, grad_norm, cfg.clip_norm, keep=~finite if skip else None)
+            else:
+                ts.opt.update(ts.model, grads)
             new_state, metrics = nnx.state(ts), {"loss": value, "grad_norm": grad_norm}
-            if cfg.on_nonfinite == "skip":
-                finite = jnp.isfinite(value) & jnp.isfinite(grad_norm)
-                after, structure = jax.tree.flatten(new_state)
-                new_state = structure.unflatten([jnp.where(finite, a, b) for a, b in zip(after, before)])
+            if skip:
+                if not offloaded:
+                    after, structure = jax.tree.flatten(new_state)
+                    new_state = structure.unflatten([jnp.where(finite, a, b) for a, b in zip(after, before)])
                 metrics["skipped"] = (~finite).astype(jnp.int32)
             return new_state, metrics
 

@@ -3,7 +3,8 @@
 Token embedding, pre-norm blocks (RMSNorm → grouped-query causal attention with rotary positions →
 RMSNorm → SwiGLU MLP), a final RMSNorm and an output head, tied to the embedding or not. The blocks are
 stacked along a leading `layers` axis and run with `lax.scan`, so compile time does not grow with depth
-and the pipeline can split that axis into stages.
+and the pipeline can split that axis into stages. Its forward pass also comes in the parts the 1F1B
+schedule takes (`embed`, `blocks`, `final_norm`, `output_head`: `meshpar.pipeline_1f1b`).
 
 The model names LOGICAL axes only (`embed`, `heads`, `kv_heads`, `head_dim`, `mlp`, `vocab`, `layers`
 for parameters; `batch`, `seq` for activations); meshpar's rules decide where they live. Parameters are
@@ -190,8 +191,11 @@ class Transformer(nnx.Module):
         """The final norm's output `[B, T, D]`, which the output head turns into logits."""
         if positions_T is None:
             positions_T = jnp.arange(tokens_BT.shape[1])
-        x_BTD = constrain(gathered(self.embed_VD, self.dtype, lookup=True)[tokens_BT], RESIDUAL)
-        return self.final_norm(layers.scan(self.blocks, x_BTD, positions_T))
+        return self.final_norm(layers.scan(self.blocks, self.embed(tokens_BT), positions_T))
+
+    def embed(self, tokens_BT: jax.Array) -> jax.Array:
+        """The token embeddings `[B, T, D]`: the residual stream entering the first block."""
+        return constrain(gathered(self.embed_VD, self.dtype, lookup=True)[tokens_BT], RESIDUAL)
 
     def init_cache(self, batch: int, length: int) -> tuple[jax.Array, jax.Array]:
         """Empty key and value caches [L, B, S, K, H] of `length` positions, in the compute dtype."""
@@ -203,7 +207,7 @@ class Transformer(nnx.Module):
                v_LBSKH: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Logits [B, T, V] of T new tokens at positions (contiguous), attending over the KV caches and
         everything before them; returns the caches with the new positions written in."""
-        x_BTD = constrain(gathered(self.embed_VD, self.dtype, lookup=True)[tokens_BT], RESIDUAL)
+        x_BTD = self.embed(tokens_BT)
         graphdef, stacked = nnx.split(self.blocks)
 
         def one_layer(x_BTD, layer):

@@ -8,7 +8,7 @@ from jax._src.lib import xla_client  # XLA's own HLO parser/printer, to keep han
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from meshpar.analysis import collectives, compile_report, flops_per_device, memory_per_device
+from meshpar.analysis import collectives, compile_report, flops_per_device, matmul_flops, memory_per_device
 
 BLOCK = 128  # f32 elements per device in the shard_map tests: 512 bytes
 
@@ -124,10 +124,28 @@ def test_replicated_computation_has_no_collectives(auto_mesh):
 def test_memory_per_device_of_sharded_argument(mesh):
     x = jax.device_put(jnp.ones((8, 1024), jnp.float32), NamedSharding(mesh, P("x")))
     memory = memory_per_device(jax.jit(lambda x: x * 2).lower(x).compile())
-    assert set(memory) == {"arguments_bytes", "outputs_bytes", "temp_bytes", "alias_bytes", "peak_bytes"}
+    kinds = ("arguments_bytes", "outputs_bytes", "temp_bytes", "alias_bytes", "peak_bytes")
+    assert set(memory) == {*kinds, *(f"host_{kind}" for kind in kinds)}
     assert memory["arguments_bytes"] == 1024 * 4
     assert memory["outputs_bytes"] == 1024 * 4
     assert memory["peak_bytes"] == memory["arguments_bytes"] + memory["temp_bytes"] + memory["outputs_bytes"]
+    assert all(memory[f"host_{kind}"] == 0 for kind in kinds)
+
+
+def test_memory_in_host_memory_is_counted_there(mesh):
+    """Arguments and outputs placed in host memory (meshpar.offload) leave the device figures for the host's,
+    read from the compiled entry layout (XLA:CPU fills no host fields); a donated one is aliased there."""
+    device = NamedSharding(mesh, P("x"))
+    host = device.with_memory_kind("pinned_host")
+    x, moments = (jax.device_put(jnp.ones((8, 1024), jnp.float32), s) for s in (device, host))
+    step = jax.jit(lambda x, m: (x * 2, m + 1), in_shardings=(device, host), out_shardings=(device, host),
+                   donate_argnums=1)
+    memory = memory_per_device(step.lower(x, moments).compile())
+    assert memory["arguments_bytes"] == 1024 * 4
+    assert 0 <= memory["outputs_bytes"] - 1024 * 4 <= 16  # and the output tuple's table of buffers
+    assert memory["host_arguments_bytes"] == memory["host_outputs_bytes"] == memory["host_alias_bytes"] == 1024 * 4
+    assert memory["alias_bytes"] == 0
+    assert memory["host_peak_bytes"] == 1024 * 4
 
 
 def test_peak_counts_a_donated_buffer_once(mesh):
@@ -141,6 +159,14 @@ def test_flops_of_matmul_is_two_m_n_k():
     m, k, n = 16, 64, 32
     compiled = jax.jit(lambda a, b: a @ b).lower(jnp.ones((m, k)), jnp.ones((k, n))).compile()
     assert flops_per_device(compiled) == 2 * m * n * k
+
+
+def test_matmul_flops_count_a_loop_body_as_often_as_it_runs():
+    m, k, layers = 16, 64, 5
+    scan = lambda x, ws: jax.lax.scan(lambda x, w: (x @ w, None), x, ws)[0]
+    compiled = jax.jit(scan).lower(jnp.ones((m, k)), jnp.ones((layers, k, k))).compile()
+    assert matmul_flops(compiled.as_text()) == layers * 2 * m * k * k
+    assert flops_per_device(compiled) == pytest.approx(2 * m * k * k, abs=8)  # cost_analysis: the body once
 
 
 def test_flops_of_row_sharded_matmul_are_per_device(mesh):

@@ -22,12 +22,14 @@ CONFIG = {"model": dataclasses.asdict(MODEL)}
 EVERY = checkpoint.CheckpointConfig(every=2, keep=2)
 
 
-def train_to(spec: str, steps: int, directory=None, model=MODEL) -> list[dict]:
+def train_to(spec: str, steps: int, directory=None, model=MODEL, offload: str = "none") -> list[dict]:
     """Train the test model to `steps` on the mesh `spec`, resuming from `directory` if it holds one."""
     mesh = mesh_lib.build(mesh_lib.parse(spec))
     # one schedule whatever step the run stops at: a resumed run goes on exactly where it left off
-    cfg = dataclasses.replace(TRAIN, steps=steps, decay_steps=8)
-    result = run(lambda rngs: Transformer(model, dtype=cfg.dtype, rngs=rngs), cfg, CORPUS, mesh, rules.default(),
+    cfg = dataclasses.replace(TRAIN, steps=steps, decay_steps=8,
+                              remat="dots" if offload == "optimizer+params" else TRAIN.remat)
+    parallel = rules.make(rules.ParallelConfig(offload=offload))
+    result = run(lambda rngs: Transformer(model, dtype=cfg.dtype, rngs=rngs), cfg, CORPUS, mesh, parallel,
                  checkpoint_dir=directory and str(directory), checkpoint=EVERY,
                  config={"model": dataclasses.asdict(model)}, progress=False)
     return result.records
@@ -154,4 +156,12 @@ def test_resume_between_pipelined_and_unpipelined_meshes(uninterrupted, tmp_path
     first = train_to("fsdp=8", 2, tmp_path)
     middle = train_to("stage=2,data=4", 4, tmp_path)
     last = train_to("data=8", 6, tmp_path)
+    np.testing.assert_allclose([r["loss"] for r in first + middle + last], uninterrupted["fsdp=8"], rtol=1e-4)
+
+
+def test_resume_between_offloaded_and_device_state(uninterrupted, tmp_path):
+    """Host-offloaded state (meshpar.offload) is saved and restored like any other, onto any mesh."""
+    first = train_to("fsdp=8", 2, tmp_path, offload="optimizer")
+    middle = train_to("data=2,model=4", 4, tmp_path)
+    last = train_to("fsdp=8", 6, tmp_path, offload="optimizer+params")
     np.testing.assert_allclose([r["loss"] for r in first + middle + last], uninterrupted["fsdp=8"], rtol=1e-4)

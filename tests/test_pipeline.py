@@ -1,8 +1,11 @@
-"""The pipeline schedule against the plain layer scan: values and every gradient (float32), bubbles poisoned
-with NaN, the stage shift compiled to collective-permutes, FSDP weights gathered (and gradients reduced)
-once per step, remat bounding activation memory, compile cost independent of the number of microbatches,
-the errors, and the bubble fraction."""
+"""The pipeline schedule against the one-device layer scan: values and every gradient (float32) with the
+bubbles poisoned with NaN in every schedule; the circular schedule's stack at rest in the stage groups'
+order (no weights exchanged per step, checkpoints in layer order); the stage shift compiled to
+collective-permutes; FSDP weights gathered (and gradients reduced) once per step; the bubble in the
+compiled program's matmul FLOPs; remat bounding activation memory; compile cost independent of the number
+of microbatches; the errors."""
 
+import dataclasses
 import functools
 import re
 import time
@@ -14,7 +17,10 @@ import pytest
 from flax import nnx
 
 from conftest import require_devices
-from meshpar import analysis, context, layers, mesh as mesh_lib, pipeline as pp, rules as rules_lib, sharding
+from layouts import CORPUS, MODEL, TRAIN
+from meshpar import analysis, context, mesh as mesh_lib, pipeline as pp, rules as rules_lib, sharding
+from meshpar.checkpoint import CheckpointConfig
+from meshpar.run import run
 from models.transformer import Transformer, TransformerConfig
 
 D, F, T = 32, 64, 8
@@ -67,32 +73,40 @@ def weights(kind: str, n_layers: int) -> tuple[nnx.GraphDef, nnx.State]:
     return graphdef, jax.tree.map(draw, abstract, is_leaf=lambda v: isinstance(v, nnx.Variable))
 
 
+@functools.cache
+def inputs(kind: str, batch: int) -> tuple[jax.Array, jax.Array, tuple[jax.Array, ...]]:
+    """The input x, the probe the loss weighs the output with, and what every layer also takes."""
+    rng = np.random.default_rng(1)
+    x, probe = (jnp.asarray(rng.standard_normal((batch, T, D)), jnp.float32) for _ in range(2))
+    return x, probe, (jnp.arange(T),) if kind == "transformer" else ()  # a Block also takes the positions
+
+
 class Case:
     """A stack's weights placed on a mesh by the parameter rules (layers over stage, embed over fsdp, …)."""
 
     def __init__(self, spec: str, kind: str = "dense", n_layers: int = 8, batch: int = 16):
         self.mesh, self.rules = mesh_lib.build(mesh_lib.parse(spec)), rules_lib.default()
         self.graphdef, state = weights(kind, n_layers)
-        self.state = jax.device_put(state, sharding.state_shardings(state, self.mesh, self.rules))
-        rng = np.random.default_rng(1)
-        self.x, self.probe = (jnp.asarray(rng.standard_normal((batch, T, D)), jnp.float32) for _ in range(2))
-        self.args = (jnp.arange(T),) if kind == "transformer" else ()  # a Block also takes the positions
+        self.state = jax.device_put(state, sharding.state_shardings(state, self.mesh, self.rules))  # layer order
+        self.x, self.probe, self.args = inputs(kind, batch)
 
-    def loss_and_grads(self, run):
-        """jit(value_and_grad) of sum(probe ⊙ run(stack, x)) over the weights and x, under a Compute context."""
+    @functools.cache
+    def at_rest(self, repeats: int) -> nnx.State:
+        """The weights in the order the pipeline with R = `repeats` keeps them (`pipeline.to_rest`)."""
+        return pp.to_rest(self.state, self.mesh, repeats)
+
+    def pipelined(self, **kwargs):
+        """jit(value_and_grad) of sum(probe ⊙ pipeline(stack, x)) over the weights at rest and x."""
 
         def loss(state, x):
             with context.use(context.Compute(self.mesh, self.rules)):
-                y = run(nnx.merge(self.graphdef, state), x, *self.args)
+                y = pp.pipeline(nnx.merge(self.graphdef, state), x, *self.args, mesh=self.mesh, **kwargs)
             return jnp.sum(self.probe * y), y
 
         return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
 
-    def pipelined(self, **kwargs):
-        return self.loss_and_grads(lambda stack, x, *args: pp.pipeline(stack, x, *args, mesh=self.mesh, **kwargs))
-
     def compiled(self, **kwargs):
-        return self.pipelined(**kwargs).lower(self.state, self.x).compile()
+        return self.pipelined(**kwargs).lower(self.at_rest(kwargs.get("repeats", 1)), self.x).compile()
 
 
 @functools.cache
@@ -101,40 +115,54 @@ def case(spec: str, kind: str = "dense", n_layers: int = 8, batch: int = 16) -> 
     return Case(spec, kind, n_layers, batch)
 
 
+def plain_scan(graphdef: nnx.GraphDef, state: nnx.State, x: jax.Array, *args: jax.Array) -> jax.Array:
+    """The layers in order by `lax.scan`, written here: no meshpar.layers, no pipeline, no mesh context."""
+    return jax.lax.scan(lambda h, layer: (nnx.merge(graphdef, layer)(h, *args), None), x, state)[0]
+
+
 @functools.cache
-def reference(spec: str, kind: str, n_layers: int, batch: int):
-    """Output and gradients of the plain layer scan on the same mesh and weights."""
-    c = case(spec, kind, n_layers, batch)
-    return jax.tree.map(np.asarray, c.loss_and_grads(layers.scan)(c.state, c.x))
+def reference(kind: str, n_layers: int, batch: int):
+    """Output and gradients (layer order) of the plain scan on one device, of the loss `Case.pipelined` takes."""
+    graphdef, state = weights(kind, n_layers)
+    x, probe, args = inputs(kind, batch)
+
+    def loss(state, x):
+        y = plain_scan(graphdef, state, x, *args)
+        return jnp.sum(probe * y), y
+
+    one_device = jax.devices()[0]
+    return jax.tree.map(np.asarray, jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(
+        jax.device_put(state, one_device), jax.device_put(x, one_device)))
 
 
 def relative_error(a, b) -> float:
     return float(np.max(np.abs(np.asarray(a) - b)) / (np.max(np.abs(b)) + 1e-30))
 
 
-# (model, mesh, S, M, R, remat, poison); L = 8 unless S·R = 16. Every S in {2, 4, 8}, M in {1, S, 2S},
-# R in {1, 2}, remat policy and mesh appears; M < S with R > 1 exercises the circular schedule's wait.
+# (model, mesh, S, M, R, remat); L = 8 unless S·R = 16. Every S in {2, 4, 8}, M in {1, S, 2S}, R in
+# {1, 2}, remat policy and mesh appears; M < S with R > 1 exercises the circular schedule's wait.
 CASES = [
-    ("transformer", "stage=4,data=2", 4, 4, 1, "none", True),
-    ("transformer", "stage=2,fsdp=2,model=2", 2, 4, 2, "full", True),
-    ("dense", "stage=2,data=2,fsdp=2", 2, 1, 1, "none", True),
-    ("dense", "stage=2,data=2,fsdp=2", 4, 8, 2, "dots", True),  # two stages per device group
-    ("dense", "stage=4,data=2", 4, 1, 2, "none", True),
-    ("dense", "stage=4,data=2", 4, 8, 1, "dots", False),
-    ("dense", "stage=8", 8, 8, 1, "none", False),
-    ("dense", "stage=8", 8, 16, 2, "full", True),
+    ("transformer", "stage=4,data=2", 4, 4, 1, "none"),
+    ("transformer", "stage=2,fsdp=2,model=2", 2, 4, 2, "full"),
+    ("dense", "stage=2,data=2,fsdp=2", 2, 1, 1, "none"),
+    ("dense", "stage=2,data=2,fsdp=2", 4, 8, 2, "dots"),  # two stages per device group
+    ("dense", "stage=4,data=2", 4, 1, 2, "none"),
+    ("dense", "stage=4,data=2", 4, 8, 1, "dots"),
+    ("dense", "stage=8", 8, 8, 1, "none"),
+    ("dense", "stage=8", 8, 16, 2, "full"),
 ]
 
 
-@pytest.mark.parametrize("kind,spec,S,M,R,remat,poison", CASES,
-                         ids=[f"{k}-{m}-S{s}-M{mb}-R{r}-{rm}{'-poison' if p else ''}"
-                              for k, m, s, mb, r, rm, p in CASES])
-def test_matches_layer_scan(kind, spec, S, M, R, remat, poison):
+@pytest.mark.parametrize("kind,spec,S,M,R,remat", CASES,
+                         ids=[f"{k}-{m}-S{s}-M{mb}-R{r}-{rm}" for k, m, s, mb, r, rm in CASES])
+def test_matches_one_device(kind, spec, S, M, R, remat):
+    """With every bubble slot poisoned with NaN: a bubble value reaching the result or a gradient shows."""
     n_layers, batch = max(8, S * R), max(16, 4 * M)
     c = case(spec, kind, n_layers, batch)
     (_, y), (grads, grad_x) = c.pipelined(stages=S, microbatches=M, repeats=R, remat=remat,
-                                          poison_bubbles=poison)(c.state, c.x)
-    (_, y_ref), (grads_ref, grad_x_ref) = reference(spec, kind, n_layers, batch)
+                                          poison_bubbles=True)(c.at_rest(R), c.x)
+    grads = pp.to_layers(grads, c.mesh, R)
+    (_, y_ref), (grads_ref, grad_x_ref) = reference(kind, n_layers, batch)
     leaves = jax.tree.leaves((y, grad_x, grads))
     assert all(np.isfinite(np.asarray(leaf)).all() for leaf in leaves)
     assert relative_error(y, y_ref) < 1e-5
@@ -144,17 +172,18 @@ def test_matches_layer_scan(kind, spec, S, M, R, remat, poison):
     assert max(jax.tree.leaves(errors)) < 1e-5, errors
 
 
-def test_bubbles_are_poisoned_and_never_reach_the_result():
+@pytest.mark.parametrize("R", [1, 2])
+def test_bubbles_are_poisoned_and_never_reach_the_result(R):
     c = case("stage=4,data=2")
-    S, M = 4, 2
+    S, M = 4, 2  # R = 2: M < S, the circular schedule waits for microbatches to come round
 
     @jax.jit
-    def run(state, x):
+    def forward(state, x):
         with context.use(context.Compute(c.mesh, c.rules)):
-            return pp._run(nnx.merge(c.graphdef, state), x, mesh=c.mesh, stages=S, microbatches=M, repeats=1,
+            return pp._run(nnx.merge(c.graphdef, state), x, mesh=c.mesh, stages=S, microbatches=M, repeats=R,
                            remat="none", poison_bubbles=True)
 
-    y, final_state, io = jax.device_get(run(c.state, c.x))
+    y, final_state, io = jax.device_get(forward(c.at_rest(R), c.x))
     # the last iteration is a bubble for every stage but the last: its outputs are NaN, shifted on
     assert np.isnan(final_state[1:]).all() and np.isfinite(final_state[0]).all()
     assert np.isnan(io[1:]).all()  # the I/O copies of stages other than 0 are poison, never read
@@ -162,15 +191,62 @@ def test_bubbles_are_poisoned_and_never_reach_the_result():
     np.testing.assert_allclose(y, io[0].swapaxes(0, 1).reshape(y.shape))
 
 
-def test_stage_shift_is_one_collective_permute_per_iteration():
+@pytest.mark.parametrize("R", [1, 2])
+def test_stage_shift_is_the_only_collective_inside_the_loop(R):
+    """R = 2 too: each stage's chunks lie on its devices at rest, so no weight (or gradient) is exchanged
+    between stages in the step (stored contiguously they were: an all-to-all each way per weight)."""
     c = case("stage=4,data=2")
     S, M = 4, 4
-    counts = analysis.collectives(c.compiled(stages=S, microbatches=M).as_text())
-    n = pp.iterations(S, M)
+    counts = analysis.collectives(c.compiled(stages=S, microbatches=M, repeats=R).as_text())
+    n = pp.iterations(S, M, R)
     microbatch_bytes = (c.x.shape[0] // M) // c.mesh.shape["data"] * T * D * 4
     # forward: stage s → s+1 each iteration; backward: the transposed permute, s+1 → s
     assert counts["collective-permute"] == {"count": 2 * n, "bytes": 2 * n * microbatch_bytes}
-    assert "all-gather" not in counts  # no fsdp on this mesh; stage weights are never gathered
+    # once per step, after the loop: the weight gradients over data; the result leaving stage 0 and x's
+    # gradient over stage (no fsdp on this mesh: stage weights are never gathered)
+    assert set(counts) == {"collective-permute", "all-reduce"} and counts["all-reduce"]["count"] == 2
+
+
+def test_stack_at_rest_holds_each_stage_groups_chunks():
+    """Position (g, r, j) of the stack at rest holds layer (r·k + g)·J + j (k = 2 stage groups, J = L/(k·R));
+    each array keeps its sharding, the conversion is one all-to-all over stage, `to_layers` undoes it."""
+    c = case("stage=2,data=2,fsdp=2")
+    assert pp.to_rest(c.state, c.mesh, 1) is c.state  # R = 1: contiguous blocks are the stages' layers
+    for R in (2, 4):
+        rest = pp.to_rest(c.state, c.mesh, R)
+        order = np.arange(8).reshape(R, 2, -1).swapaxes(0, 1).reshape(-1)
+        for ordered, at_rest in zip(jax.tree.leaves(c.state), jax.tree.leaves(rest), strict=True):
+            np.testing.assert_array_equal(np.asarray(at_rest), np.asarray(ordered)[order])
+            assert at_rest.sharding == ordered.sharding
+        for ordered, back in zip(jax.tree.leaves(c.state), jax.tree.leaves(pp.to_layers(rest, c.mesh, R))):
+            np.testing.assert_array_equal(np.asarray(back), np.asarray(ordered))
+        w = c.state["w_in_DF"][...]
+        for to_rest in (True, False):
+            hlo = pp._swap_chunks.lower(w, w.sharding, 0, R, to_rest).compile().as_text()
+            assert analysis.collectives(hlo) == {"all-to-all": {"count": 1, "bytes": w.nbytes // 4}}
+    with pytest.raises(ValueError, match=r"L = 8 layers cannot be stored as stage=2 blocks of R = 8 chunks each"):
+        pp.to_rest(c.state, c.mesh, 8)
+
+
+def test_checkpoints_hold_layer_order(tmp_path):
+    """A run with R = 2 saves its layers in order: it resumes on one device and back again, with the losses
+    of a run that was never interrupted (init, save and restore convert the order at rest)."""
+    require_devices(8)
+    model = dataclasses.replace(MODEL, n_layers=4)
+    cfg = dataclasses.replace(TRAIN, decay_steps=6)  # one schedule whatever step a run stops at
+
+    def train_to(spec: str, steps: int, directory=None) -> list[float]:
+        mesh = mesh_lib.build(mesh_lib.parse(spec), jax.devices()[:1] if spec == "" else None)
+        rules = rules_lib.make(rules_lib.ParallelConfig(microbatches=2, pipeline_repeats=2))
+        result = run(lambda rngs: Transformer(model, dtype=cfg.dtype, rngs=rngs),
+                     dataclasses.replace(cfg, steps=steps), CORPUS, mesh, rules,
+                     checkpoint_dir=directory and str(directory), checkpoint=CheckpointConfig(every=2, keep=2),
+                     config={"model": dataclasses.asdict(model)}, progress=False)
+        return [record["loss"] for record in result.records]
+
+    pipelined = "stage=2,data=4"
+    resumed = train_to(pipelined, 2, tmp_path) + train_to("", 4, tmp_path) + train_to(pipelined, 6, tmp_path)
+    np.testing.assert_allclose(resumed, train_to(pipelined, 6), rtol=1e-4)
 
 
 @pytest.mark.parametrize("spec,R", [("stage=2,fsdp=2,model=2", 1), ("stage=2,data=2,fsdp=2", 2)])
@@ -182,6 +258,7 @@ def test_weights_gathered_and_gradients_reduced_once_per_step(spec, R):
     weights = c.state["w_in_DF"][...], c.state["w_out_FD"][...]
     per_device = sum(w.nbytes // c.mesh.shape["stage"] // c.mesh.shape["model"] for w in weights)
     assert counts[2]["all-gather"] == {"count": len(weights), "bytes": per_device}
+    assert "all-to-all" not in counts[2]  # R = 2: each stage's chunks lie on its devices at rest
     if c.mesh.shape["model"] == 1:  # (tensor parallelism all-reduces inside every layer, per microbatch)
         # one all-reduce of the weight gradients over data × fsdp (with the loss), one over stage (the
         # result leaving stage 0 and x's gradient): neither runs inside the loop
@@ -244,9 +321,20 @@ def test_microbatch_must_divide_over_data_and_fsdp():
         pp.pipeline(nnx.merge(c.graphdef, c.state), c.x, mesh=c.mesh, stages=2, microbatches=8)
 
 
+@functools.cache
+def unpipelined_flops(n_layers: int, batch: int) -> int:
+    graphdef, state = weights("dense", n_layers)
+    x = jax.ShapeDtypeStruct((batch, T, D), jnp.float32)
+    return analysis.matmul_flops(jax.jit(functools.partial(plain_scan, graphdef)).lower(state, x).compile().as_text())
+
+
 @pytest.mark.parametrize("M", [1, 4, 8, 16])
 @pytest.mark.parametrize("R", [1, 2])
 def test_bubble_fraction(M, R):
+    """The formula, and the bubble in the compiled forward pass: 1 − (the unpipelined stack's matmul FLOPs
+    / 8 devices) / one device's. Every iteration computes, bubbles included, so the device's FLOPs are
+    n iterations × L/(R·S) layers on one microbatch: the bubble is 1 − R·M/n, n = `iterations`. The
+    README's table is this test's; stated tolerance 0.001 (measured: equal to float precision)."""
     S = 4
     if R == 1 or M >= S:
         assert pp.bubble_fraction(S, M, R) == pytest.approx((S - 1) / (R * M + S - 1))
@@ -254,3 +342,13 @@ def test_bubble_fraction(M, R):
         assert pp.bubble_fraction(S, M, R) == pytest.approx(1 - R * M / ((R - 1) * S + M + S - 1))
         assert pp.bubble_fraction(S, M, R) > (S - 1) / (R * M + S - 1)
     assert pp.bubble_fraction(S, 1) == pytest.approx((S - 1) / S)  # naive model parallelism
+
+    c = case("stage=4,data=2", batch=64)
+
+    def forward(state, x):
+        with context.use(context.Compute(c.mesh, c.rules)):
+            return pp.pipeline(nnx.merge(c.graphdef, state), x, mesh=c.mesh, stages=S, microbatches=M, repeats=R)
+
+    pipelined = analysis.matmul_flops(jax.jit(forward).lower(c.at_rest(R), c.x).compile().as_text())
+    measured = 1 - unpipelined_flops(8, 64) / c.mesh.size / pipelined
+    assert measured == pytest.approx(pp.bubble_fraction(S, M, R), abs=1e-3)

@@ -6,6 +6,7 @@ import json
 import math
 import re
 import warnings
+from pathlib import Path
 
 import jax
 import pytest
@@ -15,8 +16,9 @@ from layouts import MODEL, TRAIN, Layout as Compiled
 
 import configs
 from launch import plan as plan_cli
-from meshpar import attention, mesh as mesh_lib, pipeline, plan, rules as rules_lib, sharding, train
-from meshpar.plan_cost import Layout, Run, Shape, check, collectives, memory, mfu, palm_flops_per_token, totals
+from meshpar import attention, fit, mesh as mesh_lib, offload, pipeline, plan, rules as rules_lib, sharding, train
+from meshpar.plan_cost import (Layout, Run, Shape, check, collectives, host_traffic, layer_bytes_per_token, memory,
+                               mfu, palm_flops_per_token, totals)
 from models.transformer import Transformer
 
 # --- the parameter count is exact ------------------------------------------------------------------------
@@ -109,11 +111,13 @@ def test_what_the_cpu_emits_instead_of_reduce_scatter():
     assert abs(measured["all-reduce"]["bytes"] - (four_psi - head)) / four_psi < 0.01
 
 
-def test_remat_makes_fsdp_gather_the_layers_twice():
-    once, twice = (compiler_report(name)["collectives"]["all-gather"]["bytes"]
-                   for name in ("zero 3 (fsdp)", "fsdp + remat full"))
+def test_fsdp_gathers_the_layers_twice_with_or_without_remat():
+    """Remat `none` keeps no gathered weight for the backward pass either (meshpar.layers): both gather
+    every layer in the forward and again in the backward pass; the embedding and head once."""
+    none, full = (compiler_report(name)["collectives"]["all-gather"] for name in ("zero 3 (fsdp)", "fsdp + remat full"))
     layers = 4 * Shape.of(MODEL).layer_params * MODEL.n_layers
-    assert twice - once == pytest.approx(layers, rel=0.01)  # forward + recompute; embedding and head once
+    assert none["bytes"] == pytest.approx(full["bytes"], abs=0.01 * layers)  # full gathers the norm scales again too
+    assert none["bytes"] > 2 * layers
 
 
 # --- published numbers --------------------------------------------------------------------------------------
@@ -229,6 +233,88 @@ def test_predicted_mfu_next_to_llama3_405b():
     assert 0.7 * 0.43 < best < 0.43, best
 
 
+# --- host offload (meshpar.offload): what leaves the devices, what the host holds, what the copies cost ----
+
+LLAMA_8B = Shape.of(configs.load("llama_8b").model)
+RUN_8K = Run(64, 8192)
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_offload_moves_the_zero_offload_bytes_to_the_host(zero):
+    """fsdp=8 × model=8, per device: `optimizer` moves the Adam moments 8Ψ/N_opt to host memory;
+    `optimizer+params` also the float32 weights 4Ψ/N_params (host states) and the gradients 4Ψ/N_grads
+    (host temp); N as ZeRO splits them over fsdp (model_states), / 8 for tensor parallelism (all but the
+    norm scales). The update streams the stacks a layer at a time, so the largest states it brings to the
+    device are the embedding's (or head's): V·D elements split over model (its weights under ZeRO-2) or
+    fsdp × model; one layer's SwiGLU matrix is 1/L of a stack, D·F, smaller."""
+    base = Layout(fsdp=8, model=8, zero_stage=zero, remat="full")
+    none, opt, both = (memory(LLAMA_8B, dataclasses.replace(base, offload=o), RUN_8K) for o in rules_lib.OFFLOAD)
+    states = plan.model_states(LLAMA_8B.params, zero, 8, "fp32")
+    close = lambda planned, formula: planned == pytest.approx(formula / 8, rel=1e-3)
+    assert none.host == 0 and opt.optimizer == opt.host_temp == 0 and close(opt.host_states, states["optimizer"])
+    assert (opt.params, opt.grads, opt.activations) == (none.params, none.grads, none.activations)
+    assert both.params == both.grads == both.optimizer == 0
+    assert close(both.host_states, states["optimizer"] + states["params"]) and close(both.host_temp, states["grads"])
+    embedding = LLAMA_8B.vocab * LLAMA_8B.d_model / 64
+    assert LLAMA_8B.d_model * LLAMA_8B.d_ff < LLAMA_8B.vocab * LLAMA_8B.d_model
+    assert opt.update == pytest.approx(8 * embedding)
+    assert both.update == pytest.approx((4 * (8 if zero == 2 else 1) + 4 + 8) * embedding)
+    assert none.total > opt.total > both.total
+
+
+def test_activation_offload_keeps_full_remats_inputs_on_the_device_and_the_rest_on_the_host():
+    """Remat `offload`: the device keeps each layer's input (as `full`), host memory what `dots` keeps beyond it."""
+    lay = Layout(fsdp=8, remat="offload")
+    per_token = lambda remat, saved=True: layer_bytes_per_token(LLAMA_8B, dataclasses.replace(lay, remat=remat),
+                                                                RUN_8K, saved=saved)
+    tokens = RUN_8K.global_batch / 8 * RUN_8K.seq_len
+    full, off = (memory(LLAMA_8B, dataclasses.replace(lay, remat=remat), RUN_8K) for remat in ("full", "offload"))
+    assert off.host_temp == pytest.approx((per_token("dots") - per_token("full")) * LLAMA_8B.layers * tokens)
+    kept = lambda mem, remat: mem.activations - per_token(remat, saved=False) * tokens  # without one layer's work
+    assert kept(off, "offload") == pytest.approx(kept(full, "full")) and off.host_states == 0
+
+
+def test_the_time_model_charges_the_host_copies():
+    """Not overlapped (meshpar.plan_time), at 64 GB/s × 0.8 each way: `optimizer` the moments in and out for
+    the update; `optimizer+params` also the weights fetched in the forward pass and again in the backward
+    (embedding and head once), the gradients out, the update's weights and gradients in and weights out;
+    remat `offload` its projections out in the forward pass and back in the backward."""
+    hw, bw = plan.parse_hardware("h100"), 64e9 * 0.8
+    lay = Layout(fsdp=8, remat="full")
+    est = {o: plan.estimate(LLAMA_8B, dataclasses.replace(lay, offload=o), RUN_8K, hw, 8) for o in rules_lib.OFFLOAD}
+    moments, weights = 8 * LLAMA_8B.params / 8, 4 * LLAMA_8B.params / 8
+    layers = 4 * LLAMA_8B.layer_params * LLAMA_8B.layers / 8
+    assert est["none"].host_s == 0 and est["optimizer"].host_s == pytest.approx(2 * moments / bw)
+    assert est["optimizer"].step_s - est["none"].step_s == pytest.approx(est["optimizer"].host_s)
+    h2d = moments + (weights - layers) + 2 * layers + 2 * weights
+    d2h = moments + 2 * weights
+    both = dataclasses.replace(lay, offload="optimizer+params")
+    assert host_traffic(LLAMA_8B, both, RUN_8K) == pytest.approx((h2d, d2h))
+    assert est["optimizer+params"].host_s == pytest.approx((h2d + d2h) / bw)
+    act = dataclasses.replace(lay, remat="offload")
+    out, back = host_traffic(LLAMA_8B, act, RUN_8K)
+    assert out == back == pytest.approx(memory(LLAMA_8B, act, RUN_8K).host_temp)  # one microbatch: all it keeps
+    assert plan.estimate(LLAMA_8B, act, RUN_8K, hw, 8).host_s == pytest.approx(2 * out / bw)
+
+
+@pytest.mark.parametrize(("spec", "setting"), [("data=2,fsdp=2,model=2", "optimizer"),
+                                               ("stage=2,fsdp=2,model=2", "optimizer+params")])
+def test_offloaded_model_states_match_the_compilers_device_and_host_arguments(spec, setting):
+    """The planner's model states per device, on the device and in host memory, against XLA's argument bytes
+    in each (meshpar.analysis), for the test model's step compiled on 8 CPU devices (dots remat)."""
+    require_devices(8)
+    cfg, parallel = dataclasses.replace(TRAIN, remat="dots"), rules_lib.ParallelConfig(offload=setting)
+    mesh = mesh_lib.build(mesh_lib.parse(spec))
+    compiled = fit.compile_step(lambda rngs: Transformer(MODEL, dtype=cfg.dtype, rngs=rngs), cfg, mesh,
+                                rules_lib.make(parallel))["memory_per_device"]
+    lay = plan.layout_of(dict(mesh.shape), parallel, cfg, "cpu")
+    mem = plan.layout_memory(MODEL, dict(mesh.shape), parallel, cfg, "cpu")
+    tokens = TRAIN.global_batch // (lay.data * lay.fsdp) * (TRAIN.seq_len + 1) * 4
+    assert lay.offload == setting
+    assert mem.params + mem.optimizer + tokens == pytest.approx(compiled["arguments_bytes"], rel=0.05)
+    assert mem.host_states == pytest.approx(compiled["host_arguments_bytes"], rel=0.05)
+
+
 # --- the search ------------------------------------------------------------------------------------------
 
 
@@ -250,7 +336,9 @@ def assert_builds(model_cfg, est: plan.Estimate, global_batch: int, seq_len: int
     mesh = mesh_lib.build(mesh_lib.MeshConfig(**lay.sizes).resolve(len(devices)), devices)
     parallel = rules_lib.ParallelConfig(zero_stage=lay.zero_stage, sequence_parallel=lay.sequence_parallel,
                                         context_attention=lay.context_attention, load_balance=lay.load_balance,
-                                        microbatches=lay.microbatches, pipeline_repeats=lay.pipeline_repeats)
+                                        microbatches=lay.microbatches, pipeline_repeats=lay.pipeline_repeats,
+                                        offload=lay.offload)
+    offload.check(parallel, lay.remat)
     rules = rules_lib.make(parallel)
     cfg = train.TrainConfig(global_batch=global_batch, seq_len=seq_len, remat=lay.remat, grad_accum=lay.grad_accum)
     with nnx.use_eager_sharding(False):
@@ -332,6 +420,32 @@ def test_best_layout_gives_a_mesh_and_valid_overrides():
     assert cfg.train.remat == overrides["train.remat"] and cfg.parallel.zero_stage == overrides["parallel.zero_stage"]
 
 
+def test_a_model_that_fits_only_with_offload_gets_an_offload_pick(capsys):
+    """llama_70b on one host of 8 H100s, batch 8 × 8192: no layout fits in 72 GB per device (see the next
+    test); with the weights, gradients and moments in host memory (141 GB of the 225 usable per device) it
+    does, and the README states the pick. Every offload layout ranked builds, and the pick's overrides
+    give the same layout back."""
+    from meshpar import config as config_lib
+
+    model = configs.load("llama_70b").model
+    result = plan.search(model, devices=8, devices_per_host=8, hardware="h100", global_batch=8, seq_len=8192, top=5)
+    pick = result.ranked[0]
+    assert plan.describe(pick.layout) == "fsdp=8 zero=3 remat=full offload=optimizer+params"
+    assert all(e.fits and e.layout.offload != "none" and e.host_s > 0 for e in result.ranked)
+    assert pick.memory.host == pytest.approx(16 * Shape.of(model).params / 8, rel=1e-3)
+    assert pick.memory.host <= pick.host_budget == 225e9
+    for est in result.ranked:
+        assert_builds(model, est, 8, 8192, [FakeDevice(i, 0) for i in range(8)])
+    cfg = config_lib.apply(configs.load("llama_70b"), [f"{k}={v}" for k, v in plan.overrides(pick.layout).items()])
+    assert plan.layout_of(pick.layout.sizes, cfg.parallel, cfg.train) == pick.layout
+    planner_section = (Path(__file__).parents[1] / "README.md").read_text().split("## Planning a layout")[1]
+    assert "`fsdp=8`, ZeRO-3, `full` remat, `parallel.offload=optimizer+params`" in planner_section.split("\n## ")[0]
+    plan_cli.main(["--config", "llama_70b", "--devices", "8", "--global-batch", "8", "--top", "2"])
+    out = capsys.readouterr().out
+    assert re.search(r"remat +offload +accum .* update +total +host +fits .* host s", out)
+    assert "full   optimizer+params" in out and "s of host↔device copies" in out
+
+
 # --- bad input ----------------------------------------------------------------------------------------------
 
 
@@ -341,6 +455,9 @@ def test_unknown_hardware_is_refused():
     with pytest.raises(ValueError, match="lacks hbm_bw"):
         plan.parse_hardware("flops=1e15,hbm=8e10,link_bw=4e11,net_bw=5e10")
     assert plan.parse_hardware("h100,hbm=94e9").hbm == 94e9
+    assert plan.parse_hardware("gh200").host_bw == 450e9 and not plan.parse_hardware("h100,host_bw=0").offloads
+    with pytest.raises(ValueError, match="host_mem = -1.0 must be >= 0"):
+        plan.parse_hardware("h100,host_mem=-1")
 
 
 def test_devices_not_divisible_by_devices_per_host_are_refused():
@@ -349,10 +466,16 @@ def test_devices_not_divisible_by_devices_per_host_are_refused():
 
 
 def test_a_model_that_fits_no_layout_gets_the_smallest_requirement():
-    with pytest.raises(plan.NothingFits, match=r"nothing fits: the smallest layout needs [\d.]+ GB per device "
-                                               r"\(.*\), but h100 has 72.0 GB usable") as err:
-        plan.search(configs.load("llama_70b").model, devices=8, devices_per_host=8, hardware="h100",
-                    global_batch=8, seq_len=8192)
+    """llama_70b on 4 H100s: even with everything in host memory (16 bytes × 70.6B / 4 = 282 GB per device)
+    the host's 225 GB per device do not hold it; without host offload the smallest need is device memory."""
+    model = configs.load("llama_70b").model
+    with pytest.raises(plan.NothingFits, match=r"nothing fits: the smallest layout needs [\d.]+ GB per device and "
+                                               r"282.2 GB of host memory per device \(.*offload=optimizer\+params\), "
+                                               r"but h100 has 72.0 GB usable \(90% of 80 GB\) and 225.0 GB of host"):
+        plan.search(model, devices=4, devices_per_host=8, hardware="h100", global_batch=8, seq_len=8192)
+    with pytest.raises(plan.NothingFits, match=r"needs [\d.]+ GB per device \(.* remat=full\), but h100,host_mem=0 "
+                                               r"has 72.0 GB usable \(90% of 80 GB\); use more") as err:
+        plan.search(model, devices=8, devices_per_host=8, hardware="h100,host_mem=0", global_batch=8, seq_len=8192)
     assert err.value.smallest.memory.total > 72e9
 
 
@@ -390,7 +513,7 @@ def test_cli_params_only(capsys):
 @pytest.mark.parametrize(("argv", "message"), [
     (["--config", "llama_8b", "--devices", "64", "--hardware", "tpu"], "unknown hardware 'tpu'"),
     (["--config", "llama_8b", "--devices", "12"], "12 devices are not divisible by 8 devices per host"),
-    (["--config", "llama_70b", "--devices", "8", "--global-batch", "8"], "nothing fits: the smallest layout needs"),
+    (["--config", "llama_70b", "--devices", "4", "--global-batch", "8"], "nothing fits: the smallest layout needs"),
     (["--config", "llama_8b", "--devices", "64", "--set", "train.remat=full"], "layout settings need --mesh"),
     (["--config", "llama_8b", "--devices", "64", "--mesh", "data=4,model=16"],
      "does not build: n_heads 32 and n_kv_heads 8 must be divisible by model = 16"),

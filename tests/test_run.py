@@ -157,11 +157,13 @@ def test_a_diverging_run_stops_and_keeps_its_last_good_checkpoint(tmp_path):
         assert all(np.isfinite(leaf).all() for leaf in leaves), step
 
 
-def test_skip_mode_leaves_the_state_finite(tmp_path):
+@pytest.mark.parametrize("offload", ["none", "optimizer"])  # offload skips inside its streamed update
+def test_skip_mode_leaves_the_state_finite(tmp_path, offload):
     require_devices(8)
     mesh = mesh_lib.build(mesh_lib.parse("fsdp=8"))
     cfg = dataclasses.replace(TRAIN, steps=12, lr=1e3, clip_norm=1e9, on_nonfinite="skip")
-    result = run(lambda rngs: Transformer(MODEL, rngs=rngs), cfg, CORPUS, mesh, rules.default(), progress=False,
+    parallel = rules.make(rules.ParallelConfig(offload=offload))
+    result = run(lambda rngs: Transformer(MODEL, rngs=rngs), cfg, CORPUS, mesh, parallel, progress=False,
                  checkpoint_dir=str(tmp_path), checkpoint=checkpoint.CheckpointConfig(every=4))
     skipped = [r["step"] for r in result.records if r["skipped"]]
     assert skipped, [r["loss"] for r in result.records]

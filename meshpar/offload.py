@@ -1,0 +1,150 @@
+"""Host offload: the optimizer state, and optionally the float32 weights, kept in host memory (ZeRO-Offload).
+
+`parallel.offload` chooses what lives in the host memory of each device's host ("pinned_host" memory
+kind), in the same sharding it would have on the devices:
+
+| offload          | in host memory, per device                     | device bytes saved (Ψ parameters) |
+|------------------|------------------------------------------------|-----------------------------------|
+| none             | –                                              | –                                 |
+| optimizer        | the Adam moments                               | 8Ψ / N_opt                        |
+| optimizer+params | the moments and the float32 weights            | 8Ψ / N_opt + 4Ψ / N_params        |
+
+(N_opt, N_params: the ways the `optimizer` / `params` rules split them: ZeRO stage, FSDP, TP, PP.)
+
+Where things run. The forward and backward passes and the update run on the devices; host memory only
+stores. Under `optimizer+params` each weight is fetched to the device where a layer uses it
+(`sharding.gathered`, inside the layer scan: one layer at a time) and its gradient, the transpose of
+that fetch, lands in host memory. The update (`update`) streams: a scan over the stacked `[L, ...]`
+weights brings one layer's moments (and weights and gradients) to the devices, updates them and writes
+them back to host memory, so the devices hold one layer's share at a time, not a whole stack; the
+embedding, head and final norm follow in one more pass. Host↔device traffic per step and device: 16Ψ/N_opt
+for `optimizer` (moments in and out); `optimizer+params` adds 8Ψ/N_params of weight fetches (forward and
+backward), 4Ψ/N of gradients out, and the weights and gradients in and weights out for the update (12Ψ/N).
+`optimizer+params` needs the backward pass to fetch the weights again, so `train.remat=none`, which
+would keep every layer's fetched weights on the device until the backward pass, is refused with it.
+
+The step count and other scalars stay on the devices. On XLA:CPU host and device memory are the same
+RAM (the placement is recorded and honoured, the copies are no-ops), so tests here prove the numbers
+and the memory accounting (`meshpar.analysis.memory_per_device` reads the placement from the compiled
+program); the speed is a GPU's to measure.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from meshpar.errors import InputError
+from meshpar.rules import ParallelConfig
+
+HOST = "pinned_host"
+
+
+def in_host_memory(variable: nnx.Variable, parallel: ParallelConfig) -> bool:
+    """Whether this state variable lives in host memory under `parallel.offload`."""
+    if parallel.offload == "none" or not variable.shape:  # scalars (step counts) stay on the devices
+        return False
+    return parallel.offload == "optimizer+params" or not isinstance(variable, nnx.Param)
+
+
+def weights_offloaded(parallel: ParallelConfig) -> bool:
+    return parallel.offload == "optimizer+params"
+
+
+def to_device(tree):
+    """Each array of `tree` in device memory, moved one by one (a no-op for arrays already there)."""
+    return jax.tree.map(lambda x: jax.device_put(x, jax.memory.Space.Device), tree)
+
+
+def check(parallel: ParallelConfig, remat: str) -> None:
+    """Refuse what host offload cannot run (the remat policy is the one the step runs)."""
+    if weights_offloaded(parallel) and remat == "none":
+        raise InputError("parallel.offload = 'optimizer+params' with train.remat = 'none' would keep every "
+                         "layer's fetched weights on the devices until the backward pass: use train.remat = "
+                         "dots, full or offload")
+
+
+def _layered(model: nnx.Module) -> Any:
+    """The model's weights as a tree of bools: True for a stacked `[L, ...]` weight (`layers` first)."""
+    return jax.tree.map(lambda v: (v.get_metadata().get("out_sharding") or (None,))[0] == "layers",
+                        nnx.state(model, nnx.Param), is_leaf=lambda v: isinstance(v, nnx.Variable))
+
+
+def global_norm(model: nnx.Module, grads: nnx.State) -> jax.Array:
+    """The gradient's global norm (what clipping uses), the stacked gradients read a layer at a time."""
+    leaves = jax.tree.leaves(nnx.as_pure(grads))
+    marks = jax.tree.structure(nnx.as_pure(grads)).flatten_up_to(_layered(model))
+    squares = lambda gs: sum(jnp.sum(jnp.square(g)) for g in to_device(gs))
+    stacked = jax.lax.scan(lambda total, layer: (total + squares(layer), None), jnp.zeros((), jnp.float32),
+                           [g for g, m in zip(leaves, marks) if m])[0]
+    return jnp.sqrt(stacked + squares([g for g, m in zip(leaves, marks) if not m]))
+
+
+def _like(x: jax.Array, ref: jax.Array) -> jax.Array:
+    """`x` in the memory `ref` lives in (host memory for an offloaded array)."""
+    return jax.device_put(x, jax.typeof(ref).memory_space)
+
+
+def update(opt: nnx.Optimizer, model: nnx.Module, grads: nnx.State, norm: jax.Array, clip_norm: float,
+           keep: jax.Array | None = None) -> None:
+    """`opt.update(model, grads)` with the offloaded arrays brought to the devices a layer at a time.
+
+    A `lax.scan` over the stacked `[L, ...]` weights moves one layer's weights, gradients and moments in,
+    updates them and writes them back where they live, so the devices hold one layer's share, not the
+    whole stack; the other weights (embedding, head, final norm) are updated in a second pass. The
+    optimizer may clip only by the global norm (`norm`, at `clip_norm`, as `train.optimizer` does): the
+    gradients are clipped over the whole tree first with optax's formula, so each pass's own clip lets
+    them through. Where `keep` (a scalar bool) is true, every value stays as it was.
+    """
+    tx = opt.tx
+    params = nnx.as_pure(nnx.state(model, nnx.Param))
+    p_def = jax.tree.structure(params)
+    p_marks = p_def.flatten_up_to(_layered(model))
+    p_leaves, g_leaves = jax.tree.leaves(params), p_def.flatten_up_to(nnx.as_pure(grads))
+    opt_state = nnx.as_pure(opt.opt_state)
+    is_params = lambda x: jax.tree.structure(x) == p_def  # the moments: trees shaped like the params
+    marks = jax.tree.map(lambda x: jax.tree.unflatten(p_def, p_marks) if is_params(x) else None, opt_state,
+                         is_leaf=is_params)
+    s_marks = jax.tree.leaves(marks, is_leaf=lambda x: x is None)  # True / False per moment, None: a count
+    s_leaves, s_def = jax.tree.flatten(opt_state)
+    empty = jnp.zeros((0,), jnp.float32)  # a pass sees the other group's leaves as empty arrays
+
+    def one_pass(p_in: list, g_in: list, s_in: list) -> tuple[list, list]:
+        p = jax.tree.unflatten(p_def, to_device(p_in))
+        g = jax.tree.unflatten(p_def, [jnp.where(norm < clip_norm, x, x / norm * clip_norm) for x in to_device(g_in)])
+        s = jax.tree.unflatten(s_def, to_device(s_in))
+        updates, s_new = tx.update(g, s, p)
+        p_new, s_new = jax.tree.leaves(optax.apply_updates(p, updates)), jax.tree.leaves(s_new)
+        if keep is not None:
+            p_new = [jnp.where(keep, old, new) for old, new in zip(jax.tree.leaves(p), p_new)]
+            s_new = [jnp.where(keep, old, new) for old, new in zip(jax.tree.leaves(s), s_new)]
+        return p_new, s_new
+
+    def group(leaves: list, marks: list, layer: list | None = None) -> list:
+        """One pass's leaves: this layer's slices of the stacks (`layer`), or the rest; counts always."""
+        if layer is None:
+            return [empty if m is True else x for x, m in zip(leaves, marks)]
+        sliced = iter(layer)
+        return [next(sliced) if m is True else x if m is None else empty for x, m in zip(leaves, marks)]
+
+    stacks = lambda leaves, marks: [x for x, m in zip(leaves, marks) if m is True]
+
+    def one_layer(_, layer):
+        p_l, g_l, s_l = layer
+        p_new, s_new = one_pass(group(p_leaves, p_marks, p_l), group(g_leaves, p_marks, g_l), group(s_leaves, s_marks, s_l))
+        return None, ([_like(x, ref) for x, ref in zip(stacks(p_new, p_marks), stacks(p_leaves, p_marks))],
+                      [_like(x, ref) for x, ref in zip(stacks(s_new, s_marks), stacks(s_leaves, s_marks))])
+
+    _, (p_stacked, s_stacked) = jax.lax.scan(one_layer, None, (stacks(p_leaves, p_marks), stacks(g_leaves, p_marks),
+                                                               stacks(s_leaves, s_marks)))
+    p_rest, s_rest = one_pass(group(p_leaves, p_marks), group(g_leaves, p_marks), group(s_leaves, s_marks))
+    p_stacked, s_stacked = iter(p_stacked), iter(s_stacked)
+    new_p = [next(p_stacked) if m is True else _like(x, ref) for x, ref, m in zip(p_rest, p_leaves, p_marks)]
+    new_s = [next(s_stacked) if m is True else _like(x, ref) for x, ref, m in zip(s_rest, s_leaves, s_marks)]
+    nnx.update(model, jax.tree.unflatten(p_def, new_p))
+    nnx.update(opt.opt_state, nnx.state(jax.tree.unflatten(s_def, new_s)))
+    opt.step[...] += 1 if keep is None else jnp.where(keep, 0, 1)

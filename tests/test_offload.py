@@ -1,0 +1,134 @@
+"""Host offload (meshpar.offload): the same losses with the optimizer state, and the weights, in host memory;
+the bytes that leave the devices for host memory against the ZeRO-Offload formula (tiny and llama_8b);
+activation offload's residuals against `full` remat; the settings it refuses."""
+
+import dataclasses
+import functools
+import re
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+from jax._src.ad_checkpoint import saved_residuals
+
+from conftest import require_devices
+from layouts import MODEL, TRAIN, Layout, max_relative_error
+from meshpar import context, fit, mesh as mesh_lib, plan, plan_cost, rules as rules_lib, train
+from meshpar.errors import InputError
+from models.transformer import Transformer
+
+STEPS = 10
+DOTS = dataclasses.replace(TRAIN, remat="dots")  # optimizer+params refuses remat=none; both sides use dots
+
+
+@functools.cache
+def layout(spec: str, offload: str = "none") -> Layout:
+    require_devices(8)
+    return Layout(spec, DOTS, parallel=rules_lib.ParallelConfig(offload=offload))
+
+
+@functools.cache
+def losses(spec: str, offload: str = "none") -> list[float]:
+    return layout(spec, offload).losses(STEPS)
+
+
+def moments_and_weights(lay: Layout) -> tuple[float, float]:
+    """The ZeRO-Offload formula per device: Adam moments 8Ψ/N_opt and float32 weights 4Ψ/N_params, with Ψ/N
+    the parameters per device under the `optimizer` / `params` rules (ZeRO stage, fsdp, model, stage)."""
+    shape = plan_cost.Shape.of(MODEL)
+    lay_ = plan.layout_of(dict(lay.mesh.shape), lay.rules.parallel, lay.cfg, "cpu")
+    return (8 * plan_cost.local_elements(shape, lay_, "optimizer"), 4 * plan_cost.local_elements(shape, lay_, "params"))
+
+
+@pytest.mark.parametrize("spec,offload", [
+    ("data=8", "optimizer"),
+    ("data=2,fsdp=2,model=2", "optimizer"),
+    ("fsdp=8", "optimizer+params"),
+    ("stage=2,fsdp=2,model=2", "optimizer+params"),
+])
+def test_same_losses_and_the_offloaded_bytes_leave_the_devices(spec, offload):
+    assert np.max(np.abs(np.subtract(losses(spec, offload), losses(spec)))) <= 1e-6
+    on_device, offloaded = layout(spec).report()["memory_per_device"], layout(spec, offload).report()["memory_per_device"]
+    moments, weights = moments_and_weights(layout(spec))
+    expected = moments + (weights if offload == "optimizer+params" else 0)
+    assert offloaded["host_arguments_bytes"] == pytest.approx(expected, rel=0.05)
+    assert on_device["arguments_bytes"] - offloaded["arguments_bytes"] == offloaded["host_arguments_bytes"]
+    assert on_device["host_arguments_bytes"] == 0
+    # the new state goes back to host memory, in the donated buffers
+    assert offloaded["host_outputs_bytes"] == offloaded["host_alias_bytes"] == offloaded["host_arguments_bytes"]
+    expected_kind = {"moment": "pinned_host", "weight": "pinned_host" if offload == "optimizer+params" else "device",
+                     "scalar": "device"}
+    assert memory_kinds(layout(spec, offload).state) == expected_kind
+
+
+def test_the_update_streams_a_layer_at_a_time():
+    """Offloaded, the step has two more loops over the L layers than without: the gradient norm's and the
+    update's (meshpar.offload.update), besides the forward and backward layer scans."""
+    loops = lambda lay: re.findall(r'"known_trip_count":\{"n":"(\d+)"\}', lay.step_hlo()).count(str(MODEL.n_layers))
+    assert loops(layout("fsdp=8", "optimizer+params")) == loops(layout("fsdp=8")) + 2
+
+
+def memory_kinds(state: nnx.State) -> dict[str, str]:
+    """Where each kind of state variable lives: weights, optimizer moments, scalars (step counts)."""
+    kinds = {}
+    for _, variable in nnx.to_flat_state(state):
+        kind = "scalar" if not variable.shape else "weight" if isinstance(variable, nnx.Param) else "moment"
+        kinds.setdefault(kind, set()).add(variable[...].sharding.memory_kind)
+    return {kind: found.pop() if len(found) == 1 else found for kind, found in kinds.items()}
+
+
+def test_at_llama_8b_size_the_moments_leave_for_the_host():
+    require_devices(8)
+    from configs import llama_8b
+
+    cfg = llama_8b.config()
+    mesh = mesh_lib.build(mesh_lib.parse("fsdp=8"))
+    run = dataclasses.replace(cfg.train, global_batch=8, seq_len=1024, remat="full")
+    report = fit.compile_step(lambda rngs: Transformer(cfg.model, dtype=run.dtype, rngs=rngs), run, mesh,
+                              rules_lib.make(rules_lib.ParallelConfig(offload="optimizer")))
+    m = report["memory_per_device"]
+    psi = plan_cost.Shape.of(cfg.model).params
+    states = plan.model_states(psi, 3, 8, precision="fp32")
+    assert m["host_arguments_bytes"] == pytest.approx(states["optimizer"], rel=0.05)
+    assert m["arguments_bytes"] == pytest.approx(states["params"], rel=0.05)  # weights only, on the device
+
+
+def residual_bytes(lay: Layout, remat: str) -> tuple[int, int]:
+    """(device, host) bytes of what the backward pass keeps from the forward pass, as JAX lists them."""
+    cfg = dataclasses.replace(TRAIN, remat=remat)
+    graphdef, params, rest = nnx.split(nnx.merge(lay.plan.graphdef, lay.state).model, nnx.Param, ...)
+
+    def loss(params, tokens):
+        with context.use(train.compute_context(lay.plan, cfg)):
+            return train.default_loss(cfg)(nnx.merge(graphdef, params, rest), tokens)
+
+    sizes = [(int(np.prod(aval.shape)) * aval.dtype.itemsize, "host" in str(aval))
+             for aval, _ in saved_residuals(loss, params, lay.batch(0))]
+    return sum(b for b, host in sizes if not host), sum(b for b, host in sizes if host)
+
+
+def test_activation_offload_keeps_on_the_devices_what_full_remat_keeps():
+    lay = layout("fsdp=8")
+    device, host = residual_bytes(lay, "offload")
+    full, dots = residual_bytes(lay, "full"), residual_bytes(lay, "dots")
+    assert device <= full[0] and full[1] == dots[1] == 0
+    assert host == dots[0] - full[0] > 0  # what dots keeps beyond full, in host memory
+    offloaded = dataclasses.replace(TRAIN, remat="offload")
+    loss, grads = Layout("fsdp=8", offloaded).loss_and_grads()
+    loss_ref, grads_ref = Layout("fsdp=8").loss_and_grads()  # TRAIN: remat none
+    assert abs(loss - loss_ref) <= 1e-6 * abs(loss_ref)
+    assert max_relative_error(grads, grads_ref) < 1e-5
+
+
+def test_refused_and_auto():
+    with pytest.raises(InputError, match=r"parallel.offload = 'disk' is not one of none, optimizer, optimizer\+params"):
+        rules_lib.ParallelConfig(offload="disk")
+    weights = rules_lib.ParallelConfig(offload="optimizer+params")
+    lay = layout("fsdp=8")
+    plan_ = dataclasses.replace(lay.plan, rules=rules_lib.make(weights))
+    with pytest.raises(InputError, match=r"'optimizer\+params' with train.remat = 'none'"):
+        train.compute_context(plan_, TRAIN)
+    auto = dataclasses.replace(TRAIN, remat="auto")
+    assert train.remat_candidates(auto, "gpu", weights) == ("dots", "full")
+    assert train.remat_candidates(auto, "gpu", rules_lib.ParallelConfig(offload="optimizer")) == ("none", "dots", "full")
