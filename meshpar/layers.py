@@ -22,6 +22,7 @@ from flax import nnx
 
 from meshpar import context, pipeline, sharding
 
+
 def _all_but_gathered_weights(prim, *_, **params) -> bool:
     """`none`: keep every value the layer computes but its gathered weights (`sharding.gathered`), which
     the backward pass gathers again, as a plain step does. Kept, the scan would stack every layer's

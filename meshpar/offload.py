@@ -76,8 +76,8 @@ def _layered(model: nnx.Module) -> Any:
 
 def global_norm(model: nnx.Module, grads: nnx.State) -> jax.Array:
     """The gradient's global norm (what clipping uses), the stacked gradients read a layer at a time."""
-    leaves = jax.tree.leaves(nnx.as_pure(grads))
-    marks = jax.tree.structure(nnx.as_pure(grads)).flatten_up_to(_layered(model))
+    leaves, structure = jax.tree.flatten(nnx.as_pure(grads))
+    marks = structure.flatten_up_to(_layered(model))
     squares = lambda gs: sum(jnp.sum(jnp.square(g)) for g in to_device(gs))
     stacked = jax.lax.scan(lambda total, layer: (total + squares(layer), None), jnp.zeros((), jnp.float32),
                            [g for g, m in zip(leaves, marks) if m])[0]

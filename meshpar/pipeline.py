@@ -245,6 +245,20 @@ def _swap_chunks(x: jax.Array, layout: NamedSharding, dim: int, repeats: int, to
     return jax.lax.with_sharding_constraint(y.reshape(x.shape), layout)
 
 
+def lane_context(batch: tuple[str, ...] | None) -> context.Compute | None:
+    """The active Compute as seen inside the vmaps over stages and batch shards (either schedule's): those
+    mesh axes belong to the vmapped dimensions, the weights are already in their compute layout (their
+    at-rest one there: jax 0.11 rejects a vmapped axis such as fsdp in a constraint), and each shard's
+    weight gradients stay in the compute layout (reduced once, after the loop)."""
+    compute = context.active()
+    if compute is None:
+        return None
+    activations = tuple((name, () if name == "batch" else axes) for name, axes in compute.rules.activations)
+    return dataclasses.replace(compute, vmapped=compute.vmapped + ("stage",) + (batch or ()),
+                               rules=dataclasses.replace(compute.rules, params=activations,
+                                                         activations=activations, grads=activations))
+
+
 def _shift(x_S: jax.Array, mesh: Mesh) -> jax.Array:
     """Move every stage's output one stage on, round the ring: `out[s] = x[s − 1 mod S]`.
 
@@ -342,17 +356,7 @@ def _run(stack: nnx.Module, x_BTD: jax.Array, *args: jax.Array, mesh: Mesh, stag
         return variable.replace(_constrain(value, mesh, batch, None, "stage", None, *rest))
 
     weights = jax.tree.map(stage_view, stacked, is_leaf=lambda v: isinstance(v, nnx.Variable))
-    compute = context.active()
-    # Inside the vmaps over stages and batch shards those mesh axes belong to the vmapped dimensions, the
-    # weights are already in their compute layout (their at-rest one there: jax 0.11 rejects a vmapped
-    # axis such as fsdp in a constraint), and each shard's weight gradients stay in the compute layout
-    # (reduced once, after the loop).
-    local = None
-    if compute is not None:
-        activations = tuple((name, () if name == "batch" else axes) for name, axes in compute.rules.activations)
-        local = dataclasses.replace(compute, vmapped=compute.vmapped + ("stage",) + (batch or ()),
-                                    rules=dataclasses.replace(compute.rules, params=activations,
-                                                              activations=activations, grads=activations))
+    local = lane_context(batch)
 
     def one_shard(weights_RC: nnx.State, repeat: jax.Array, x_bTD: jax.Array) -> jax.Array:
         """One stage step on one batch shard: the stage's Lc layers of `repeat` on its rows of a microbatch."""

@@ -63,7 +63,6 @@ chunked cross-entropy of `hidden` and `output_head()`: `models/transformer.py` o
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import math
 from collections.abc import Callable
@@ -79,7 +78,7 @@ from meshpar import context, sharding
 from meshpar.errors import InputError
 from meshpar.loss import chunked_cross_entropy, next_token_inputs
 from meshpar.layers import _POLICIES  # the lane's VJP runs inside the vmaps: its dots have their own batch dims
-from meshpar.pipeline import U, _batch_axes, _check, _constrain, _shift, _stage_weight_spec
+from meshpar.pipeline import U, _batch_axes, _check, _constrain, _shift, _stage_weight_spec, lane_context
 
 PARTS = ("embed", "blocks", "final_norm", "output_head")
 
@@ -139,18 +138,6 @@ def _compute_view(variable: nnx.Variable, mesh: Mesh) -> nnx.Variable:
     return variable.replace(_constrain(variable[...], mesh, *spec))
 
 
-def _lane_context(batch: tuple[str, ...] | None) -> context.Compute | None:
-    """The Compute inside the vmaps over stages and batch shards: those mesh axes belong to the vmapped
-    dimensions, and weights and their gradients stay in the compute layout (as pipeline.py's)."""
-    compute = context.active()
-    if compute is None:
-        return None
-    activations = tuple((name, () if name == "batch" else axes) for name, axes in compute.rules.activations)
-    return dataclasses.replace(compute, vmapped=compute.vmapped + ("stage",) + (batch or ()),
-                               rules=dataclasses.replace(compute.rules, params=activations,
-                                                         activations=activations, grads=activations))
-
-
 def one_f_one_b(stack: nnx.Module, other: nnx.State, first: First, last: Last, inputs_BT: jax.Array,
                 targets_BT: jax.Array, *args: jax.Array, mesh: Mesh, stages: int, microbatches: int, remat: str,
                 poison_bubbles: bool) -> tuple[jax.Array, nnx.State, nnx.State, tuple[jax.Array, jax.Array]]:
@@ -178,8 +165,8 @@ def one_f_one_b(stack: nnx.Module, other: nnx.State, first: First, last: Last, i
     K = math.prod(mesh.shape[axis] for axis in batch or ())  # batch shards
     b, W = mb // K, stash_size(S)
     fill = jnp.nan if poison_bubbles else 0.0
-    lane_context = _lane_context(batch)
-    in_lane = lambda: context.use(lane_context) if lane_context is not None else contextlib.nullcontext()
+    lane_compute = lane_context(batch)
+    in_lane = lambda: context.use(lane_compute) if lane_compute is not None else contextlib.nullcontext()
 
     # [L, ...] → [S, Lc, ...] with S on `stage`, gathered over fsdp here, ONCE per step; the other weights
     # (embedding, head) in their compute layout too.

@@ -167,7 +167,7 @@ def gathered(param: nnx.Variable, dtype: jax.typing.DTypeLike, *, lookup: bool =
     if compute is None:
         return value.astype(dtype)
     if offload.weights_offloaded(compute.rules.parallel):  # this layer's weights, fetched from host memory
-        value = jax.device_put(value, jax.memory.Space.Device)
+        value = offload.to_device(value)
     names = param.get_metadata()["out_sharding"][-value.ndim:] if value.ndim else ()
     what = f"parameter {tuple(names)}"
     layout = lambda kind: NamedSharding(compute.mesh, spec_for(names, value.shape, compute.rules.table(kind),

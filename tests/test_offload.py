@@ -4,9 +4,7 @@ activation offload's residuals against `full` remat; the settings it refuses."""
 
 import dataclasses
 import functools
-import re
 
-import jax
 import numpy as np
 import pytest
 from flax import nnx
@@ -14,7 +12,7 @@ from jax._src.ad_checkpoint import saved_residuals
 
 from conftest import require_devices
 from layouts import MODEL, TRAIN, Layout, max_relative_error
-from meshpar import context, fit, mesh as mesh_lib, plan, plan_cost, rules as rules_lib, train
+from meshpar import analysis, context, fit, mesh as mesh_lib, plan, plan_cost, rules as rules_lib, train
 from meshpar.errors import InputError
 from models.transformer import Transformer
 
@@ -65,7 +63,7 @@ def test_same_losses_and_the_offloaded_bytes_leave_the_devices(spec, offload):
 def test_the_update_streams_a_layer_at_a_time():
     """Offloaded, the step has two more loops over the L layers than without: the gradient norm's and the
     update's (meshpar.offload.update), besides the forward and backward layer scans."""
-    loops = lambda lay: re.findall(r'"known_trip_count":\{"n":"(\d+)"\}', lay.step_hlo()).count(str(MODEL.n_layers))
+    loops = lambda lay: analysis._TRIP_COUNT.findall(lay.step_hlo()).count(str(MODEL.n_layers))
     assert loops(layout("fsdp=8", "optimizer+params")) == loops(layout("fsdp=8")) + 2
 
 
