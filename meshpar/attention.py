@@ -182,8 +182,13 @@ def _dense(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, causal: Caus
                               preferred_element_type=jnp.float32) / jnp.sqrt(H).astype(jnp.float32)
     if causal is not None:
         scores_BKGTS = jnp.where(causal.q_T[:, None] >= causal.k_S[None, :], scores_BKGTS, -jnp.inf)
-    lse_BKGT = jax.nn.logsumexp(scores_BKGTS, axis=-1)
-    probs_BKGTS = jnp.exp(scores_BKGTS - lse_BKGT[..., None])
+    # One exp over the scores (softmax's), the log-sum-exp from its row sums: exp(scores − lse) would be a
+    # second pass of transcendentals over the T×S square. The max only steadies the exp.
+    max_BKGT = jax.lax.stop_gradient(jnp.max(scores_BKGTS, axis=-1))
+    exp_BKGTS = jnp.exp(scores_BKGTS - max_BKGT[..., None])
+    sum_BKGT = jnp.sum(exp_BKGTS, axis=-1)
+    probs_BKGTS = exp_BKGTS / sum_BKGT[..., None]
+    lse_BKGT = max_BKGT + jnp.log(sum_BKGT)
     out_BTKGH = jnp.einsum("bkgts,bskh->btkgh", probs_BKGTS.astype(v_BSKH.dtype), v_BSKH,
                            preferred_element_type=jnp.float32)
     return out_BTKGH.reshape(B, T, N, H), jnp.moveaxis(lse_BKGT, -1, 1).reshape(B, T, N)

@@ -5,7 +5,8 @@ With the mesh's `stage` axis > 1 the stack runs as a pipeline instead (`meshpar.
 Rematerialisation is applied per layer, inside the scan, by the active policy:
 
 - `none`: keep every intermediate of every layer for the backward pass (fastest, most memory), but
-  not the weights FSDP gathered: the backward pass gathers them again;
+  not the weights `sharding.gathered` gathered (cast to bf16 under FSDP): the backward pass gathers them
+  again; a layer that gathers none runs with no checkpoint at all;
 - `dots`: keep only the outputs of matmuls against weights (projections and MLP; not the attention
   scores, whose size grows with T²), recompute the rest (norms, activations, softmax);
 - `full`: keep only each layer's input; recompute the whole layer in the backward pass (about one more
@@ -38,6 +39,18 @@ _POLICIES = {
 }
 
 
+def _gathers_weights(fn, *args) -> bool:
+    """Whether `fn(*args)` passes a weight through `sharding.gathered`'s gather (a cast, or a gradient
+    layout of its own), found by tracing it (nested jaxprs included)."""
+
+    def found(jaxpr) -> bool:
+        return any(sharding.is_weight_gather(eqn.primitive, eqn.params)
+                   or any(hasattr(inner := getattr(p, "jaxpr", p), "eqns") and found(inner) for p in eqn.params.values())
+                   for eqn in jaxpr.eqns)
+
+    return found(jax.make_jaxpr(fn)(*args).jaxpr)
+
+
 def scan(stack: nnx.Module, x: jax.Array, *args: jax.Array) -> jax.Array:
     """Apply each layer of `stack` (a module whose variables carry a leading layers axis) to `x` in turn;
     `args` (e.g. positions) are passed to every layer unchanged."""
@@ -52,6 +65,9 @@ def scan(stack: nnx.Module, x: jax.Array, *args: jax.Array) -> jax.Array:
         return pipeline.pipeline(stack, x, *args, mesh=compute.mesh, stages=S,
                                  microbatches=parallel.microbatches or 2 * S, repeats=parallel.pipeline_repeats,
                                  remat=compute.remat)
-    if compute is not None:
+    # `none` needs its policy only where a layer gathers weights: a checkpoint is not free (JAX rounds each
+    # saved value with a `reduce_precision` that XLA:CPU keeps, and XLA fuses less across its boundary).
+    if compute is not None and (compute.remat != "none"
+                                or _gathers_weights(one_layer, x, jax.tree.map(lambda v: v[0], stacked))):
         one_layer = jax.checkpoint(one_layer, policy=_POLICIES[compute.remat], prevent_cse=False)
     return jax.lax.scan(one_layer, x, stacked)[0]

@@ -100,7 +100,7 @@ MODES = ("allgather", "ring", "ulysses")
 PRECISIONS = {"fp32": (4, 4, 8), "mixed": (2, 2, 12)}  # bytes per element: params, grads, optimizer
 EFFICIENCY = 0.6  # achieved / peak matmul FLOP/s: a stated default, not fitted (see the published-run tests)
 TP_ALL_REDUCES = (2, 5)  # per layer: forward, backward (measured in the compiled step, see the docstring)
-SP_ALL_TO_ALL = 1.78  # per layer, × a: GSPMD's attention reshards under Megatron SP (measured, model=8)
+SP_ALL_TO_ALL = 1.28  # per layer, × a: GSPMD's attention reshards under Megatron SP (measured, model=8)
 # Per element of a pipeline stage's weights (pipeline.py holds them for the step, gathered over fsdp):
 # each shard's float32 gradient and a compute copy (6 bytes); with fsdp the gathered float32 copy and
 # the float32 copy of the chunk the layer loop reads too (9 more). Fitted as SAVED_NONE. The XLA of jax

@@ -139,6 +139,18 @@ def constrain(x: jax.Array, logical: Logical) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, NamedSharding(compute.mesh, spec))
 
 
+def relayout(x: jax.Array, source: Logical, target: Logical) -> jax.Array:
+    """`constrain(x, target)` for an `x` laid out by `source`; `x` itself where the two layouts agree. Not
+    only tidier: autodiff keeps a constraint's output beside its input when both feed the backward pass
+    (a norm's output feeding its scale's gradient and the projections), a second copy of the activation."""
+    compute = context.active()
+    if compute is None:
+        return x
+    table = compute.rules.table("activations")
+    spec = lambda logical: spec_for(logical, x.shape, table, compute.mesh, f"activation {tuple(logical)}")
+    return x if spec(source) == spec(target) else constrain(x, target)
+
+
 def constrain_grads(grads: nnx.State, mesh: Mesh, rules: Rules) -> nnx.State:
     """Lay gradients out by the `grads` table: split over `fsdp` from ZeRO-2 on (a reduce-scatter)."""
     shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), state_specs(grads, mesh, rules, "grads"),
@@ -149,8 +161,9 @@ def constrain_grads(grads: nnx.State, mesh: Mesh, rules: Rules) -> nnx.State:
 def gathered(param: nnx.Variable, dtype: jax.typing.DTypeLike, *, lookup: bool = False) -> jax.Array:
     """A parameter as compute uses it: cast to `dtype`, then laid out by the ACTIVATION rules.
 
-    That is where FSDP's all-gather happens (`embed` is split over `fsdp` at rest, whole in compute);
-    tensor-parallel dimensions stay split. The cast comes first, pinned to the parameter's own layout
+    That is where FSDP's all-gather happens (`embed` is split over `fsdp` at rest, whole in compute)
+    when the weight is cast or its gradient has a layout of its own (ZeRO-2); otherwise the parameter is
+    returned as it is and the partitioner gathers it. Tensor-parallel dimensions stay split. The cast comes first, pinned to the parameter's own layout
     behind an optimization barrier: otherwise sharding propagation gives the cast's input the gathered
     layout, and the partitioner gathers float32 and casts after. So a bf16 run gathers bf16 weights
     (after SPMD partitioning; XLA:CPU, which has no bf16 collectives, widens them again later).
@@ -178,6 +191,11 @@ def gathered(param: nnx.Variable, dtype: jax.typing.DTypeLike, *, lookup: bool =
     owned = lambda entry: entry in compute.vmapped or (isinstance(entry, tuple) and set(entry) & set(compute.vmapped))
     rest = None if jnp.dtype(dtype) == value.dtype else NamedSharding(
         compute.mesh, PartitionSpec(*(None if owned(e) else e for e in layout("params").spec)))
+    if rest is None and all(g == layout("params") for g in grads):
+        # Nothing to cast and the gradient keeps the layout at rest: the weight as it is. Where `fsdp` splits
+        # it, the partitioner gathers it for the matmul, as in a plain SPMD step, and the backward pass keeps
+        # the split weight (a layer scan's own input), not a gathered copy, with no remat policy needed.
+        return value
     return _gather(value, jnp.dtype(dtype), rest, layout("activations"), grads)
 
 

@@ -26,7 +26,7 @@ from meshpar import layers
 from meshpar.attention import attend, cached_attention
 from meshpar.errors import InputError
 from meshpar.loss import logits
-from meshpar.sharding import constrain, gathered
+from meshpar.sharding import constrain, gathered, relayout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +78,8 @@ class RMSNorm(nnx.Module):
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
         x_BTD = x_BTD.astype(jnp.float32)  # the statistics in float32 whatever the compute dtype
-        normed_BTD = x_BTD * jax.lax.rsqrt(jnp.mean(x_BTD**2, axis=-1, keepdims=True) + self.eps)
+        # x·x, not x**2: the power's derivative 2x would be one more [B, T, D] kept for the backward pass
+        normed_BTD = x_BTD * jax.lax.rsqrt(jnp.mean(x_BTD * x_BTD, axis=-1, keepdims=True) + self.eps)
         return (normed_BTD * gathered(self.scale, jnp.float32)).astype(self.dtype)
 
 
@@ -121,7 +122,7 @@ class Attention(nnx.Module):
     def _project(self, x_BTD: jax.Array, positions_T: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Queries and keys rotated to their positions, and values."""
         cast = lambda w: gathered(w, self.dtype)
-        x_BTD = constrain(x_BTD, REGION_INPUT)
+        x_BTD = relayout(x_BTD, RESIDUAL, REGION_INPUT)
         q_BTNH = constrain(jnp.einsum("btd,dnh->btnh", x_BTD, cast(self.wq_DNH)), ("batch", "seq", "heads", None))
         k_BTKH = constrain(jnp.einsum("btd,dkh->btkh", x_BTD, cast(self.wk_DKH)), ("batch", "seq", "kv_heads", None))
         v_BTKH = constrain(jnp.einsum("btd,dkh->btkh", x_BTD, cast(self.wv_DKH)), ("batch", "seq", "kv_heads", None))
@@ -143,7 +144,7 @@ class MLP(nnx.Module):
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
         cast = lambda w: gathered(w, self.dtype)
-        x_BTD = constrain(x_BTD, REGION_INPUT)
+        x_BTD = relayout(x_BTD, RESIDUAL, REGION_INPUT)
         gate_BTF = constrain(x_BTD @ cast(self.w_gate_DF), ("batch", "seq", "mlp"))
         up_BTF = constrain(x_BTD @ cast(self.w_up_DF), ("batch", "seq", "mlp"))
         return (jax.nn.silu(gate_BTF) * up_BTF) @ cast(self.w_down_FD)

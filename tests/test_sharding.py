@@ -313,10 +313,40 @@ def test_gathered_uses_the_trailing_names_of_a_layer_slice(dfm):
     def f(value):  # a [D, F] slice of a [L, D, F] parameter, as inside the layer scan
         param = nnx.Param(value, out_sharding=("layers", "embed", "mlp"), eager_sharding=False)
         with context.use(context.Compute(dfm, RULES)):
-            return sharding.gathered(param, jnp.float32)
+            return sharding.gathered(param, jnp.bfloat16)
 
     out = jax.jit(f)(jnp.ones((8, 16)))
     assert out.sharding.is_equivalent_to(NamedSharding(dfm, P(None, "model")), 2)
+
+
+@pytest.mark.parametrize(("parallel", "passed_through"), [
+    (rules.ParallelConfig(zero_stage=3), True),  # the partitioner gathers it for the matmul
+    (rules.ParallelConfig(zero_stage=0), True),  # nothing to gather
+    (rules.ParallelConfig(zero_stage=2), False),  # the gradient is split where the weight is not
+])
+def test_gathered_passes_a_weight_through_when_there_is_nothing_to_cast_or_lay_out(dfm, parallel, passed_through):
+    """No cast and the gradient at the layout at rest: the weight itself, with no custom VJP (whose output
+    the backward pass would keep, a copy of each layer's weights)."""
+    def f(value):
+        param = nnx.Param(value, out_sharding=("embed", "mlp"), eager_sharding=False)
+        with context.use(context.Compute(dfm, rules.make(parallel))):
+            return sharding.gathered(param, jnp.float32)
+
+    primitives = {eqn.primitive.name for eqn in jax.make_jaxpr(f)(jnp.ones((8, 16))).jaxpr.eqns}
+    assert ("custom_vjp_call" not in primitives) == passed_through
+
+
+@pytest.mark.parametrize(("parallel", "constrained"), [
+    (rules.ParallelConfig(), False), (rules.ParallelConfig(sequence_parallel=True), True)])
+def test_relayout_constrains_only_where_the_layouts_differ(dfm, parallel, constrained):
+    from models.transformer import REGION_INPUT, RESIDUAL
+
+    def f(x):
+        with context.use(context.Compute(dfm, rules.make(parallel))):
+            return sharding.relayout(x, RESIDUAL, REGION_INPUT)
+
+    primitives = {eqn.primitive.name for eqn in jax.make_jaxpr(f)(jnp.ones((4, 8, 16))).jaxpr.eqns}
+    assert ("sharding_constraint" in primitives) == constrained
 
 
 @pytest.mark.parametrize(("text", "expected"), [

@@ -78,6 +78,19 @@ def test_fsdp_state_is_sharded(compiled_steps):
     assert dp_w_gate.sharding.is_fully_replicated
 
 
+def test_fsdp_without_remat_keeps_no_gathered_weights_and_no_checkpoint(compiled_steps):
+    """remat none, fsdp=8. float32: the weights reach the matmuls as they are (the partitioner gathers
+    them), so the layer scan runs with no checkpoint (whose saved values JAX rounds with `reduce-precision`
+    ops that XLA:CPU keeps). bfloat16: `sharding.gathered` casts, then gathers, and the policy drops the
+    gathered copies. Either way no buffer holds a stack of whole [L, D, F] weights."""
+    L, D, F = MODEL.n_layers, MODEL.d_model, MODEL.d_ff
+    stacks = [f"{dtype}[{L},{a},{b}]" for dtype in ("f32", "bf16") for a, b in ((D, F), (F, D))]
+    f32 = compiled_steps["fsdp=8"][0].step_hlo()
+    bf16 = Layout("fsdp=8", cfg=dataclasses.replace(TRAIN, compute_dtype="bfloat16")).step_hlo()
+    assert "/checkpoint/" not in f32 and "reduce-precision" not in f32 and "/checkpoint/" in bf16
+    assert not [stack for stack in stacks if stack in f32 or stack in bf16]
+
+
 def test_fsdp_argument_bytes_are_an_eighth_of_dp(compiled_steps):
     dp = compiled_steps["data=8"][1]["memory_per_device"]["arguments_bytes"]
     fsdp = compiled_steps["fsdp=8"][1]["memory_per_device"]["arguments_bytes"]
