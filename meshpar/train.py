@@ -164,8 +164,9 @@ def init_state(make_model: ModelFactory, tx: optax.GradientTransformation, plan:
 
 # `train.remat = auto`: the policies to try on a platform, fastest first; a run takes the first whose
 # compiled step fits the device memory (`meshpar.run`). CPU, measured (`launch.bench`, d_model 256, 4
-# layers, T 128, batch 16, fsdp=8): dots 607 ms, full 666 ms, none 1,012 ms — keeping fewer activations
-# costs less memory traffic than the recompute. GPUs: nothing recomputed is fastest when it fits.
+# layers, T 128, batch 16, fsdp=8): dots 607 ms, full 666 ms, none 1,012 ms (750 ms against dots' 599 in
+# `launch.peers` since none lost its overheads) — keeping fewer activations costs less memory traffic than
+# the recompute. GPUs: nothing recomputed is fastest when it fits.
 REMAT_AUTO = {"cpu": ("dots",)}
 REMAT_AUTO_DEFAULT = ("none", "dots", "full")
 
