@@ -163,10 +163,11 @@ def gathered(param: nnx.Variable, dtype: jax.typing.DTypeLike, *, lookup: bool =
 
     That is where FSDP's all-gather happens (`embed` is split over `fsdp` at rest, whole in compute)
     when the weight is cast or its gradient has a layout of its own (ZeRO-2); otherwise the parameter is
-    returned as it is and the partitioner gathers it. Tensor-parallel dimensions stay split. The cast comes first, pinned to the parameter's own layout
-    behind an optimization barrier: otherwise sharding propagation gives the cast's input the gathered
-    layout, and the partitioner gathers float32 and casts after. So a bf16 run gathers bf16 weights
-    (after SPMD partitioning; XLA:CPU, which has no bf16 collectives, widens them again later).
+    returned as it is and the partitioner gathers it. Tensor-parallel dimensions stay split. The cast
+    comes first, pinned to the parameter's own layout behind an optimization barrier: otherwise sharding
+    propagation gives the cast's input the gathered layout, and the partitioner gathers float32 and casts
+    after. So a bf16 run gathers bf16 weights (after SPMD partitioning; XLA:CPU, which has no bf16
+    collectives, widens them again later).
     In the backward pass the gradient is laid out by the `grads` rules right here, where it is made
     (FSDP's reduce-scatter; on CPU an all-reduce and a slice), so the whole gradient of a weight lives
     only until its reduction, not until the end of the backward pass. `lookup=True` for a table that is
