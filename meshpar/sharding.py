@@ -130,13 +130,17 @@ def sharding_table(abstract_state: nnx.State, mesh: Mesh, rules: Rules) -> str:
     return "\n".join("  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in rows)
 
 
+def _activation_layout(compute: context.Compute, logical: Logical, shape: Sequence[int]) -> NamedSharding:
+    spec = spec_for(logical, shape, compute.rules.table("activations"), compute.mesh, f"activation {tuple(logical)}")
+    return NamedSharding(compute.mesh, spec)
+
+
 def constrain(x: jax.Array, logical: Logical) -> jax.Array:
     """Hint the compiler to lay `x` out by its logical names; a no-op outside a step (`context.use`)."""
     compute = context.active()
     if compute is None:
         return x
-    spec = spec_for(logical, x.shape, compute.rules.table("activations"), compute.mesh, f"activation {tuple(logical)}")
-    return jax.lax.with_sharding_constraint(x, NamedSharding(compute.mesh, spec))
+    return jax.lax.with_sharding_constraint(x, _activation_layout(compute, logical, x.shape))
 
 
 def relayout(x: jax.Array, source: Logical, target: Logical) -> jax.Array:
@@ -146,9 +150,8 @@ def relayout(x: jax.Array, source: Logical, target: Logical) -> jax.Array:
     compute = context.active()
     if compute is None:
         return x
-    table = compute.rules.table("activations")
-    spec = lambda logical: spec_for(logical, x.shape, table, compute.mesh, f"activation {tuple(logical)}")
-    return x if spec(source) == spec(target) else constrain(x, target)
+    layout = _activation_layout(compute, target, x.shape)
+    return x if _activation_layout(compute, source, x.shape) == layout else jax.lax.with_sharding_constraint(x, layout)
 
 
 def constrain_grads(grads: nnx.State, mesh: Mesh, rules: Rules) -> nnx.State:
@@ -186,18 +189,19 @@ def gathered(param: nnx.Variable, dtype: jax.typing.DTypeLike, *, lookup: bool =
     what = f"parameter {tuple(names)}"
     layout = lambda kind: NamedSharding(compute.mesh, spec_for(names, value.shape, compute.rules.table(kind),
                                                                compute.mesh, what))
-    grads = (layout("activations"), layout("grads")) if lookup else (layout("grads"),)
+    at_rest, in_compute = layout("params"), layout("activations")
+    grads = (in_compute, layout("grads")) if lookup else (layout("grads"),)
     # Where the cast changes the dtype it is pinned to the layout at rest (less the axes an enclosing vmap
     # owns, which a constraint inside it may not name).
     owned = lambda entry: entry in compute.vmapped or (isinstance(entry, tuple) and set(entry) & set(compute.vmapped))
     rest = None if jnp.dtype(dtype) == value.dtype else NamedSharding(
-        compute.mesh, PartitionSpec(*(None if owned(e) else e for e in layout("params").spec)))
-    if rest is None and all(g == layout("params") for g in grads):
+        compute.mesh, PartitionSpec(*(None if owned(e) else e for e in at_rest.spec)))
+    if rest is None and all(g == at_rest for g in grads):
         # Nothing to cast and the gradient keeps the layout at rest: the weight as it is. Where `fsdp` splits
         # it, the partitioner gathers it for the matmul, as in a plain SPMD step, and the backward pass keeps
         # the split weight (a layer scan's own input), not a gathered copy, with no remat policy needed.
         return value
-    return _gather(value, jnp.dtype(dtype), rest, layout("activations"), grads)
+    return _gather(value, jnp.dtype(dtype), rest, in_compute, grads)
 
 
 _GATHERED = "meshpar_gathered_weight"
