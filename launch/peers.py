@@ -7,10 +7,11 @@ A benchmark, not a test. Dims (Llama-style): d_model 256, 4 layers, 8 heads, 4 k
 which splits them), d_ff 1024, vocab 256, T 128, global batch 16, float32, 8 fake CPU devices. Each round
 runs every (framework, JAX, mesh) once, interleaved, so that the machine's drift hits all alike; the table
 shows medians over rounds of each run's median step time, and the ratios that count, within one JAX:
-- this venv's JAX: meshpar (its defaults, and `train.remat=none`: the plain step's settings) and the
-  plain step (`BENCH_DIR/baseline.py`);
-- the newest JAX (a Python 3.12 venv built on first use in `$TMPDIR/meshpar-newest`, from PyPI): meshpar,
-  the plain step and MaxText (`BENCH_DIR/peer_maxtext.sh`, which builds its own venv on that JAX).
+- this venv's JAX: meshpar (its defaults) and the plain step (`BENCH_DIR/baseline.py`); and meshpar with
+  the plain step's settings (`train.remat=none`) against the plain step in one process (launch.overhead),
+  whose ratio is the one that resolves a few percent;
+- the newest JAX (a Python 3.12 venv built on first use in `$TMPDIR/meshpar-newest`, from PyPI): the
+  same, and MaxText (`BENCH_DIR/peer_maxtext.sh`, which builds its own venv on that JAX).
 BENCH_DIR defaults to `../shared/bench` beside the checkout.
 """
 
@@ -40,13 +41,18 @@ def last_json(text: str) -> dict:
     return json.loads([line for line in text.splitlines() if line.startswith("{")][-1])
 
 
-def run_meshpar(python: str, mesh: str, steps: int, remat: str = "auto") -> float:
+def meshpar_sets(mesh: str, remat: str = "auto") -> list[str]:
+    """The `--set` overrides that give the tiny preset these dims."""
     sets = {"model.d_model": DIMS["d"], "model.n_layers": DIMS["layers"], "model.n_heads": DIMS["heads"],
             "model.n_kv_heads": kv_heads(mesh), "model.d_ff": DIMS["ff"], "model.vocab_size": DIMS["vocab"],
             "train.seq_len": DIMS["seq"], "train.global_batch": DIMS["batch"], "train.remat": remat}
+    return [f"{k}={v}" for k, v in sets.items()]
+
+
+def run_meshpar(python: str, mesh: str, steps: int) -> float:
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         cmd = [python, "-m", "launch.bench", "--mesh", mesh, "--steps", str(steps),
-               "--cpu-devices", "8", "--json", out.name] + [a for k, v in sets.items() for a in ("--set", f"{k}={v}")]
+               "--cpu-devices", "8", "--json", out.name] + [a for kv in meshpar_sets(mesh) for a in ("--set", kv)]
         subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, text=True)
         return json.loads(Path(out.name).read_text())[0]["step_time_s_median"]
 
@@ -55,6 +61,12 @@ def run_baseline(python: str, bench: Path, mesh: str, steps: int) -> float:
     dims = {**DIMS, "kv": kv_heads(mesh), "steps": steps}
     cmd = [python, str(bench / "baseline.py"), "--mesh", mesh] + [a for k, v in dims.items() for a in (f"--{k}", str(v))]
     return last_json(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)["step_s"]
+
+
+def run_paired(python: str, bench: Path, mesh: str, steps: int) -> float:
+    """plain / meshpar step time with the plain step's settings, both in one process (launch.overhead)."""
+    cmd = [python, "-m", "launch.overhead", "--mesh", mesh, "--steps", str(steps), "--bench-dir", str(bench)]
+    return last_json(subprocess.run(cmd, cwd=ROOT, check=True, capture_output=True, text=True).stdout)["plain_over_meshpar"]
 
 
 def run_maxtext(bench: Path, mesh: str, steps: int) -> float:
@@ -92,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=12)
     p.add_argument("--bench-dir", default=str(ROOT.parent / "shared" / "bench"))
     p.add_argument("--no-maxtext", action="store_true")
-    p.add_argument("--json", help="also write the medians to this file")
+    p.add_argument("--json", help="also write the medians (step seconds; none/plain: the ratio) to this file")
     args = p.parse_args(argv)
     meshes = args.meshes.split(";")
     bench = Path(args.bench_dir)
@@ -104,8 +116,8 @@ def main(argv: list[str] | None = None) -> None:
     for mesh in meshes:
         for python, version in (here, newest):
             runs[("meshpar", version, mesh)] = lambda python=python, mesh=mesh: run_meshpar(python, mesh, args.steps)
-            runs[("meshpar none", version, mesh)] = (lambda python=python, mesh=mesh:  # the plain step's settings
-                                                     run_meshpar(python, mesh, args.steps, remat="none"))
+            runs[("none/plain", version, mesh)] = (lambda python=python, mesh=mesh:  # the plain step's settings
+                                                   run_paired(python, bench, mesh, args.steps))
             runs[("plain JAX", version, mesh)] = (lambda python=python, mesh=mesh:
                                                   run_baseline(python, bench, mesh, args.steps))
         if not args.no_maxtext:
@@ -114,21 +126,21 @@ def main(argv: list[str] | None = None) -> None:
     for r in range(args.rounds):
         for key, measure in runs.items():
             times[key].append(measure())
-            print(f"round {r + 1}/{args.rounds} {key[0]:<9} jax {key[1]:<9} {key[2]:<22} "
-                  f"{times[key][-1] * 1e3:7.0f} ms", flush=True)
+            value = f"{times[key][-1]:.3f}×" if key[0] == "none/plain" else f"{times[key][-1] * 1e3:.0f} ms"
+            print(f"round {r + 1}/{args.rounds} {key[0]:<10} jax {key[1]:<9} {key[2]:<22} {value:>9}", flush=True)
     median = {key: statistics.median(values) for key, values in times.items()}
-    print("\n| mesh | jax | meshpar ms | meshpar none ms | plain JAX ms | MaxText ms | meshpar speed vs plain "
-          "| none vs plain | meshpar vs MaxText |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n| mesh | jax | meshpar ms | plain JAX ms | MaxText ms | meshpar speed vs plain | meshpar vs MaxText "
+          "| none vs plain, one process |")
+    print("|---|---|---|---|---|---|---|---|")
     for mesh in meshes:
         for version in dict.fromkeys((here[1], newest[1])):
-            ours, none = median[("meshpar", version, mesh)], median[("meshpar none", version, mesh)]
+            ours, paired = median[("meshpar", version, mesh)], median[("none/plain", version, mesh)]
             plain, peer = median[("plain JAX", version, mesh)], median.get(("MaxText", version, mesh))
             peer_text = (f"{peer * 1e3:.0f}", f"{peer / ours:.2f}×") if peer else ("–", "–")
-            print(f"| {mesh} | {version} | {ours * 1e3:.0f} | {none * 1e3:.0f} | {plain * 1e3:.0f} | {peer_text[0]} "
-                  f"| {plain / ours:.2f}× | {plain / none:.2f}× | {peer_text[1]} |")
+            print(f"| {mesh} | {version} | {ours * 1e3:.0f} | {plain * 1e3:.0f} | {peer_text[0]} "
+                  f"| {plain / ours:.2f}× | {peer_text[1]} | {paired:.3f}× |")
     if args.json:
-        Path(args.json).write_text(json.dumps([{"framework": k[0], "jax": k[1], "mesh": k[2], "step_s": v,
+        Path(args.json).write_text(json.dumps([{"framework": k[0], "jax": k[1], "mesh": k[2], "median": v,
                                                 "runs": times[k]} for k, v in median.items()], indent=2))
 
 

@@ -89,16 +89,16 @@ def _like(x: jax.Array, ref: jax.Array) -> jax.Array:
     return jax.device_put(x, jax.typeof(ref).memory_space)
 
 
-def update(opt: nnx.Optimizer, model: nnx.Module, grads: nnx.State, norm: jax.Array, clip_norm: float,
+def update(opt: nnx.Optimizer, model: nnx.Module, grads: nnx.State, clip_scale: jax.Array,
            keep: jax.Array | None = None) -> None:
     """`opt.update(model, grads)` with the offloaded arrays brought to the devices a layer at a time.
 
     A `lax.scan` over the stacked `[L, ...]` weights moves one layer's weights, gradients and moments in,
     updates them and writes them back where they live, so the devices hold one layer's share, not the
     whole stack; the other weights (embedding, head, final norm) are updated in a second pass. The
-    optimizer may clip only by the global norm (`norm`, at `clip_norm`, as `train.optimizer` does): the
-    gradients are clipped over the whole tree first with optax's formula, so each pass's own clip lets
-    them through. Where `keep` (a scalar bool) is true, every value stays as it was.
+    optimizer may clip only by the global norm (as `train.optimizer` does): the gradients are multiplied
+    by the whole tree's `clip_scale` (`train.clip_scale`) first, so each pass's own clip lets them
+    through. Where `keep` (a scalar bool) is true, every value stays as it was.
     """
     tx = opt.tx
     params = nnx.as_pure(nnx.state(model, nnx.Param))
@@ -115,7 +115,7 @@ def update(opt: nnx.Optimizer, model: nnx.Module, grads: nnx.State, norm: jax.Ar
 
     def one_pass(p_in: list, g_in: list, s_in: list) -> tuple[list, list]:
         p = jax.tree.unflatten(p_def, to_device(p_in))
-        g = jax.tree.unflatten(p_def, [jnp.where(norm < clip_norm, x, x / norm * clip_norm) for x in to_device(g_in)])
+        g = jax.tree.unflatten(p_def, [x * clip_scale.astype(x.dtype) for x in to_device(g_in)])
         s = jax.tree.unflatten(s_def, to_device(s_in))
         updates, s_new = tx.update(g, s, p)
         p_new, s_new = jax.tree.leaves(optax.apply_updates(p, updates)), jax.tree.leaves(s_new)

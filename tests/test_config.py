@@ -99,6 +99,7 @@ def test_apply_wrong_type(tiny, item, message):
     ("model.n_kv_heads=3", r"model.n_heads = 8 is not divisible by model.n_kv_heads = 3"),
     ("model.n_layers=0", r"model.n_layers = 0 must be >= 1"),
     ("train.steps=0", r"train.steps = 0 must be >= 1"),
+    ("train.clip_norm=0", r"train.clip_norm = 0.0 must be > 0"),
     ("mesh.fsdp=0", r"mesh axis 'fsdp' has size 0"),
     ("data.source=web", r"unknown data source 'web'; valid sources: stdlib, text, bin"),
 ])

@@ -6,12 +6,13 @@ import dataclasses
 
 import jax
 import numpy as np
+import optax
 import pytest
 from flax import nnx
 
 from conftest import require_devices
 from layouts import MODEL, TRAIN, Layout, max_relative_error, param_bytes
-from meshpar import rules
+from meshpar import rules, train
 
 MESHES = ["data=8", "fsdp=8", "data=2,fsdp=4"]
 
@@ -113,3 +114,27 @@ def test_fsdp_gathers_parameters(compiled_steps):
     # each layer's weights are gathered in the forward pass (and again for the backward pass)
     assert gathers["count"] >= MODEL.n_layers
     assert gathers["bytes"] >= MODEL.n_layers * one_layer_bytes
+
+
+@pytest.mark.parametrize("scale", [0.5, 3.0])
+def test_clipping_matches_optax(scale):
+    """`train.clip_by_global_norm` is optax's: the gradients as they are under the threshold, rescaled to
+    norm `max_norm` above it (to rounding)."""
+    grads = {"a": np.arange(1.0, 7.0, dtype=np.float32).reshape(2, 3), "b": np.full(4, -0.5, np.float32)}
+    max_norm = scale * float(np.sqrt(sum(np.sum(g * g) for g in grads.values())))
+    ours, _ = train.clip_by_global_norm(max_norm).update(grads, optax.EmptyState())
+    theirs, _ = optax.clip_by_global_norm(max_norm).update(grads, optax.EmptyState())
+    for name in grads:
+        np.testing.assert_allclose(ours[name], theirs[name], rtol=1e-6)
+    if scale > 1:
+        assert all(np.array_equal(ours[name], grads[name]) for name in grads)
+
+
+def test_clipping_costs_no_pass_over_the_gradients(compiled_steps, monkeypatch):
+    """data=8: clipping by a multiply with `clip_scale` fuses into AdamW's update; with optax's select the
+    compiler writes the clipped gradients out and reads them back: twice the parameters' bytes at least."""
+    layout, _ = compiled_steps["data=8"]
+    monkeypatch.setattr(train, "clip_by_global_norm", optax.clip_by_global_norm)
+    with_optax = Layout("data=8")
+    bytes_accessed = lambda lay: lay.compiled_step[0].cost_analysis()["bytes accessed"]
+    assert bytes_accessed(with_optax) - bytes_accessed(layout) >= 2 * param_bytes(layout)
