@@ -57,7 +57,7 @@ def meshpar_step(mesh_text: str) -> Callable[[], None]:
     cfg, mesh, rules, make_model = configure("tiny", mesh_text, meshpar_sets(mesh_text, remat="none"))
     tx = train.optimizer(cfg.train)
     plan = train.plan_state(make_model, tx, mesh, rules, cfg.train.seed)
-    state = {"state": train.init_state(make_model, tx, plan, cfg.train.seed)}
+    state = train.init_state(make_model, tx, plan, cfg.train.seed)
     shape = (cfg.train.global_batch, cfg.train.seq_len + 1)
     tokens_sharding = sharding.batch_sharding(mesh, rules, shape)
     tokens_BT = jax.device_put(np.random.default_rng(0).integers(0, cfg.model.vocab_size, shape, np.int32),
@@ -65,7 +65,8 @@ def meshpar_step(mesh_text: str) -> Callable[[], None]:
     jitted = train.make_step(plan, tokens_sharding, cfg.train)
 
     def step() -> None:
-        state["state"], metrics = jitted(state["state"], tokens_BT)
+        nonlocal state
+        state, metrics = jitted(state, tokens_BT)
         metrics["loss"].block_until_ready()
 
     return step
@@ -87,8 +88,13 @@ def main(argv: list[str] | None = None) -> None:
     devices.setup(8)
     import jax
 
+    from meshpar.errors import InputError
+
     jax.devices()  # the backend starts here, on 8 CPU devices, before the script sets its XLA flags
-    steps = {"meshpar": meshpar_step(args.mesh), "plain": plain_step(bench, args.mesh)}
+    try:
+        steps = {"meshpar": meshpar_step(args.mesh), "plain": plain_step(bench, args.mesh)}
+    except InputError as err:  # the mesh or the dims: say what, without a traceback
+        sys.exit(f"error: {err}")
     times: dict[str, list[float]] = {name: [] for name in steps}
     for _ in range(args.steps):
         for name, step in steps.items():
