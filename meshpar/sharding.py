@@ -154,6 +154,39 @@ def relayout(x: jax.Array, source: Logical, target: Logical) -> jax.Array:
     return x if _activation_layout(compute, source, x.shape) == layout else jax.lax.with_sharding_constraint(x, layout)
 
 
+def project(x_BTD: jax.Array, weights: Sequence[jax.Array], outputs: Sequence[Logical]) -> list[jax.Array]:
+    """`x · w` for each weight `w` [D, O, ...] (compute layout), constrained to its `outputs` layout.
+
+    Where the O axes are split M ways over the same devices (tensor parallelism: q, k, v over heads; gate
+    and up over mlp) it is ONE matmul: each weight cut into its M shards along O and the cuts concatenated
+    shard by shard, so the concatenation stays on the devices. Then the backward pass all-reduces x's
+    gradient once instead of once per weight (the partitioner reduces each matmul's partial gradient by
+    itself; XLA:CPU does not sum them first). Only under a remat policy that recomputes the concatenated
+    weight (`dots`, `full`, `offload`): with `none` the backward pass would keep it, a whole layer's
+    weights more per layer. Elsewhere, one matmul per weight, as written.
+    """
+    compute = context.active()
+    B, T, D = x_BTD.shape
+    shapes = [(B, T, *w.shape[1:]) for w in weights]
+    ways = {1}  # how many shards each output's O axis has
+    if compute is not None and compute.remat != "none":
+        ways = {_ways(_activation_layout(compute, logical, shape).spec[2], compute.mesh)
+                for logical, shape in zip(outputs, shapes)}
+    if len(ways) > 1 or (M := ways.pop()) == 1:
+        return [constrain(jnp.tensordot(x_BTD, w, axes=1), logical) for w, logical in zip(weights, outputs)]
+    cuts = [w.reshape(D, M, w.shape[1] // M, *w.shape[2:]) for w in weights]
+    w_DMC = jnp.concatenate(cuts, axis=2)
+    y_BTMC = jnp.tensordot(x_BTD, w_DMC, axes=1)
+    parts = jnp.split(y_BTMC, np.cumsum([cut.shape[2] for cut in cuts])[:-1], axis=3)
+    return [constrain(y.reshape(shape), logical) for y, shape, logical in zip(parts, shapes, outputs)]
+
+
+def _ways(entry: str | tuple[str, ...] | None, mesh: Mesh) -> int:
+    """Into how many shards one PartitionSpec entry splits its dimension."""
+    axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
+    return math.prod(mesh.shape[axis] for axis in axes)
+
+
 def constrain_grads(grads: nnx.State, mesh: Mesh, rules: Rules) -> nnx.State:
     """Lay gradients out by the `grads` table: split over `fsdp` from ZeRO-2 on (a reduce-scatter)."""
     shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), state_specs(grads, mesh, rules, "grads"),

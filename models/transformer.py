@@ -26,7 +26,7 @@ from meshpar import layers
 from meshpar.attention import attend, cached_attention
 from meshpar.errors import InputError
 from meshpar.loss import logits
-from meshpar.sharding import constrain, gathered, relayout
+from meshpar.sharding import constrain, gathered, project, relayout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,9 +123,8 @@ class Attention(nnx.Module):
         """Queries and keys rotated to their positions, and values."""
         cast = lambda w: gathered(w, self.dtype)
         x_BTD = relayout(x_BTD, RESIDUAL, REGION_INPUT)
-        q_BTNH = constrain(jnp.einsum("btd,dnh->btnh", x_BTD, cast(self.wq_DNH)), ("batch", "seq", "heads", None))
-        k_BTKH = constrain(jnp.einsum("btd,dkh->btkh", x_BTD, cast(self.wk_DKH)), ("batch", "seq", "kv_heads", None))
-        v_BTKH = constrain(jnp.einsum("btd,dkh->btkh", x_BTD, cast(self.wv_DKH)), ("batch", "seq", "kv_heads", None))
+        q_BTNH, k_BTKH, v_BTKH = project(x_BTD, [cast(self.wq_DNH), cast(self.wk_DKH), cast(self.wv_DKH)],
+                                         [("batch", "seq", "heads", None)] + [("batch", "seq", "kv_heads", None)] * 2)
         return rotary(q_BTNH, positions_T, self.theta), rotary(k_BTKH, positions_T, self.theta), v_BTKH
 
     def _output(self, out_BTNH: jax.Array) -> jax.Array:
@@ -145,8 +144,7 @@ class MLP(nnx.Module):
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
         cast = lambda w: gathered(w, self.dtype)
         x_BTD = relayout(x_BTD, RESIDUAL, REGION_INPUT)
-        gate_BTF = constrain(x_BTD @ cast(self.w_gate_DF), ("batch", "seq", "mlp"))
-        up_BTF = constrain(x_BTD @ cast(self.w_up_DF), ("batch", "seq", "mlp"))
+        gate_BTF, up_BTF = project(x_BTD, [cast(self.w_gate_DF), cast(self.w_up_DF)], [("batch", "seq", "mlp")] * 2)
         return (jax.nn.silu(gate_BTF) * up_BTF) @ cast(self.w_down_FD)
 
 

@@ -256,3 +256,29 @@ def test_pipeline_matches_one_device(deep_reference, spec, microbatches, repeats
                     parallel=ParallelConfig(microbatches=microbatches, pipeline_repeats=repeats,
                                             context_attention=attention))
     assert_matches(layout, deep_reference)
+
+
+# --- one matmul for the projections of one input under tensor parallelism (meshpar.sharding.project) ------
+
+
+@pytest.mark.parametrize(("spec", "kv_heads", "sequence_parallel"),
+                         [("model=8", 8, True), ("data=2,fsdp=2,model=2", 8, False), ("data=2,model=4", 4, False)])
+def test_fused_projections_match_one_device(spec, kv_heads, sequence_parallel):
+    """With `dots` q, k, v (and gate, up) are one matmul over the concatenated weight shards: the same loss
+    and gradients as one device running them one by one (grouped-query heads too)."""
+    require_devices(8)
+    model = dataclasses.replace(MODEL, n_kv_heads=kv_heads)
+    dots = dataclasses.replace(TRAIN, remat="dots")
+    reference = Layout("single", cfg=dots, model=model).loss_and_grads()
+    assert_matches(Layout(spec, cfg=dots, model=model, parallel=ParallelConfig(sequence_parallel=sequence_parallel)),
+                   reference)
+
+
+def test_fused_projections_all_reduce_one_input_gradient(tp8):
+    """model=8: unfused (remat none) the backward pass all-reduces x's gradient once per projection, five
+    per layer (q, k, v, gate, up); fused (dots), once per group: three activations a layer fewer."""
+    fused = Layout("model=8", cfg=dataclasses.replace(TRAIN, remat="dots")).report()["collectives"]
+    unfused = tp8[False].report()["collectives"]
+    activation = TRAIN.global_batch * TRAIN.seq_len * MODEL.d_model * 4
+    saved = unfused["all-reduce"]["bytes"] - fused["all-reduce"]["bytes"]
+    assert saved >= 3 * MODEL.n_layers * activation, (saved, activation)
