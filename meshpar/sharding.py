@@ -170,7 +170,7 @@ def project(x_BTD: jax.Array, weights: Sequence[jax.Array], outputs: Sequence[Lo
     shapes = [(B, T, *w.shape[1:]) for w in weights]
     ways = {1}  # how many shards each output's O axis has
     if compute is not None and compute.remat != "none":
-        ways = {_ways(_activation_layout(compute, logical, shape).spec[2], compute.mesh)
+        ways = {shape[2] // _activation_layout(compute, logical, shape).shard_shape(shape)[2]
                 for logical, shape in zip(outputs, shapes)}
     if len(ways) > 1 or (M := ways.pop()) == 1:
         return [constrain(jnp.tensordot(x_BTD, w, axes=1), logical) for w, logical in zip(weights, outputs)]
@@ -179,12 +179,6 @@ def project(x_BTD: jax.Array, weights: Sequence[jax.Array], outputs: Sequence[Lo
     y_BTMC = jnp.tensordot(x_BTD, w_DMC, axes=1)
     parts = jnp.split(y_BTMC, np.cumsum([cut.shape[2] for cut in cuts])[:-1], axis=3)
     return [constrain(y.reshape(shape), logical) for y, shape, logical in zip(parts, shapes, outputs)]
-
-
-def _ways(entry: str | tuple[str, ...] | None, mesh: Mesh) -> int:
-    """Into how many shards one PartitionSpec entry splits its dimension."""
-    axes = () if entry is None else (entry,) if isinstance(entry, str) else entry
-    return math.prod(mesh.shape[axis] for axis in axes)
 
 
 def constrain_grads(grads: nnx.State, mesh: Mesh, rules: Rules) -> nnx.State:
