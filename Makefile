@@ -1,17 +1,20 @@
 # Two commands for a fresh clone; each creates .venv (and installs meshpar into it) when missing.
 #   make train   train the tiny transformer on 8 fake CPU devices with FSDP
 #   make test    run the test suite
-# CI also runs `make test-newest PYTHON312=...`: a subset on the newest releases the pins allow (.venv312).
+# CI also runs `make test-newest PYTHON312=...`: every parity module on the newest releases the pins allow
+# (.venv312); transformers' reference runs in .venv's Python there (tests/hf_reference.py).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 # jax 0.11 and later need Python 3.12
 PYTHON312 ?= python3.12
 VENV312 := .venv312
-# About 4 minutes on 2 cores: parity with one device on the main meshes, checkpoint resume, real
-# 2-process runs, attention, flash, loss, and the pipeline.
-NEWEST_TESTS := tests/test_train.py tests/test_checkpoint.py tests/test_attention.py tests/test_flash.py \
-	tests/test_loss.py tests/test_pipeline.py tests/test_distributed.py::test_each_process_reads_only_its_rows \
+# Every parity module (each layout against one device, 1F1B, offload, Hugging Face against transformers,
+# full-size compile checks, generation), checkpoint resume, real 2-process runs, attention, flash and loss.
+NEWEST_TESTS := tests/test_train.py tests/test_parallel.py tests/test_pipeline.py tests/test_pipeline_1f1b.py \
+	tests/test_offload.py tests/test_hf.py tests/test_fit.py tests/test_generate.py tests/test_checkpoint.py \
+	tests/test_attention.py tests/test_flash.py tests/test_loss.py \
+	tests/test_distributed.py::test_each_process_reads_only_its_rows \
 	tests/test_distributed.py::test_two_processes_match_one_across_checkpoints
 
 .PHONY: train test test-newest bench
@@ -21,8 +24,8 @@ train: $(VENV)/installed
 test: $(VENV)/installed
 	$(PY) -m pytest
 
-test-newest: $(VENV312)/installed
-	$(VENV312)/bin/python -m pytest -W error::DeprecationWarning $(NEWEST_TESTS)
+test-newest: $(VENV312)/installed $(VENV)/installed
+	MESHPAR_TORCH_PYTHON=$(abspath $(PY)) $(VENV312)/bin/python -m pytest -W error::DeprecationWarning $(NEWEST_TESTS)
 
 bench: $(VENV)/installed
 	$(PY) -m launch.bench

@@ -8,6 +8,9 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import pkgutil
+from collections.abc import Callable
+
+from flax import nnx
 
 from meshpar.checkpoint import CheckpointConfig
 from meshpar.data import DataConfig
@@ -15,7 +18,7 @@ from meshpar.errors import InputError
 from meshpar.mesh import MeshConfig
 from meshpar.rules import ParallelConfig
 from meshpar.train import TrainConfig
-from models.transformer import TransformerConfig
+from models.transformer import Transformer, TransformerConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +30,10 @@ class Config:
     parallel: ParallelConfig = ParallelConfig()
     data: DataConfig = DataConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+
+    def model_factory(self) -> Callable[[nnx.Rngs], Transformer]:
+        """`rngs → the model`, computing in `train.compute_dtype`: what meshpar's training takes."""
+        return Transformer.factory(self.model, self.train.dtype)
 
     def __post_init__(self):
         if self.data.source in ("stdlib", "text") and self.model.vocab_size < 256:

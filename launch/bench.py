@@ -75,19 +75,17 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         p.error(f"unknown layouts {unknown}; known: {', '.join(LAYOUTS)}")
 
-    import jax
+    from launch import devices
 
-    if args.cpu_devices or not gpu_flags.cuda_installed():  # decided before JAX starts a backend
-        jax.config.update("jax_platforms", "cpu")
-        jax.config.update("jax_num_cpu_devices", args.cpu_devices or 8)
-    else:
-        gpu_flags.apply()
+    # decided before JAX starts a backend: the GPUs where a CUDA plugin is installed, else 8 CPU devices
+    devices.setup(args.cpu_devices or (None if gpu_flags.cuda_installed() else 8))
+
+    import jax
 
     import configs
     from meshpar import config as config_lib, mesh as mesh_lib, rules
     from meshpar.data import load_tokens
-    from meshpar.run import run
-    from models.transformer import Transformer
+    from meshpar.run import Outputs, run
 
     base = config_lib.apply(configs.load(args.config), [*args.set, f"train.steps={args.steps}"])
     tokens = load_tokens(base.data)
@@ -102,8 +100,8 @@ def main(argv: list[str] | None = None) -> None:
         except InputError as err:
             print(f"skip {name}: {err}")
             continue
-        model = lambda rngs, cfg=cfg: Transformer(cfg.model, dtype=cfg.train.dtype, rngs=rngs)
-        report = run(model, cfg.train, tokens, mesh, rules.make(cfg.parallel), progress=False).report
+        report = run(cfg.model_factory(), cfg.train, tokens, mesh, rules.make(cfg.parallel),
+                     outputs=Outputs(progress=False)).report
         rows.append({**report, "layout": name, "mesh": mesh_lib.describe(dict(mesh.shape))})
         print(table(rows[-1:]).splitlines()[-1], flush=True)
     print()

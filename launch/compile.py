@@ -8,7 +8,7 @@
         --set parallel.sequence_parallel=true --set train.grad_accum=8 --set train.global_batch=64 --json
     python -m launch.compile --config llama_8b --devices 64 --mesh auto --top 5    # the planner's picks
 
-Nothing is allocated: the state and the batch are shapes with shardings (`meshpar.fit`), so any size
+Nothing is allocated: the state and the batch are shapes with shardings (`meshpar.compiler.fit`), so any size
 compiles on this machine (llama_70b on 64 devices: ~5 s). Printed per device: XLA's arguments, temp,
 outputs and aliased bytes and the peak they imply (arguments + temp + outputs − aliased), in device memory
 and beside them in host memory (`parallel.offload`, meshpar.offload), the collectives
@@ -46,45 +46,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    if args.devices < 1:
-        sys.exit(f"error: --devices {args.devices}: must be >= 1")
-    import jax
+    from launch import devices
 
-    jax.config.update("jax_platforms", "cpu")  # before JAX starts a backend
-    jax.config.update("jax_num_cpu_devices", args.devices)
+    devices.setup(args.devices, "--devices")  # before JAX starts a backend
 
-    from launch import train
+    from launch.configure import compile_check, configure, device_budget, planned_layouts
 
     try:
         if args.mesh == "auto":
-            cfg, *_ = train.configure(args.config, None, args.set)
-            budget = train.device_budget(args.hardware)
-            reports = [dict(check(chosen), planner_rank=rank, fits=None)
-                       for rank, (chosen, _) in enumerate(train.planned_layouts(cfg, args.hardware, args.top), 1)]
+            cfg, *_ = configure(args.config, None, args.set)
+            budget = device_budget(args.hardware)
+            reports = [dict(compile_check(chosen), planner_rank=rank, fits=None)
+                       for rank, (chosen, _) in enumerate(planned_layouts(cfg, args.hardware, args.top), 1)]
             for report in reports:
                 report["fits"] = report["memory_per_device"]["peak_bytes"] <= budget
         else:
-            cfg, *_ = train.configure(args.config, args.mesh, args.set)
-            reports = [check(cfg)]
+            cfg, *_ = configure(args.config, args.mesh, args.set)
+            reports = [compile_check(cfg)]
     except InputError as err:
         sys.exit(f"error: {err}")
     if args.json:
         print(json.dumps(reports if args.mesh == "auto" else reports[0], indent=2))
     else:
         print("\n\n".join(describe(report) for report in reports))
-
-
-def check(cfg) -> dict:
-    """The compile-only report of `cfg`'s step on its mesh, with the planner's prediction beside it."""
-    from launch import train
-    from meshpar import fit, mesh as mesh_lib, plan, rules
-
-    mesh = mesh_lib.build(cfg.mesh)
-    report = fit.compile_step(train.model_factory(cfg), cfg.train, mesh, rules.make(cfg.parallel))
-    lay = plan.layout_of(dict(mesh.shape), cfg.parallel, cfg.train, "cpu")
-    predicted = plan.layout_memory(cfg.model, dict(mesh.shape), cfg.parallel, cfg.train, platform="cpu")
-    return {"config": cfg.name, "mesh": dict(mesh.shape), "devices": mesh.size, "layout": plan.describe(lay),
-            **report, "predicted_peak_bytes": predicted.total, "predicted_host_bytes": predicted.host}
 
 
 def describe(report: dict) -> str:

@@ -7,8 +7,9 @@ import os
 import sys
 
 
-def setup(cpu_devices: int | None) -> None:
-    """`cpu_devices` fake CPU devices if given (exits with a one-line error below 1), else GPU flags."""
+def setup(cpu_devices: int | None, flag: str = "--cpu-devices") -> None:
+    """`cpu_devices` fake CPU devices if given (exits with a one-line error naming `flag` below 1), else GPU
+    flags."""
     import jax
 
     if cpu_devices is None:
@@ -17,7 +18,7 @@ def setup(cpu_devices: int | None) -> None:
         gpu_flags.apply()  # on GPUs only; the user's XLA_FLAGS win
         return
     if cpu_devices < 1:
-        sys.exit(f"error: --cpu-devices {cpu_devices}: must be >= 1")
+        sys.exit(f"error: {flag} {cpu_devices}: must be >= 1")
     os.environ["JAX_PLATFORMS"] = "cpu"
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", cpu_devices)

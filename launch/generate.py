@@ -91,9 +91,7 @@ def main(argv: list[str] | None = None) -> None:
         mesh = mesh_lib.build(mesh_lib.parse(args.mesh) if args.mesh else mesh_lib.MeshConfig(fsdp=-1))
         rules = rules_lib.make()
         cfg, params = weights.load(args.checkpoint, mesh, rules)
-        with nnx.use_eager_sharding(False):
-            abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
-        graphdef, _ = nnx.split(abstract)
+        graphdef, _ = Transformer.abstract(cfg)
         new = generate.generate(nnx.merge(graphdef, params), [ids], args.max_new_tokens, mesh, rules, sampling)
     except InputError as err:
         sys.exit(f"error: {err}")

@@ -51,18 +51,18 @@ def meshpar_step(mesh_text: str) -> Callable[[], None]:
     import jax
     import numpy as np
 
-    from launch.train import configure
+    from launch.configure import configure
     from meshpar import sharding, train
 
     cfg, mesh, rules, make_model = configure("tiny", mesh_text, meshpar_sets(mesh_text, remat="none"))
     tx = train.optimizer(cfg.train)
-    plan = train.plan_state(make_model, tx, mesh, rules, cfg.train.seed)
-    state = train.init_state(make_model, tx, plan, cfg.train.seed)
+    sharded = train.sharded_abstract(make_model, tx, mesh, rules, cfg.train.seed)
+    state = train.init_state(make_model, tx, sharded, cfg.train.seed)
     shape = (cfg.train.global_batch, cfg.train.seq_len + 1)
     tokens_sharding = sharding.batch_sharding(mesh, rules, shape)
     tokens_BT = jax.device_put(np.random.default_rng(0).integers(0, cfg.model.vocab_size, shape, np.int32),
                                tokens_sharding)
-    jitted = train.make_step(plan, tokens_sharding, cfg.train)
+    jitted = train.make_step(sharded, tokens_sharding, cfg.train)
 
     def step() -> None:
         nonlocal state

@@ -14,9 +14,9 @@
 
 `--hardware`: h100, h200, a100, gh200, `h100,hbm=94e9` (a preset with fields replaced) or a full custom
 spec `flops=...,hbm=...,hbm_bw=...,link_bw=...,net_bw=...` (+ `host_bw=...,host_mem=...` for host offload;
-see meshpar/plan_hardware.py). The search tries host offload (`parallel.offload`, `train.remat=offload`)
-only when no layout fits without it. The model is in meshpar/plan_cost.py; what it assumes about overlap
-is in meshpar/plan_time.py.
+see meshpar/hardware.py). The search tries host offload (`parallel.offload`, `train.remat=offload`)
+only when no layout fits without it. The model is in meshpar/plan/ (memory.py, comm.py); what it assumes
+about overlap is in meshpar/plan/time.py.
 """
 
 from __future__ import annotations
@@ -94,9 +94,10 @@ def main(argv: list[str] | None = None) -> None:
 
 def run(args: argparse.Namespace) -> None:
     import configs
-    from meshpar import config as config_lib, mesh as mesh_lib, plan, plan_report
-    from meshpar.plan_cost import EFFICIENCY, Shape
-    from meshpar.train import remat_candidates
+    from launch.configure import shape as shape_of
+    from meshpar import config as config_lib, mesh as mesh_lib, plan, remat as remat_lib
+    from meshpar.plan import report
+    from meshpar.plan.layout import EFFICIENCY
 
     if not args.config or not args.devices:
         raise InputError("give --config NAME and --devices N (or --params N for model states only)")
@@ -112,22 +113,22 @@ def run(args: argparse.Namespace) -> None:
     if settings and not args.mesh:
         raise InputError(f"{', '.join(settings)}: layout settings need --mesh (the search chooses them itself)")
     cfg = config_lib.apply(cfg, [*args.set, *flags])
-    shape = Shape.of(cfg.model)
+    shape = shape_of(cfg)
     t = cfg.train
-    runp = plan.run_of(t, "gpu", args.precision, args.efficiency or EFFICIENCY)
-    head = plan_report.header(shape, runp, hw, args.devices, dph, args.mem_fraction, args.config)
+    runp = plan.Run.of(t, "gpu", args.precision, args.efficiency or EFFICIENCY)
+    head = report.header(shape, runp, hw, args.devices, dph, args.mem_fraction, args.config)
 
     if args.mesh:
-        sizes = mesh_lib.parse(args.mesh).resolve(args.devices).sizes()
+        mesh = mesh_lib.parse(args.mesh).resolve(args.devices)
         plan.check_cluster(args.devices, args.devices_per_host)
-        mesh_lib.host_split(sizes, dph)
-        for remat in remat_candidates(t, "gpu", cfg.parallel):  # auto: the fastest policy that fits
-            lay = plan.layout_of(sizes, cfg.parallel, dataclasses.replace(t, remat=remat))
+        mesh_lib.host_split(mesh.sizes(), dph)
+        for remat in remat_lib.candidates(t.remat, "gpu", cfg.parallel):  # auto: the fastest policy that fits
+            lay = plan.Layout(mesh, cfg.parallel, remat, t.grad_accum)
             estimates = [plan.estimate(shape, lay, runp, hw, dph, mem_fraction=args.mem_fraction)]
             if estimates[0].fits:
                 break
         if estimates[0].problems:
-            raise InputError(f"layout {plan.describe(lay)} does not build: {'; '.join(estimates[0].problems)}")
+            raise InputError(f"layout {lay.describe()} does not build: {'; '.join(estimates[0].problems)}")
         e = estimates[0]
         host = f" and {e.memory.host / 1e9:.1f} GB of {e.host_budget / 1e9:.1f} GB host memory" if e.memory.host else ""
         summary = "fits" if e.fits else (f"does NOT fit: needs {e.memory.total / 1e9:.1f} GB of {e.budget / 1e9:.1f} "
@@ -139,17 +140,17 @@ def run(args: argparse.Namespace) -> None:
                              precision=args.precision, top=args.top, mem_fraction=args.mem_fraction,
                              efficiency=runp.efficiency, flash_attention=runp.flash_attention)
         estimates = result.ranked
-        summary = plan_report.why(estimates, shape, runp)
+        summary = report.why(estimates, shape, runp)
     if args.plot:
-        plan_report.plot_memory(args.plot, shape, runp, hw, args.devices, dph, args.mem_fraction,
-                                f"{args.config}: predicted memory per device on {args.devices} × {hw.name}, "
-                                f"batch {t.global_batch} × {t.seq_len} (remat=full, one sequence per microbatch)",
-                                pick=estimates[0] if result else None)
+        report.plot_memory(args.plot, shape, runp, hw, args.devices, dph, args.mem_fraction,
+                           f"{args.config}: predicted memory per device on {args.devices} × {hw.name}, "
+                           f"batch {t.global_batch} × {t.seq_len} (remat=full, one sequence per microbatch)",
+                           pick=estimates[0] if result else None)
     if args.json:
         out = {"config": args.config, "params": shape.params, "hardware": dataclasses.asdict(hw),
                "devices": args.devices, "devices_per_host": dph, "global_batch": t.global_batch,
                "seq_len": t.seq_len, "compute_dtype": t.compute_dtype, "precision": args.precision,
-               "layouts": plan_report.as_json(estimates), "summary": summary}
+               "layouts": report.as_json(estimates), "summary": summary}
         if result:
             out["search"] = {"considered": result.considered, "evaluated": result.evaluated,
                              "fitting": result.fitting, "pruned": result.pruned}
@@ -157,7 +158,7 @@ def run(args: argparse.Namespace) -> None:
         return
     print(head)
     print()
-    print(plan_report.table(estimates))
+    print(report.table(estimates))
     print()
     if result:
         print(f"searched {result.considered:,} layouts (mesh × settings) that build: visited "

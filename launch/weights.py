@@ -40,15 +40,13 @@ def load(directory: str | Path, mesh: Mesh, rules: Rules) -> tuple[TransformerCo
     """The model config and its parameters (float32) from `directory`, sharded on `mesh` by `rules`."""
     config, whole_state = saved_config(directory)
     cfg = TransformerConfig(**config["model"])
-    make_model = lambda rngs: Transformer(cfg, rngs=rngs)
     if whole_state:
-        plan = train.plan_state(make_model, train.optimizer(train.TrainConfig()), mesh, rules)
+        sharded = train.sharded_abstract(Transformer.factory(cfg), train.optimizer(train.TrainConfig()), mesh, rules)
         ckpt = checkpoint.Checkpointer(directory)
         try:
-            state, _ = ckpt.restore(plan.abstract, plan.shardings)
+            state, _ = ckpt.restore(sharded.abstract, sharded.shardings)
         finally:
             ckpt.close()
         return cfg, state["model"]
-    with nnx.use_eager_sharding(False):  # shapes and logical names only; the rules place them
-        abstract = nnx.state(nnx.eval_shape(lambda: make_model(nnx.Rngs(0))), nnx.Param)
+    _, abstract = Transformer.abstract(cfg)  # shapes and logical names only; the rules place them
     return cfg, checkpoint.load_params(directory, abstract, sharding.state_shardings(abstract, mesh, rules))

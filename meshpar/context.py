@@ -16,27 +16,21 @@ from collections.abc import Iterator
 
 from jax.sharding import Mesh
 
-from meshpar.errors import InputError
 from meshpar.rules import Rules
-
-REMAT_POLICIES = ("none", "full", "dots", "offload")
 
 
 @dataclasses.dataclass(frozen=True)
 class Compute:
-    """`vmapped`: mesh axes that an enclosing `vmap(spmd_axis_name=...)` owns (gradient accumulation's
-    replicas, the pipeline's stages and batch shards): a `shard_map` opened inside must be manual over
-    them too, or JAX cannot batch it."""
+    """`remat`: the policy a layer runs under (`meshpar.remat`); `attention_kernel`: the block kernel
+    (`meshpar.attention.kernels`); `vmapped`: mesh axes that an enclosing `vmap(spmd_axis_name=...)` owns
+    (gradient accumulation's replicas, the pipeline's stages and batch shards): a `shard_map` opened
+    inside must be manual over them too, or JAX cannot batch it."""
 
     mesh: Mesh
     rules: Rules
     remat: str = "none"
     attention_kernel: str = "auto"
     vmapped: tuple[str, ...] = ()
-
-    def __post_init__(self):
-        if self.remat not in REMAT_POLICIES:
-            raise InputError(f"remat policy '{self.remat}' is not one of {', '.join(REMAT_POLICIES)}")
 
 
 _active: contextvars.ContextVar[Compute | None] = contextvars.ContextVar("meshpar_compute", default=None)

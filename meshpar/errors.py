@@ -1,9 +1,10 @@
-"""The one exception meshpar raises for bad input.
+"""meshpar's two exceptions: bad input, and a run that cannot go on.
 
 `InputError` is what meshpar's own checks raise when a setting, a mesh, a file or a checkpoint cannot be
-used: its message names the culprit and says what would work. The command-line entry points print it as
-one line and exit; any other exception is a bug (or an environment failure) and keeps its traceback. It
-is a `ValueError`, so callers that catch those keep working.
+used: its message names the culprit and says what would work. It is a `ValueError`, so callers that catch
+those keep working. `TrainingStopped` ends a run that diverged (a non-finite loss or gradient norm). The
+command-line entry points print either as one line and exit; any other exception is a bug (or an
+environment failure) and keeps its traceback.
 """
 
 

@@ -83,13 +83,13 @@ def _rules_for_batch(rules: Rules, mesh: Mesh, batch: int) -> Rules:
 @functools.lru_cache(maxsize=16)
 def _program(graphdef: nnx.GraphDef, batch: int, prompt_len: int, new_tokens: int, sampling: Sampling,
              compute: context.Compute):
-    def run(state: nnx.State, prompt_BP: jax.Array, key: jax.Array) -> jax.Array:
+    def run(state: nnx.State, prompt_BT: jax.Array, key: jax.Array) -> jax.Array:
         with context.use(compute):
             model = nnx.merge(graphdef, state)
             k_LBSKH, v_LBSKH = model.init_cache(batch, prompt_len + new_tokens)
-            logits_BPV, k_LBSKH, v_LBSKH = model.decode(prompt_BP, jnp.arange(prompt_len), k_LBSKH, v_LBSKH)
+            logits_BTV, k_LBSKH, v_LBSKH = model.decode(prompt_BT, jnp.arange(prompt_len), k_LBSKH, v_LBSKH)
             key, first = jax.random.split(key)
-            token_B = next_token(logits_BPV[:, -1], sampling, first)
+            token_B = next_token(logits_BTV[:, -1], sampling, first)
 
             def step(carry, position):
                 token_B, k_LBSKH, v_LBSKH, key = carry
@@ -98,34 +98,34 @@ def _program(graphdef: nnx.GraphDef, batch: int, prompt_len: int, new_tokens: in
                 return (next_token(logits_B1V[:, 0], sampling, sub), k_LBSKH, v_LBSKH, key), token_B
 
             positions = jnp.arange(prompt_len, prompt_len + new_tokens - 1)
-            (last_B, *_), tokens_NB = jax.lax.scan(step, (token_B, k_LBSKH, v_LBSKH, key), positions)
-            return jnp.concatenate([tokens_NB.T, last_B[:, None]], axis=1)
+            (last_B, *_), tokens_TB = jax.lax.scan(step, (token_B, k_LBSKH, v_LBSKH, key), positions)
+            return jnp.concatenate([tokens_TB.T, last_B[:, None]], axis=1)
 
     return jax.jit(run)
 
 
-def generate(model: nnx.Module, prompt_BP: np.ndarray, new_tokens: int, mesh: Mesh, rules: Rules,
+def generate(model: nnx.Module, prompt_BT: np.ndarray, new_tokens: int, mesh: Mesh, rules: Rules,
              sampling: Sampling = Sampling()) -> np.ndarray:
-    """`new_tokens` tokens [B, new_tokens] continuing each row of `prompt_BP` (int token ids, one length).
+    """`new_tokens` tokens [B, new_tokens] continuing each row of `prompt_BT` (int token ids, one length).
 
     `model`'s parameters may live on `mesh` in any layout (a training state's, or `launch.weights.load`'s).
     """
-    prompt_BP = np.asarray(prompt_BP)
-    if prompt_BP.ndim != 2 or prompt_BP.shape[1] == 0:
-        raise InputError(f"the prompt must be token ids [batch, length >= 1]; got shape {prompt_BP.shape}")
+    prompt_BT = np.asarray(prompt_BT)
+    if prompt_BT.ndim != 2 or prompt_BT.shape[1] == 0:
+        raise InputError(f"the prompt must be token ids [batch, length >= 1]; got shape {prompt_BT.shape}")
     if new_tokens < 1:
         raise InputError(f"the number of new tokens ({new_tokens}) must be >= 1")
     vocab = model.cfg.vocab_size
-    if prompt_BP.min() < 0 or prompt_BP.max() >= vocab:
+    if prompt_BT.min() < 0 or prompt_BT.max() >= vocab:
         raise InputError(f"prompt token ids must be in [0, {vocab}) (the model's vocabulary); got "
-                         f"{prompt_BP.min()}..{prompt_BP.max()}")
+                         f"{prompt_BT.min()}..{prompt_BT.max()}")
     _check_mesh(mesh)
-    (B, P_len), S = prompt_BP.shape, prompt_BP.shape[1] + new_tokens
+    (B, T_prompt), S = prompt_BT.shape, prompt_BT.shape[1] + new_tokens
     if S > model.cfg.max_seq_len:
-        raise InputError(f"prompt ({P_len}) + new tokens ({new_tokens}) = {S} exceeds the model's "
+        raise InputError(f"prompt ({T_prompt}) + new tokens ({new_tokens}) = {S} exceeds the model's "
                          f"max_seq_len = {model.cfg.max_seq_len}")
     compute = context.Compute(mesh, _rules_for_batch(rules, mesh, B), "none", "dense")
     graphdef, state = nnx.split(model)
-    prompt = jax.device_put(prompt_BP.astype(np.int32), NamedSharding(mesh, P()))
-    tokens = _program(graphdef, B, P_len, new_tokens, sampling, compute)(state, prompt, jax.random.key(sampling.seed))
+    prompt = jax.device_put(prompt_BT.astype(np.int32), NamedSharding(mesh, P()))
+    tokens = _program(graphdef, B, T_prompt, new_tokens, sampling, compute)(state, prompt, jax.random.key(sampling.seed))
     return np.asarray(jax.device_get(tokens))

@@ -2,18 +2,8 @@
 
 Compile time does not grow with depth, and the stacked axis is what the pipeline splits into stages.
 With the mesh's `stage` axis > 1 the stack runs as a pipeline instead (`meshpar.pipeline`).
-Rematerialisation is applied per layer, inside the scan, by the active policy:
-
-- `none`: keep every intermediate of every layer for the backward pass (fastest, most memory), but
-  not the weights `sharding.gathered` gathered (cast to bf16 under FSDP): the backward pass gathers them
-  again; a layer that gathers none runs with no checkpoint at all;
-- `dots`: keep only the outputs of matmuls against weights (projections and MLP; not the attention
-  scores, whose size grows with T²), recompute the rest (norms, activations, softmax);
-- `full`: keep only each layer's input; recompute the whole layer in the backward pass (about one more
-  forward pass of compute, activation memory of one layer plus the layer inputs).
-- `offload`: what `dots` keeps, kept in host memory instead (copied out in the forward pass, back in
-  the backward pass); the devices keep what `full` keeps. On XLA:CPU, where host memory is device
-  memory, it compiles to `dots`.
+Rematerialisation is applied per layer, inside the scan, by the active policy (`meshpar.remat`); under
+`none` only where a layer gathers weights itself, so that the backward pass gathers them again.
 """
 
 from __future__ import annotations
@@ -21,22 +11,8 @@ from __future__ import annotations
 import jax
 from flax import nnx
 
-from meshpar import context, pipeline, sharding
-
-
-def _all_but_gathered_weights(prim, *_, **params) -> bool:
-    """`none`: keep every value the layer computes but its gathered weights (`sharding.gathered`), which
-    the backward pass gathers again, as a plain step does. Kept, the scan would stack every layer's
-    gathered weights ([L, D, F] whole per device under FSDP) for the backward pass."""
-    return not sharding.is_weight_gather(prim, params)
-
-
-_POLICIES = {
-    "none": _all_but_gathered_weights,
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    "offload": jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host"),
-}
+from meshpar import context, pipeline, remat, sharding
+from meshpar.pipeline import schedule
 
 
 def _gathers_weights(fn, *args) -> bool:
@@ -61,13 +37,13 @@ def scan(stack: nnx.Module, x: jax.Array, *args: jax.Array) -> jax.Array:
 
     compute = context.active()
     if compute is not None and compute.mesh.shape["stage"] > 1:  # split into pipeline stages
-        S, parallel = compute.mesh.shape["stage"], compute.rules.parallel
-        return pipeline.pipeline(stack, x, *args, mesh=compute.mesh, stages=S,
-                                 microbatches=parallel.microbatches or 2 * S, repeats=parallel.pipeline_repeats,
-                                 remat=compute.remat)
+        P, parallel = compute.mesh.shape["stage"], compute.rules.parallel
+        return pipeline.pipeline(stack, x, *args, mesh=compute.mesh, stages=P,
+                                 microbatches=schedule.microbatches(parallel.microbatches, P),
+                                 repeats=parallel.pipeline_repeats, remat=compute.remat)
     # `none` needs its policy only where a layer gathers weights: a checkpoint is not free (JAX rounds each
     # saved value with a `reduce_precision` that XLA:CPU keeps, and XLA fuses less across its boundary).
     if compute is not None and (compute.remat != "none"
                                 or _gathers_weights(one_layer, x, jax.tree.map(lambda v: v[0], stacked))):
-        one_layer = jax.checkpoint(one_layer, policy=_POLICIES[compute.remat], prevent_cse=False)
+        one_layer = jax.checkpoint(one_layer, policy=remat.policy(compute.remat), prevent_cse=False)
     return jax.lax.scan(one_layer, x, stacked)[0]

@@ -36,7 +36,9 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
-from meshpar import attention, context, sharding
+from meshpar import context, sharding
+from meshpar.attention import zigzag
+from meshpar.divisors import largest_divisor
 
 # Per-device bytes of one chunk's float32 logits under `loss_chunk = 0` (auto): 256 MiB, a few percent
 # of an accelerator, while a chunk's head matmul keeps ≥ 1k rows at 8B sizes (b·c = 4·256 on fsdp=8).
@@ -64,13 +66,11 @@ def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
 def chunk_length(b: int, t: int, v: int, chunk: int = 0) -> int:
     """Positions in one loss chunk on a device holding b rows, t positions and v vocabulary entries:
     `chunk` if given, else the most whose float32 logits stay within CHUNK_BYTES; always a divisor of t."""
-    if chunk == 0:
-        chunk = max(1, CHUNK_BYTES // (4 * b * v))
-    return max(d for d in range(1, min(chunk, t) + 1) if t % d == 0)
+    return largest_divisor(t, chunk or max(1, CHUNK_BYTES // (4 * b * v)))
 
 
 @dataclasses.dataclass(frozen=True)
-class _Layout:
+class _Placement:
     """Where the loss's inputs live: the specs of hidden [B, T, D], head [D, V] and targets [B, T], the mesh
     axes that split rows and positions (`rows`) and the vocabulary (`vocab`), and the shard_map's manual
     axes (those, and any that an enclosing vmap owns). No mesh: one device, no collectives."""
@@ -85,18 +85,19 @@ class _Layout:
     manual: frozenset[str] = frozenset()
 
 
-def _layout(hidden_BTD: jax.Array, head_DV: jax.Array, targets_BT: jax.Array) -> _Layout:
+def _placement(hidden_BTD: jax.Array, head_DV: jax.Array, targets_BT: jax.Array) -> _Placement:
     compute = context.active()
     if compute is None:
-        return _Layout()
+        return _Placement()
     mesh, table = compute.mesh, compute.rules.table("activations")
-    spec = lambda logical, x: sharding.spec_for(logical, x.shape, table, mesh, f"loss input {logical}")
-    axes = lambda s: tuple(a for entry in s if entry is not None for a in (entry if isinstance(entry, tuple) else (entry,)))
+    spec = lambda logical, x: sharding.spec_for(logical, x.shape, table, mesh.shape, f"loss input {logical}")
+    axes = sharding.spec_axes
     hidden, head = spec(("batch", "seq", "embed"), hidden_BTD), spec(("embed", "vocab"), head_DV)
-    grads = sharding.spec_for(("embed", "vocab"), head_DV.shape, compute.rules.table("grads"), mesh, "head gradient")
+    grads = sharding.spec_for(("embed", "vocab"), head_DV.shape, compute.rules.table("grads"), mesh.shape,
+                              "head gradient")
     scatter = tuple(a for a in axes(grads[:1]) if a in axes(hidden))
-    return _Layout(mesh, hidden, head, spec(("batch", "seq"), targets_BT), axes(hidden), axes(head), scatter,
-                   frozenset(axes(hidden) + axes(head) + compute.vmapped))
+    return _Placement(mesh, hidden, head, spec(("batch", "seq"), targets_BT), axes(hidden), axes(head), scatter,
+                      frozenset(axes(hidden) + axes(head) + compute.vmapped))
 
 
 def _sum(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
@@ -174,39 +175,39 @@ def _backward_local(hidden_btD, head_Dv, targets_bt, lse_bt, g, *, chunk: int, v
     return jnp.moveaxis(dhidden_CbcD, 0, 1).reshape(hidden_btD.shape), dhead_Dv
 
 
-def _forward(hidden_BTD, head_DV, targets_BT, chunk: int, layout: _Layout):
+def _forward(hidden_BTD, head_DV, targets_BT, chunk: int, placement: _Placement):
     """(loss sum, log-sum-exp [B, T])."""
-    body = functools.partial(_forward_local, chunk=chunk, vocab=layout.vocab)
-    if layout.mesh is None:
+    body = functools.partial(_forward_local, chunk=chunk, vocab=placement.vocab)
+    if placement.mesh is None:
         partial_sums, lse_BT = body(hidden_BTD, head_DV, targets_BT)
     else:
         partial_sums, lse_BT = jax.shard_map(
-            body, mesh=layout.mesh, in_specs=(layout.hidden, layout.head, layout.targets),
-            out_specs=(P(layout.rows or None), layout.targets), axis_names=set(layout.manual),
+            body, mesh=placement.mesh, in_specs=(placement.hidden, placement.head, placement.targets),
+            out_specs=(P(placement.rows or None), placement.targets), axis_names=set(placement.manual),
             check_vma=False)(hidden_BTD, head_DV, targets_BT)
     return partial_sums.sum(), lse_BT
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _loss_sum(hidden_BTD, head_DV, targets_BT, chunk: int, layout: _Layout) -> jax.Array:
-    return _forward(hidden_BTD, head_DV, targets_BT, chunk, layout)[0]
+def _loss_sum(hidden_BTD, head_DV, targets_BT, chunk: int, placement: _Placement) -> jax.Array:
+    return _forward(hidden_BTD, head_DV, targets_BT, chunk, placement)[0]
 
 
-def _loss_sum_fwd(hidden_BTD, head_DV, targets_BT, chunk, layout):
-    total, lse_BT = _forward(hidden_BTD, head_DV, targets_BT, chunk, layout)
+def _loss_sum_fwd(hidden_BTD, head_DV, targets_BT, chunk, placement):
+    total, lse_BT = _forward(hidden_BTD, head_DV, targets_BT, chunk, placement)
     return total, (hidden_BTD, head_DV, targets_BT, lse_BT)
 
 
-def _loss_sum_bwd(chunk, layout, residuals, g):
-    body = functools.partial(_backward_local, chunk=chunk, vocab=layout.vocab, rows=layout.rows,
-                             scatter=layout.scatter)
-    if layout.mesh is None:
+def _loss_sum_bwd(chunk, placement, residuals, g):
+    body = functools.partial(_backward_local, chunk=chunk, vocab=placement.vocab, rows=placement.rows,
+                             scatter=placement.scatter)
+    if placement.mesh is None:
         dhidden_BTD, dhead_DV = body(*residuals, g)
     else:
-        dhead_spec = P(layout.scatter or None, *layout.head[1:])
+        dhead_spec = P(placement.scatter or None, *placement.head[1:])
         dhidden_BTD, dhead_DV = jax.shard_map(
-            body, mesh=layout.mesh, in_specs=(layout.hidden, layout.head, layout.targets, layout.targets, P()),
-            out_specs=(layout.hidden, dhead_spec), axis_names=set(layout.manual), check_vma=False)(*residuals, g)
+            body, mesh=placement.mesh, in_specs=(placement.hidden, placement.head, placement.targets, placement.targets, P()),
+            out_specs=(placement.hidden, dhead_spec), axis_names=set(placement.manual), check_vma=False)(*residuals, g)
     return dhidden_BTD, dhead_DV, None
 
 
@@ -217,7 +218,7 @@ def chunked_cross_entropy(hidden_BTD: jax.Array, head_DV: jax.Array, targets_BT:
                           chunk: int = 0) -> jax.Array:
     """Mean next-token cross-entropy of `logits(hidden, head)`, chunk by chunk (module docstring)."""
     B, T, _ = hidden_BTD.shape
-    return _loss_sum(hidden_BTD, head_DV, targets_BT, chunk, _layout(hidden_BTD, head_DV, targets_BT)) / (B * T)
+    return _loss_sum(hidden_BTD, head_DV, targets_BT, chunk, _placement(hidden_BTD, head_DV, targets_BT)) / (B * T)
 
 
 def takes_positions(model) -> bool:
@@ -236,8 +237,8 @@ def next_token_inputs(tokens_BT: jax.Array) -> tuple[jax.Array, jax.Array, jax.A
     compute = context.active()
     if compute is not None and compute.mesh.shape["sequence"] > 1 and compute.rules.parallel.load_balance:
         n = compute.mesh.shape["sequence"]
-        inputs_BT, targets_BT = attention.zigzag(inputs_BT, n), attention.zigzag(targets_BT, n)
-        positions_T = attention.zigzag_positions(inputs_BT.shape[1], n)
+        inputs_BT, targets_BT = zigzag.zigzag(inputs_BT, n), zigzag.zigzag(targets_BT, n)
+        positions_T = zigzag.positions(inputs_BT.shape[1], n)
     return inputs_BT, targets_BT, positions_T
 
 

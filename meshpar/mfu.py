@@ -1,11 +1,12 @@
 """Model FLOPs utilisation: the model's FLOPs per token × tokens/s over the devices' peak FLOP/s.
 
-FLOPs per token are PaLM's (6N + 12·L·H·Q·T, `meshpar.plan_cost.Shape.model_flops_per_token`: the full
-attention square, not halved for the causal mask, the convention MFU is reported in). The peak per
-device (`device_peak`) is, in this order: what the user gives (`--peak-tflops`); on a GPU, the planner's
-hardware table (`meshpar.plan_hardware`) for the device's kind and the compute dtype; on a CPU, a matmul
-probe measured once: the FLOP/s of a float32 matmul on the process's first device, shared among the
-process's fake devices (they run on the same cores).
+FLOPs per token are PaLM's (Chowdhery et al., arXiv:2204.02311, App. B): 6Ψ + 12·L·N·H·T, Ψ the
+parameters that enter a matmul (all but the embedding lookup and the norm scales), L layers, N heads, H
+head dim, T the sequence (PaLM's 6N + 12·L·H·Q·T in its letters): the full attention square, not halved
+for the causal mask, the convention MFU is reported in. The peak per device (`device_peak`) is, in this
+order: what the user gives (`--peak-tflops`); on a GPU, the hardware table (`meshpar.hardware`) for the
+device's kind and the compute dtype; on a CPU, a matmul probe measured once: the FLOP/s of a float32
+matmul on the process's first device, shared among the process's fake devices (they run on the same cores).
 """
 
 from __future__ import annotations
@@ -16,9 +17,19 @@ import time
 import jax
 import jax.numpy as jnp
 
-from meshpar.plan_hardware import PRESETS
+from meshpar.hardware import PRESETS
 
 PROBE_SIZE = 1024  # the CPU probe's square matmul: large enough to use every core, well under a second
+
+
+def palm_flops_per_token(matmul_params: float, layers: int, heads: int, head_dim: int, seq_len: int) -> float:
+    """Model FLOPs per token, PaLM App. B: 6Ψ + 12·L·N·H·T."""
+    return 6 * matmul_params + 12 * layers * heads * head_dim * seq_len
+
+
+def mfu(flops_per_token: float, tokens_per_s: float, devices: int, peak_flops: float) -> float:
+    """Model FLOPs utilisation (PaLM §4.1): achieved model FLOP/s over the devices' peak FLOP/s."""
+    return flops_per_token * tokens_per_s / (devices * peak_flops)
 
 
 def device_peak(compute_dtype_bytes: int, given_tflops: float | None = None) -> tuple[float | None, str]:

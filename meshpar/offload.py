@@ -25,7 +25,7 @@ would keep every layer's fetched weights on the device until the backward pass, 
 
 The step count and other scalars stay on the devices. On XLA:CPU host and device memory are the same
 RAM (the placement is recorded and honoured, the copies are no-ops), so tests here prove the numbers
-and the memory accounting (`meshpar.analysis.memory_per_device` reads the placement from the compiled
+and the memory accounting (`meshpar.compiler.memory_per_device` reads the placement from the compiled
 program); the speed is a GPU's to measure.
 """
 

@@ -41,8 +41,9 @@ from meshpar.mesh import AXES
 Table = tuple[tuple[str, tuple[str, ...]], ...]
 
 
-CONTEXT_ATTENTION = ("ring", "allgather", "ulysses")
-PIPELINE_SCHEDULES = ("gpipe", "1f1b")  # meshpar.pipeline (R > 1: circular), meshpar.pipeline_1f1b
+BATCH_AXES = ("data", "fsdp")  # what splits a batch: data parallelism, and FSDP (its replicas share the states)
+CONTEXT_ATTENTION = ("ring", "allgather", "ulysses")  # meshpar.attention.context_parallel
+PIPELINE_SCHEDULES = ("gpipe", "1f1b")  # meshpar.pipeline.gpipe (R > 1: circular), meshpar.pipeline.one_f_one_b
 OFFLOAD = ("none", "optimizer", "optimizer+params")  # what lives in host memory: meshpar.offload
 
 
@@ -54,8 +55,8 @@ class ParallelConfig:
     sequence_parallel: bool = False  # Megatron SP over `model`
     context_attention: str = "ring"  # attention over a `sequence`-split T: ring, allgather or ulysses
     load_balance: bool = True  # zigzag the sequence so causal attention work is equal on every shard
-    microbatches: int = 0  # pipeline microbatches M over `stage`; 0: twice the number of stages
-    pipeline_repeats: int = 1  # R > 1: circular (interleaved) pipeline, bubble (S-1)/(R·M+S-1)
+    microbatches: int = 0  # pipeline microbatches M; 0: the default, meshpar.pipeline.schedule.microbatches
+    pipeline_repeats: int = 1  # R > 1: circular (interleaved) pipeline, bubble (P-1)/(R·M+P-1)
     pipeline_schedule: str = "gpipe"  # gpipe, or 1f1b: the same bubble, activation memory flat in M (R = 1)
     offload: str = "none"  # host memory: none, optimizer (Adam moments), optimizer+params (+ float32 weights)
 
@@ -66,7 +67,7 @@ class ParallelConfig:
             raise InputError(f"parallel.context_attention = '{self.context_attention}' is not one of "
                              f"{', '.join(CONTEXT_ATTENTION)}")
         if self.microbatches < 0:
-            raise InputError(f"parallel.microbatches = {self.microbatches} must be >= 0 (0: twice the stages)")
+            raise InputError(f"parallel.microbatches = {self.microbatches} must be >= 0 (0: the default)")
         if self.pipeline_repeats < 1:
             raise InputError(f"parallel.pipeline_repeats = {self.pipeline_repeats} must be >= 1")
         if self.pipeline_schedule not in PIPELINE_SCHEDULES:
@@ -117,7 +118,7 @@ def make(parallel: ParallelConfig = ParallelConfig()) -> Rules:
     """The rules of a strategy: the table above, with `embed` and `resid_seq` set by the settings."""
     over_fsdp = lambda stage: ("fsdp",) if parallel.zero_stage >= stage else ()
     resid_seq = ("sequence", "model") if parallel.sequence_parallel else ("sequence",)
-    activations = (("batch", ("data", "fsdp")), ("seq", ("sequence",)), ("resid_seq", resid_seq),
+    activations = (("batch", BATCH_AXES), ("seq", ("sequence",)), ("resid_seq", resid_seq),
                    *_weights(()))
     return Rules(params=_weights(over_fsdp(3)), grads=_weights(over_fsdp(2)), optimizer=_weights(over_fsdp(1)),
                  activations=activations, parallel=parallel)

@@ -1,11 +1,15 @@
-"""A training run: sharded init (or resume), the compiled step and its report, then the loop.
+"""A training run: sharded init (or resume), the compiled step and its report, then the loop with its hooks.
+
+`run` is three parts: the start (`_start`: resume from the latest checkpoint, whatever mesh wrote it, or
+init, from given weights if any), compile-to-fit (`_compile_fitting`: `train.remat = auto` compiles its
+platform's candidates in turn and keeps the first that fits the device), and the loop (`_Loop`), whose
+hooks run at their steps: evaluation, samples, a profiler trace, checkpoints.
 
 The loop dispatches step s before it reads the metrics of step s - 1, so the host never waits for the
 device except to read numbers that are already done. A step's time is the wall time between two
-consecutive finished steps (less any evaluation in between); its tokens/s is the global batch's tokens
-over that time. With a checkpoint directory the run resumes from its latest checkpoint, whatever mesh
-wrote it, and saves every `checkpoint.every` steps and at the last one; `train.steps` counts from the
-start of training.
+consecutive finished steps (less the time hooks take in between); its tokens/s is the global batch's
+tokens over that time. With a checkpoint directory the run saves every `checkpoint.every` steps and at the
+last one; `train.steps` counts from the start of training.
 
 Guards. A step whose loss or gradient norm is not finite stops the run (`train.on_nonfinite = "stop"`,
 `TrainingStopped` names the step) or is skipped inside the step (`"skip"`: the state stays as it was).
@@ -23,6 +27,7 @@ import dataclasses
 import json
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,27 +35,46 @@ import jax
 import numpy as np
 import optax
 from flax import nnx
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 
-from meshpar import analysis, mesh as mesh_lib, metrics, pipeline, sharding
+from meshpar import mesh as mesh_lib, metrics, pipeline, remat as remat_lib, sharding
 from meshpar.checkpoint import CheckpointConfig, Checkpointer
+from meshpar.compiler import compile_report
 from meshpar.data import Batches, DataConfig, load_tokens, split
 from meshpar.errors import InputError, TrainingStopped
 from meshpar.generate import generate
-from meshpar.plan_cost import mfu
+from meshpar.mfu import mfu
 from meshpar.rules import Rules
-from meshpar.train import (Loss, ModelFactory, TrainConfig, init_state, make_eval_step, make_step, optimizer,
-                           plan_state, remat_candidates, schedule)
+from meshpar.train import (Loss, ModelFactory, Sharded, TrainConfig, init_state, make_eval_step, make_step, optimizer,
+                           schedule, sharded_abstract)
 
 # `train.sample_every`: the first positions of the held-out tokens, continued greedily.
 SAMPLE_PROMPT, SAMPLE_TOKENS = 16, 64
 
 
-@dataclasses.dataclass
-class RunResult:
-    state: nnx.State  # the final state, the stacked layers in order (as checkpoints hold them)
-    records: list[dict[str, Any]]
-    report: dict[str, Any]
+@dataclasses.dataclass(frozen=True)
+class Outputs:
+    """Where a run reports: the progress bar, one JSON line per step, the compiled step's report,
+    TensorBoard, and a `jax.profiler` trace of steps `profile_steps` (first, last)."""
+
+    metrics_file: str | None = None
+    report_file: str | None = None
+    tensorboard_dir: str | None = None
+    profile_steps: tuple[int, int] | None = None
+    profile_dir: str | None = None  # default: TENSORBOARD_DIR/profile, else runs/profile
+    progress: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoints:
+    """Where a run saves and resumes: `directory` (none: no checkpoints), how often and how many, the run's
+    `config` (a plain dict saved with each checkpoint: a resumed run must match its `model`, and its
+    `train`/`data` settings unless `allow_config_change`)."""
+
+    directory: str | None = None
+    every: CheckpointConfig = CheckpointConfig()
+    config: dict | None = None
+    allow_config_change: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +83,13 @@ class Throughput:
 
     flops_per_token: float
     peak_flops_per_device: float
+
+
+@dataclasses.dataclass
+class RunResult:
+    state: nnx.State  # the final state, the stacked layers in order (as checkpoints hold them)
+    records: list[dict[str, Any]]
+    report: dict[str, Any]
 
 
 def param_count(abstract_state: nnx.State) -> int:
@@ -78,184 +109,92 @@ def parse_profile_steps(text: str) -> tuple[int, int]:
 
 
 def run(make_model: ModelFactory, train: TrainConfig, data: DataConfig | np.ndarray, mesh: Mesh, rules: Rules, *,
-        metrics_file: str | None = None, report_file: str | None = None, checkpoint_dir: str | None = None,
-        checkpoint: CheckpointConfig = CheckpointConfig(), config: dict | None = None, progress: bool = True,
-        log=print, tensorboard_dir: str | None = None, profile_steps: tuple[int, int] | None = None,
-        profile_dir: str | None = None, loss: Loss | None = None, tx: optax.GradientTransformation | None = None,
-        throughput: Throughput | None = None, allow_config_change: bool = False,
-        init_params: nnx.State | None = None) -> RunResult:
+        outputs: Outputs = Outputs(), checkpoints: Checkpoints = Checkpoints(), loss: Loss | None = None,
+        tx: optax.GradientTransformation | None = None, throughput: Throughput | None = None,
+        init_params: nnx.State | None = None, log: Callable[[str], None] = print) -> RunResult:
     """Train `make_model`'s model up to step `train.steps` on `mesh`; return the state and metrics.
 
     `data` is a source to load, or tokens already loaded (a benchmark reuses them across runs); either is
-    split into training and held-out tokens. `config` (a plain dict) is saved with each checkpoint; a
-    resumed run must match its `model`, and its `train`/`data` settings unless `allow_config_change`.
-    `loss(model, tokens)` defaults to next-token cross-entropy and `tx` to `train.optimizer(train)` (the
-    metrics show the learning rate only for that one). `throughput` adds MFU to the metrics.
-    `profile_steps` (first, last) writes a `jax.profiler` trace of those steps to `profile_dir`.
-    `init_params` (the model's parameters, laid out on `mesh` by `rules`) start a new run from given weights
-    (a fresh optimizer state); a run that resumes from a checkpoint ignores them.
+    split into training and held-out tokens. `loss(model, tokens)` defaults to next-token cross-entropy
+    and `tx` to `train.optimizer(train)` (the metrics show the learning rate only for that one).
+    `throughput` adds MFU to the metrics. `init_params` (the model's parameters, laid out on `mesh` by
+    `rules`) start a new run from given weights (a fresh optimizer state); a run that resumes from a
+    checkpoint ignores them.
     """
     learning_rate = schedule(train) if tx is None else None  # the default optimizer's
     tx = tx or optimizer(train)
-    plan = plan_state(make_model, tx, mesh, rules, train.seed)
-    repeats = rules.parallel.pipeline_repeats  # the state's stacked layers are in the pipeline's order at rest
+    sharded = sharded_abstract(make_model, tx, mesh, rules, train.seed)
     tokens_sharding = sharding.batch_sharding(mesh, rules, (train.global_batch, train.seq_len + 1))
-    if isinstance(data, DataConfig):
-        source, tokens, fraction = data.describe(), load_tokens(data), data.eval_fraction
-    else:
-        source, tokens, fraction = "tokens", data, DataConfig.eval_fraction
+    source, tokens, fraction = ((data.describe(), load_tokens(data), data.eval_fraction) if isinstance(data, DataConfig)
+                                else ("tokens", data, DataConfig.eval_fraction))
     train_tokens, eval_tokens = split(tokens, fraction, train.seq_len)
-    vocab = sharding.axis_size(plan.abstract, "vocab")  # every token must index the embedding
+    vocab = sharding.axis_size(sharded.abstract, "vocab")  # every token must index the embedding
     batches = Batches(train_tokens, global_batch=train.global_batch, seq_len=train.seq_len, seed=train.seed,
                       sharding=tokens_sharding, vocab_size=vocab, source=source)
-    say = log if progress and metrics.is_logger() else lambda _: None
-
-    ckpt = Checkpointer(checkpoint_dir, checkpoint) if checkpoint_dir else None
-    start = 0
-    if ckpt and ckpt.latest_step() is not None:
-        try:
-            if ckpt.latest_step() >= train.steps:
-                raise InputError(f"{checkpoint_dir} is at step {ckpt.latest_step()}, and train.steps = {train.steps} "
-                                 f"counts from the start of training: nothing to do; pass --steps > "
-                                 f"{ckpt.latest_step()} to train on")
-            state, meta = ckpt.restore(plan.abstract, plan.shardings, config, allow_changes=allow_config_change,
-                                       log=say)
-        except Exception:
-            ckpt.close()  # the checkpoints on disk stay as they were
-            raise
-        state = pipeline.to_rest(state, mesh, repeats)  # checkpoints hold the layers in order
-        start = meta["step"]
-        batches.load_state_dict(meta["data"])
-        say(f"resumed from {checkpoint_dir} at step {start}")
-    else:
-        state = init_state(make_model, tx, plan, train.seed)
-        if init_params is not None:
-            nnx.replace_by_pure_dict(state["model"], nnx.to_pure_dict(pipeline.to_rest(init_params, mesh, repeats)))
-            say("parameters from the given weights; optimizer state fresh")
+    say = log if outputs.progress and metrics.is_logger() else lambda _: None
+    ckpt = Checkpointer(checkpoints.directory, checkpoints.every) if checkpoints.directory else None
+    state, start = _start(make_model, tx, sharded, train, batches, ckpt, checkpoints, init_params, say)
 
     batch = next(batches)
-    train, step, report = _compile_fitting(plan, tokens_sharding, train, loss, state, batch, say)
+    train, step, report = _compile_fitting(sharded, tokens_sharding, train, loss, state, batch, say)
     report = {"mesh": dict(mesh.shape), "devices": mesh.size, "processes": jax.process_count(),
-              "params": param_count(plan.abstract), "remat": train.remat, **report}
+              "params": param_count(sharded.abstract), "remat": train.remat, **report}
     memory = report["memory_per_device"]
     host = f" (+ {memory['host_arguments_bytes']:,} in host memory)" if memory["host_arguments_bytes"] else ""
     say(f"mesh {mesh_lib.describe(dict(mesh.shape))} on {mesh.size} devices, {jax.process_count()} process(es); "
         f"{report['params']:,} parameters; {memory['arguments_bytes']:,} state bytes per device{host}; "
         f"compiled in {report['compile_s']:.1f}s")
 
-    evaluate = None
-    if train.eval_every:
-        eval_step = make_eval_step(plan, tokens_sharding, train, loss)
-        held_out = Batches(eval_tokens, global_batch=train.global_batch, seq_len=train.seq_len, seed=train.seed,
-                           sharding=tokens_sharding, vocab_size=vocab, source=f"{source} (held out)")
-
-        def evaluate(current: nnx.State) -> float:
-            held_out.step = 0  # the same batches every time
-            return float(np.mean([float(eval_step(current, next(held_out))) for _ in range(train.eval_batches)]))
-
-    sample = None
-    if train.sample_every:
-        if not hasattr(nnx.merge(plan.graphdef, state).model, "decode"):
-            raise InputError("train.sample_every needs a model that generates (init_cache and decode, as "
-                             "meshpar's transformer has)")
-        prompt_1P = eval_tokens[None, :SAMPLE_PROMPT]  # the same held-out prompt every time
-
-        def sample(current: nnx.State) -> str:
-            ids = generate(nnx.merge(plan.graphdef, current).model, prompt_1P, SAMPLE_TOKENS, mesh, rules)[0].tolist()
-            # The built-in corpus's tokens are bytes; other vocabularies are shown as ids.
-            return bytes(ids).decode("utf-8", errors="replace") if vocab <= 256 else str(ids)
-
-    tokens_per_step = train.global_batch * train.seq_len
-    steplog = metrics.StepLog(train.steps, start, metrics_file, progress, tensorboard_dir)
-    blocked: list[float] = []  # how long each checkpoint save held up the loop
-    pending: tuple[int, dict] | None = None
-    last_done = time.perf_counter()
-    profiling = False
-    profile_dir = profile_dir or str(Path(tensorboard_dir or "runs") / "profile")
-
-    def finish(number: int, out: dict[str, jax.Array]) -> dict[str, Any]:
-        """Wait for step `number` (only) and turn its outputs into its metrics record."""
-        nonlocal last_done
-        values = {k: float(v) for k, v in out.items()}
-        now = time.perf_counter()
-        step_time, last_done = now - last_done, now
-        entry = {"step": number, "loss": values["loss"], "grad_norm": values["grad_norm"], "step_time_s": step_time,
-                 "tokens_per_s": tokens_per_step / step_time}
-        if learning_rate is not None:
-            entry["lr"] = float(learning_rate(number - 1))
-        if throughput:
-            entry["mfu"] = mfu(throughput.flops_per_token, entry["tokens_per_s"], mesh.size,
-                               throughput.peak_flops_per_device)
-        if "skipped" in values:
-            entry["skipped"] = int(values["skipped"])
-        return entry
-
-    def publish(entry: dict[str, Any]) -> None:
-        steplog.write(entry)
-        stop_if_not_finite(entry, train, ckpt)
-
+    hooks = [hook for hook in (
+        _Profile(outputs) if outputs.profile_steps else None,
+        _Evaluation(sharded, tokens_sharding, train, loss, eval_tokens, vocab, source) if train.eval_every else None,
+        _Sampling(sharded, state, eval_tokens, vocab, train) if train.sample_every else None,
+    ) if hook is not None]
+    saving = _Saving(ckpt, batches, checkpoints.config, mesh, rules) if ckpt else None
+    steplog = metrics.StepLog(train.steps, start, outputs.metrics_file, outputs.progress, outputs.tensorboard_dir)
+    loop = _Loop(step, train, batches, steplog, hooks, saving, say, learning_rate, throughput, mesh.size, ckpt)
     try:
-        for number in range(start + 1, train.steps + 1):
-            if profile_steps and number == profile_steps[0]:
-                jax.profiler.start_trace(profile_dir)
-                profiling = True
-            state, out = step(state, batch)
-            if pending is not None:
-                publish(finish(*pending))
-                pending = None
-            tracing_ends = profiling and number == profile_steps[1]
-            evaluating = evaluate is not None and (number % train.eval_every == 0 or number == train.steps)
-            sampling = sample is not None and (number % train.sample_every == 0 or number == train.steps)
-            saving = ckpt is not None and ckpt.due(number, train.steps)
-            if tracing_ends or evaluating or sampling or saving:
-                entry = finish(number, out)
-                if tracing_ends:
-                    began = time.perf_counter()
-                    jax.profiler.stop_trace()
-                    profiling = False
-                    last_done += time.perf_counter() - began
-                    say(f"profile of steps {profile_steps[0]}-{profile_steps[1]} written to {profile_dir}")
-                if evaluating:
-                    began = time.perf_counter()
-                    entry["eval_loss"] = evaluate(state)
-                    entry["eval_perplexity"] = math.exp(min(entry["eval_loss"], 700.0))
-                    last_done += time.perf_counter() - began  # not part of the next step's time
-                if sampling:
-                    began = time.perf_counter()
-                    entry["sample"] = sample(state)
-                    say(f"step {number} sample: {entry['sample']!r}")
-                    last_done += time.perf_counter() - began
-                publish(entry)  # stops the run before a non-finite state is saved
-                if saving:
-                    began = time.perf_counter()
-                    ckpt.save(number, pipeline.to_layers(state, mesh, repeats),
-                              {"data": batches.state_dict(), "config": config or {}})
-                    blocked.append(time.perf_counter() - began)
-            else:
-                pending = (number, out)
-            if number < train.steps:
-                batch = next(batches)
-        if pending is not None:
-            publish(finish(*pending))
+        state = loop.run(state, batch, start)
     finally:
-        if profiling:
-            jax.profiler.stop_trace()
+        for hook in hooks:
+            hook.close()
         steplog.close()
         if ckpt:
             ckpt.wait()
             ckpt.close()
-    report["step_time_s_median"] = steplog.median("step_time_s")
-    report["tokens_per_s_median"] = steplog.median("tokens_per_s")
-    if throughput:
-        report["mfu_median"] = steplog.median("mfu")
-    if evals := [r["eval_loss"] for r in steplog.records if "eval_loss" in r]:
-        report["eval_loss_last"] = evals[-1]
-    if blocked:
-        report["checkpoint_blocked_s_median"] = float(np.median(blocked))
-    if report_file and metrics.is_logger():
-        Path(report_file).parent.mkdir(parents=True, exist_ok=True)
-        Path(report_file).write_text(json.dumps(metrics.strict(report), indent=2, allow_nan=False) + "\n")
-    return RunResult(pipeline.to_layers(state, mesh, repeats), steplog.records, report)
+    report.update(_summary(steplog, saving, throughput))
+    if outputs.report_file and metrics.is_logger():
+        Path(outputs.report_file).parent.mkdir(parents=True, exist_ok=True)
+        Path(outputs.report_file).write_text(json.dumps(metrics.strict(report), indent=2, allow_nan=False) + "\n")
+    return RunResult(pipeline.to_layers(state, mesh, rules.parallel.pipeline_repeats), steplog.records, report)
+
+
+def _start(make_model: ModelFactory, tx: optax.GradientTransformation, sharded: Sharded, train: TrainConfig,
+           batches: Batches, ckpt: Checkpointer | None, checkpoints: Checkpoints, init_params: nnx.State | None,
+           say: Callable[[str], None]) -> tuple[nnx.State, int]:
+    """(the state, the step it is at): resumed from the latest checkpoint (and the data position with it),
+    else created, from `init_params` if given."""
+    repeats = sharded.rules.parallel.pipeline_repeats  # the state's stacked layers are in the pipeline's order
+    if ckpt and ckpt.latest_step() is not None:
+        try:
+            if ckpt.latest_step() >= train.steps:
+                raise InputError(f"{checkpoints.directory} is at step {ckpt.latest_step()}, and train.steps = "
+                                 f"{train.steps} counts from the start of training: nothing to do; pass --steps > "
+                                 f"{ckpt.latest_step()} to train on")
+            state, meta = ckpt.restore(sharded.abstract, sharded.shardings, checkpoints.config,
+                                       allow_changes=checkpoints.allow_config_change, log=say)
+        except Exception:
+            ckpt.close()  # the checkpoints on disk stay as they were
+            raise
+        batches.load_state_dict(meta["data"])
+        say(f"resumed from {checkpoints.directory} at step {meta['step']}")
+        return pipeline.to_rest(state, sharded.mesh, repeats), meta["step"]  # checkpoints hold the layers in order
+    state = init_state(make_model, tx, sharded, train.seed)
+    if init_params is not None:
+        nnx.replace_by_pure_dict(state["model"],
+                                 nnx.to_pure_dict(pipeline.to_rest(init_params, sharded.mesh, repeats)))
+        say("parameters from the given weights; optimizer state fresh")
+    return state, 0
 
 
 def device_memory_limit() -> int | None:
@@ -263,22 +202,198 @@ def device_memory_limit() -> int | None:
     return (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
 
 
-def _compile_fitting(plan, tokens_sharding, train: TrainConfig, loss, state, batch, say):
+def _compile_fitting(sharded: Sharded, tokens_sharding: NamedSharding, train: TrainConfig, loss: Loss | None,
+                     state: nnx.State, batch: jax.Array, say: Callable[[str], None]):
     """(train with a concrete remat policy, the compiled step, its report): `remat = auto` compiles its
-    platform's candidates (`train.remat_candidates`) in turn and keeps the first that fits the device."""
-    candidates = remat_candidates(train, plan.mesh.devices.flat[0].platform, plan.rules.parallel)
+    platform's candidates (`meshpar.remat.candidates`) in turn and keeps the first that fits the device."""
+    platform = sharded.mesh.devices.flat[0].platform
+    candidates = remat_lib.candidates(train.remat, platform, sharded.rules.parallel)
     limit = device_memory_limit()
     for remat in candidates:
         chosen = dataclasses.replace(train, remat=remat)
-        step, report = analysis.compile_report(make_step(plan, tokens_sharding, chosen, loss), state, batch)
+        step, report = compile_report(make_step(sharded, tokens_sharding, chosen, loss), state, batch)
         peak = report["memory_per_device"]["peak_bytes"]
         if limit is None or peak <= limit or remat == candidates[-1]:
             break
         say(f"remat={remat} needs {peak / 1e9:.1f} GB per device, over the {limit / 1e9:.1f} GB there is; trying the next")
     if train.remat == "auto":
-        say(f"remat=auto chose {remat}: the fastest that fits of {', '.join(candidates)} on "
-            f"{plan.mesh.devices.flat[0].platform}")
+        say(f"remat=auto chose {remat}: the fastest that fits of {', '.join(candidates)} on {platform}")
     return chosen, step, report
+
+
+class _Hook:
+    """Something the loop does at some steps, with that step's state and metrics record."""
+
+    def begin(self, number: int) -> None:
+        """Before step `number` is dispatched."""
+
+    def due(self, number: int) -> bool:
+        raise NotImplementedError
+
+    def __call__(self, number: int, state: nnx.State, entry: dict[str, Any], say: Callable[[str], None]) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        """When the run ends, however it ends."""
+
+
+class _Profile(_Hook):
+    """A `jax.profiler` trace from the first of `profile_steps` to the last."""
+
+    def __init__(self, outputs: Outputs):
+        self.first, self.last = outputs.profile_steps
+        self.directory = outputs.profile_dir or str(Path(outputs.tensorboard_dir or "runs") / "profile")
+        self.tracing = False
+
+    def begin(self, number: int) -> None:
+        if number == self.first:
+            jax.profiler.start_trace(self.directory)
+            self.tracing = True
+
+    def due(self, number: int) -> bool:
+        return self.tracing and number == self.last
+
+    def __call__(self, number: int, state: nnx.State, entry: dict[str, Any], say: Callable[[str], None]) -> None:
+        self.close()
+        say(f"profile of steps {self.first}-{self.last} written to {self.directory}")
+
+    def close(self) -> None:
+        if self.tracing:
+            jax.profiler.stop_trace()
+            self.tracing = False
+
+
+class _Evaluation(_Hook):
+    """The mean loss over `train.eval_batches` fixed held-out batches, and its perplexity."""
+
+    def __init__(self, sharded: Sharded, tokens_sharding: NamedSharding, train: TrainConfig, loss: Loss | None,
+                 eval_tokens: np.ndarray, vocab: int | None, source: str):
+        self.step = make_eval_step(sharded, tokens_sharding, train, loss)
+        self.held_out = Batches(eval_tokens, global_batch=train.global_batch, seq_len=train.seq_len,
+                                seed=train.seed, sharding=tokens_sharding, vocab_size=vocab,
+                                source=f"{source} (held out)")
+        self.every, self.last, self.batches = train.eval_every, train.steps, train.eval_batches
+
+    def due(self, number: int) -> bool:
+        return number % self.every == 0 or number == self.last
+
+    def __call__(self, number: int, state: nnx.State, entry: dict[str, Any], say: Callable[[str], None]) -> None:
+        self.held_out.step = 0  # the same batches every time
+        entry["eval_loss"] = float(np.mean([float(self.step(state, next(self.held_out))) for _ in range(self.batches)]))
+        entry["eval_perplexity"] = math.exp(min(entry["eval_loss"], 700.0))
+
+
+class _Sampling(_Hook):
+    """The first held-out tokens continued greedily (`meshpar.generate`), on the run's mesh."""
+
+    def __init__(self, sharded: Sharded, state: nnx.State, eval_tokens: np.ndarray, vocab: int | None,
+                 train: TrainConfig):
+        if not hasattr(nnx.merge(sharded.graphdef, state).model, "decode"):
+            raise InputError("train.sample_every needs a model that generates (init_cache and decode, as "
+                             "meshpar's transformer has)")
+        self.sharded, self.every, self.last, self.vocab = sharded, train.sample_every, train.steps, vocab
+        self.prompt_1T = eval_tokens[None, :SAMPLE_PROMPT]  # the same held-out prompt every time
+
+    def due(self, number: int) -> bool:
+        return number % self.every == 0 or number == self.last
+
+    def __call__(self, number: int, state: nnx.State, entry: dict[str, Any], say: Callable[[str], None]) -> None:
+        model = nnx.merge(self.sharded.graphdef, state).model
+        ids = generate(model, self.prompt_1T, SAMPLE_TOKENS, self.sharded.mesh, self.sharded.rules)[0].tolist()
+        # The built-in corpus's tokens are bytes; other vocabularies are shown as ids.
+        entry["sample"] = bytes(ids).decode("utf-8", errors="replace") if self.vocab <= 256 else str(ids)
+        say(f"step {number} sample: {entry['sample']!r}")
+
+
+class _Saving:
+    """A checkpoint every `checkpoint.every` steps and at the last, the layers in order (`pipeline.to_layers`),
+    with the data position and the run's config."""
+
+    def __init__(self, ckpt: Checkpointer, batches: Batches, config: dict | None, mesh: Mesh, rules: Rules):
+        self.ckpt, self.batches, self.config, self.mesh = ckpt, batches, config or {}, mesh
+        self.repeats = rules.parallel.pipeline_repeats
+        self.blocked: list[float] = []  # how long each save held up the loop
+
+    def __call__(self, number: int, state: nnx.State) -> None:
+        began = time.perf_counter()
+        self.ckpt.save(number, pipeline.to_layers(state, self.mesh, self.repeats),
+                       {"data": self.batches.state_dict(), "config": self.config})
+        self.blocked.append(time.perf_counter() - began)
+
+
+class _Loop:
+    """The steps, each dispatched before the previous one's metrics are read; at the steps where hooks are
+    due, the step's metrics are read at once, the hooks add theirs (their time is not the next step's),
+    the record is published (a non-finite one stops the run here), and then a checkpoint is saved."""
+
+    def __init__(self, step, train: TrainConfig, batches: Batches, steplog: metrics.StepLog, hooks: list[_Hook],
+                 saving: _Saving | None, say: Callable[[str], None], learning_rate: optax.Schedule | None,
+                 throughput: Throughput | None, devices: int, ckpt: Checkpointer | None):
+        self.step, self.train, self.batches, self.steplog, self.hooks = step, train, batches, steplog, hooks
+        self.saving, self.say, self.learning_rate, self.throughput = saving, say, learning_rate, throughput
+        self.devices, self.ckpt = devices, ckpt
+        self.last_done = time.perf_counter()
+
+    def run(self, state: nnx.State, batch: jax.Array, start: int) -> nnx.State:
+        last, pending = self.train.steps, None
+        for number in range(start + 1, last + 1):
+            for hook in self.hooks:
+                hook.begin(number)
+            state, out = self.step(state, batch)
+            if pending is not None:
+                self._publish(self._record(*pending))
+                pending = None
+            due = [hook for hook in self.hooks if hook.due(number)]
+            saving = self.saving is not None and self.ckpt.due(number, last)
+            if due or saving:
+                entry = self._record(number, out)
+                for hook in due:
+                    began = time.perf_counter()
+                    hook(number, state, entry, self.say)
+                    self.last_done += time.perf_counter() - began  # not part of the next step's time
+                self._publish(entry)  # stops the run before a non-finite state is saved
+                if saving:
+                    self.saving(number, state)
+            else:
+                pending = (number, out)
+            if number < last:
+                batch = next(self.batches)
+        if pending is not None:
+            self._publish(self._record(*pending))
+        return state
+
+    def _record(self, number: int, out: dict[str, jax.Array]) -> dict[str, Any]:
+        """Wait for step `number` (only) and turn its outputs into its metrics record."""
+        values = {k: float(v) for k, v in out.items()}
+        now = time.perf_counter()
+        step_time, self.last_done = now - self.last_done, now
+        tokens_per_s = self.train.global_batch * self.train.seq_len / step_time
+        entry = {"step": number, "loss": values["loss"], "grad_norm": values["grad_norm"], "step_time_s": step_time,
+                 "tokens_per_s": tokens_per_s}
+        if self.learning_rate is not None:
+            entry["lr"] = float(self.learning_rate(number - 1))
+        if self.throughput:
+            entry["mfu"] = mfu(self.throughput.flops_per_token, tokens_per_s, self.devices,
+                               self.throughput.peak_flops_per_device)
+        if "skipped" in values:
+            entry["skipped"] = int(values["skipped"])
+        return entry
+
+    def _publish(self, entry: dict[str, Any]) -> None:
+        self.steplog.write(entry)
+        stop_if_not_finite(entry, self.train, self.ckpt)
+
+
+def _summary(steplog: metrics.StepLog, saving: _Saving | None, throughput: Throughput | None) -> dict[str, Any]:
+    """The run's medians, the last evaluation, and how long saves held up the loop, for the report."""
+    out = {"step_time_s_median": steplog.median("step_time_s"), "tokens_per_s_median": steplog.median("tokens_per_s")}
+    if throughput:
+        out["mfu_median"] = steplog.median("mfu")
+    if evals := [r["eval_loss"] for r in steplog.records if "eval_loss" in r]:
+        out["eval_loss_last"] = evals[-1]
+    if saving is not None and saving.blocked:
+        out["checkpoint_blocked_s_median"] = float(np.median(saving.blocked))
+    return out
 
 
 def stop_if_not_finite(entry: dict[str, Any], train: TrainConfig, ckpt: Checkpointer | None) -> None:

@@ -25,9 +25,10 @@ from meshpar.rules import Rules
 Logical = Sequence[str | None]
 
 
-def spec_for(logical: Logical, shape: Sequence[int], table: Mapping[str, tuple[str, ...]], mesh: Mesh,
-             what: str) -> PartitionSpec:
-    """The PartitionSpec of an array of `shape` whose dimensions have the `logical` names.
+def spec_for(logical: Logical, shape: Sequence[int], table: Mapping[str, tuple[str, ...]],
+             sizes: Mapping[str, int], what: str) -> PartitionSpec:
+    """The PartitionSpec of an array of `shape` whose dimensions have the `logical` names, on a mesh of
+    these axis `sizes` (`mesh.shape`; the planner passes sizes of a mesh it only considers).
 
     Mesh axes of size 1 are left out of the spec (they split nothing). `what` names the array in errors.
     """
@@ -48,25 +49,30 @@ def spec_for(logical: Logical, shape: Sequence[int], table: Mapping[str, tuple[s
                                  f"('{logical[owner[axis]]}') and dimension {dim} ('{name}') of shape "
                                  f"{tuple(shape)}; one mesh axis can split one dimension only")
             owner[axis] = dim
-        axes = tuple(axis for axis in table[name] if mesh.shape[axis] > 1)
-        ways = math.prod(mesh.shape[axis] for axis in axes)
+        axes = tuple(axis for axis in table[name] if sizes[axis] > 1)
+        ways = math.prod(sizes[axis] for axis in axes)
         if size % ways:
-            split = " × ".join(f"{axis}={mesh.shape[axis]}" for axis in axes)
+            split = " × ".join(f"{axis}={sizes[axis]}" for axis in axes)
             raise InputError(f"{what}: dimension {dim} ('{name}') of size {size} in shape {tuple(shape)} "
                              f"is not divisible by mesh axes {split}")
         spec.append(None if not axes else axes[0] if len(axes) == 1 else axes)
     return PartitionSpec(*spec)
 
 
-def _path_name(path: tuple) -> str:
+def spec_axes(spec: PartitionSpec) -> tuple[str, ...]:
+    """The mesh axes a PartitionSpec names, in order."""
+    return tuple(a for entry in spec if entry is not None for a in (entry if isinstance(entry, tuple) else (entry,)))
+
+
+def path_name(path: tuple) -> str:
     return "/".join(str(getattr(key, "key", getattr(key, "idx", key))) for key in path)
 
 
-def _logical_axes(variable: nnx.Variable, path: tuple) -> tuple[str | None, ...]:
+def logical_axes(variable: nnx.Variable, path: tuple) -> tuple[str | None, ...]:
     """A variable's logical names; a scalar (an optimizer step count) has none."""
     names = variable.get_metadata().get("out_sharding")
     if names is None and variable.shape:
-        raise InputError(f"parameter '{_path_name(path)}' of shape {tuple(variable.shape)} has no logical axes: "
+        raise InputError(f"parameter '{path_name(path)}' of shape {tuple(variable.shape)} has no logical axes: "
                          f"declare them with out_sharding=(...)")
     return tuple(names or ())
 
@@ -81,14 +87,14 @@ def state_specs(abstract_state: nnx.State, mesh: Mesh, rules: Rules, kind: str |
     for path, variable in nnx.to_flat_state(abstract_state):
         table = rules.table(kind or ("params" if isinstance(variable, nnx.Param) else "optimizer"))
         specs[path] = variable.replace(
-            spec_for(_logical_axes(variable, path), variable.shape, table, mesh, f"parameter '{_path_name(path)}'"))
+            spec_for(logical_axes(variable, path), variable.shape, table, mesh.shape, f"parameter '{path_name(path)}'"))
     return nnx.from_flat_state(specs)
 
 
 def axis_size(abstract_state: nnx.State, logical: str) -> int | None:
     """The size of the logical axis `logical` (e.g. "vocab") in the state's parameters, if one names it."""
     for path, variable in nnx.to_flat_state(nnx.state(abstract_state, nnx.Param)):
-        names = _logical_axes(variable, path)
+        names = logical_axes(variable, path)
         if logical in names:
             return int(variable.shape[names.index(logical)])
     return None
@@ -123,7 +129,7 @@ def sharding_table(abstract_state: nnx.State, mesh: Mesh, rules: Rules) -> str:
         shard = sharding.shard_shape(variable.shape)
         nbytes = math.prod(shard) * np.dtype(variable.dtype).itemsize
         total += nbytes
-        rows.append((_path_name(path), str(tuple(variable.shape)), str(_logical_axes(variable, path)),
+        rows.append((path_name(path), str(tuple(variable.shape)), str(logical_axes(variable, path)),
                      str(tuple(sharding.spec)), str(shard), f"{nbytes:,}"))
     rows.append(("total", "", "", "", "", f"{total:,}"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
@@ -131,7 +137,7 @@ def sharding_table(abstract_state: nnx.State, mesh: Mesh, rules: Rules) -> str:
 
 
 def _activation_layout(compute: context.Compute, logical: Logical, shape: Sequence[int]) -> NamedSharding:
-    spec = spec_for(logical, shape, compute.rules.table("activations"), compute.mesh, f"activation {tuple(logical)}")
+    spec = spec_for(logical, shape, compute.rules.table("activations"), compute.mesh.shape, f"activation {tuple(logical)}")
     return NamedSharding(compute.mesh, spec)
 
 
@@ -215,7 +221,7 @@ def gathered(param: nnx.Variable, dtype: jax.typing.DTypeLike, *, lookup: bool =
     names = param.get_metadata()["out_sharding"][-value.ndim:] if value.ndim else ()
     what = f"parameter {tuple(names)}"
     layout = lambda kind: NamedSharding(compute.mesh, spec_for(names, value.shape, compute.rules.table(kind),
-                                                               compute.mesh, what))
+                                                               compute.mesh.shape, what))
     at_rest, in_compute = layout("params"), layout("activations")
     grads = (in_compute, layout("grads")) if lookup else (layout("grads"),)
     # Where the cast changes the dtype it is pinned to the layout at rest (less the axes an enclosing vmap
@@ -265,5 +271,5 @@ _gather.defvjp(_gather_fwd, _gather_bwd)
 
 def batch_sharding(mesh: Mesh, rules: Rules, shape: Sequence[int]) -> NamedSharding:
     """The sharding of a token batch `[B, T+1]`: rows by the `batch` rule; the model splits T itself."""
-    return NamedSharding(mesh, spec_for(("batch", None), shape, rules.table("activations"), mesh,
+    return NamedSharding(mesh, spec_for(("batch", None), shape, rules.table("activations"), mesh.shape,
                                         f"token batch of shape {tuple(shape)}"))

@@ -7,9 +7,9 @@ ever exists on one device. The step is one jitted program with the state donated
 inserts the collectives the layout needs: the gradient all-reduce for data parallelism, per-layer
 parameter all-gathers (and gradient reductions) for FSDP, the TP all-reduces. With
 `parallel.pipeline_schedule=1f1b` on a `stage` mesh the loss and gradients come from the 1F1B schedule
-(`meshpar.pipeline_1f1b`, which runs the loss inside the pipeline), not from `jax.value_and_grad`.
+(`meshpar.pipeline.one_f_one_b`, which runs the loss inside the pipeline), not from `jax.value_and_grad`.
 
-Gradient accumulation (`grad_accum=K`) runs K microbatches in a `lax.scan` inside the step. The
+Gradient accumulation (`grad_accum=A`) runs A microbatches in a `lax.scan` inside the step. The
 accumulator has the gradient's own layout (the `grads` rules: split over `fsdp` under ZeRO-2/3, over
 `model` under TP, over `stage` under PP), so its bytes per device are the ZeRO formula's. Each
 microbatch's gradient is reduced into it over the axes that split the accumulator (per microbatch: a
@@ -34,10 +34,12 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from meshpar import attention, context, offload, pipeline, pipeline_1f1b, sharding
+from meshpar import context, offload, pipeline, remat as remat_lib, sharding
+from meshpar.attention.kernels import KERNELS
 from meshpar.errors import InputError
 from meshpar.loss import next_token_loss
-from meshpar.rules import ParallelConfig, Rules
+from meshpar.pipeline import one_f_one_b
+from meshpar.rules import Rules
 
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 NONFINITE = ("stop", "skip")
@@ -54,10 +56,10 @@ class TrainConfig:
     clip_norm: float = 1.0
     seed: int = 0
     compute_dtype: str = "float32"
-    remat: str = "auto"  # auto, none, dots, full, offload (meshpar.layers): see REMAT_AUTO
+    remat: str = "auto"  # auto, none, dots, full, offload: meshpar.remat
     grad_accum: int = 1
     decay_steps: int = 0  # length of the cosine schedule; 0: train.steps. Fix it to extend a run by resuming.
-    attention_kernel: str = "auto"  # auto, dense, blockwise (cudnn: GPUs); see meshpar.attention
+    attention_kernel: str = "auto"  # auto, dense, blockwise (cudnn: GPUs); see meshpar.attention.kernels
     loss_chunk: int = 0  # positions per sequence shard in one loss chunk; 0: auto (meshpar.loss)
     eval_every: int = 0  # evaluate on the held-out split every this many steps and at the last; 0: never
     eval_batches: int = 4  # global batches of held-out tokens per evaluation (the same ones every time)
@@ -68,11 +70,10 @@ class TrainConfig:
         if self.compute_dtype not in COMPUTE_DTYPES:
             raise InputError(f"train.compute_dtype = '{self.compute_dtype}' is not one of "
                              f"{', '.join(COMPUTE_DTYPES)}")
-        if self.remat not in ("auto", *context.REMAT_POLICIES):
-            raise InputError(f"train.remat = '{self.remat}' is not one of auto, {', '.join(context.REMAT_POLICIES)}")
-        if self.attention_kernel not in attention.KERNELS:
-            raise InputError(f"train.attention_kernel = '{self.attention_kernel}' is not one of "
-                             f"{', '.join(attention.KERNELS)}")
+        if self.remat not in ("auto", *remat_lib.POLICIES):
+            raise InputError(f"train.remat = '{self.remat}' is not one of auto, {', '.join(remat_lib.POLICIES)}")
+        if self.attention_kernel not in KERNELS:
+            raise InputError(f"train.attention_kernel = '{self.attention_kernel}' is not one of {', '.join(KERNELS)}")
         if self.loss_chunk < 0:
             raise InputError(f"train.loss_chunk = {self.loss_chunk} must be >= 0 (0: auto)")
         if self.on_nonfinite not in NONFINITE:
@@ -155,9 +156,9 @@ class Sharded:
     rules: Rules
 
 
-def plan_state(make_model: ModelFactory, tx: optax.GradientTransformation, mesh: Mesh, rules: Rules,
-               seed: int = 0) -> Sharded:
-    """Build the state abstractly and resolve its shardings; nothing is allocated."""
+def sharded_abstract(make_model: ModelFactory, tx: optax.GradientTransformation, mesh: Mesh, rules: Rules,
+                     seed: int = 0) -> Sharded:
+    """The state built abstractly, with its shardings on `mesh` by `rules`: nothing is allocated."""
     with nnx.use_eager_sharding(False):  # meshpar, not Flax, resolves logical names
         abstract_ts = nnx.eval_shape(lambda: TrainState(make_model(nnx.Rngs(seed)), tx))
     graphdef, abstract = nnx.split(abstract_ts)
@@ -168,7 +169,7 @@ def plan_state(make_model: ModelFactory, tx: optax.GradientTransformation, mesh:
     return Sharded(graphdef, abstract, sharding.state_shardings(abstract, mesh, rules), mesh, rules)
 
 
-def init_state(make_model: ModelFactory, tx: optax.GradientTransformation, plan: Sharded,
+def init_state(make_model: ModelFactory, tx: optax.GradientTransformation, sharded: Sharded,
                seed: int = 0) -> nnx.State:
     """Create the state directly in its shardings (the same values on every mesh for one seed), the stacked
     layers in the pipeline's order at rest (`pipeline.to_rest`)."""
@@ -177,35 +178,15 @@ def init_state(make_model: ModelFactory, tx: optax.GradientTransformation, plan:
         with nnx.use_eager_sharding(False):
             return nnx.state(TrainState(make_model(nnx.Rngs(seed)), tx))
 
-    return pipeline.to_rest(jax.jit(create, out_shardings=plan.shardings)(), plan.mesh,
-                            plan.rules.parallel.pipeline_repeats)
+    return pipeline.to_rest(jax.jit(create, out_shardings=sharded.shardings)(), sharded.mesh,
+                            sharded.rules.parallel.pipeline_repeats)
 
 
-# `train.remat = auto`: the policies to try on a platform, fastest first; a run takes the first whose
-# compiled step fits the device memory (`meshpar.run`). CPU, measured (`launch.bench`, d_model 256, 4
-# layers, T 128, batch 16, fsdp=8): dots 607 ms, full 666 ms, none 1,012 ms (750 ms against dots' 599 in
-# `launch.peers` since none lost its overheads) — keeping fewer activations costs less memory traffic than
-# the recompute. GPUs: nothing recomputed is fastest when it fits.
-REMAT_AUTO = {"cpu": ("dots",)}
-REMAT_AUTO_DEFAULT = ("none", "dots", "full")
-
-
-def remat_candidates(cfg: TrainConfig, platform: str, parallel: ParallelConfig | None = None) -> tuple[str, ...]:
-    """The policies `cfg.remat` may run as on `platform`: itself, or auto's candidates (less `none` where
-    `parallel` offloads the weights: meshpar.offload)."""
-    if cfg.remat != "auto":
-        return (cfg.remat,)
-    candidates = REMAT_AUTO.get(platform, REMAT_AUTO_DEFAULT)
-    if parallel is not None and offload.weights_offloaded(parallel):
-        candidates = tuple(remat for remat in candidates if remat != "none")
-    return candidates
-
-
-def compute_context(plan: Sharded, cfg: TrainConfig) -> context.Compute:
+def compute_context(sharded: Sharded, cfg: TrainConfig) -> context.Compute:
     """How the step computes; `remat = auto` without a memory check is its platform's first candidate."""
-    remat = remat_candidates(cfg, plan.mesh.devices.flat[0].platform, plan.rules.parallel)[0]
-    offload.check(plan.rules.parallel, remat)
-    return context.Compute(plan.mesh, plan.rules, remat, cfg.attention_kernel)
+    remat = remat_lib.candidates(cfg.remat, sharded.mesh.devices.flat[0].platform, sharded.rules.parallel)[0]
+    offload.check(sharded.rules.parallel, remat)
+    return context.Compute(sharded.mesh, sharded.rules, remat, cfg.attention_kernel)
 
 
 def replica_axes(mesh: Mesh, rules: Rules) -> tuple[str, ...]:
@@ -225,22 +206,28 @@ def default_loss(cfg: TrainConfig) -> Loss:
     return lambda model, tokens_BT: next_token_loss(model, tokens_BT, cfg.loss_chunk)
 
 
-def _accumulated(plan: Sharded, cfg: TrainConfig, value_and_grad: ValueAndGrad, params: nnx.State,
+def check_accumulation(rows: int, shards: int, steps: int, batch: tuple[str, ...]) -> None:
+    """Refuse a batch of `rows` that does not split into `steps` accumulation microbatches on each of the
+    `shards` batch shards (over the mesh axes `batch`). The training step and the planner both ask this."""
+    if rows % (shards * steps):
+        raise InputError(f"train.global_batch = {rows} is not divisible into train.grad_accum = {steps} microbatches "
+                         f"on each of the {shards} batch shards ({' × '.join(batch) or 'one device'})")
+
+
+def _accumulated(sharded: Sharded, cfg: TrainConfig, value_and_grad: ValueAndGrad, params: nnx.State,
                  tokens_BT: jax.Array) -> tuple[jax.Array, nnx.State]:
     """Loss and gradients over `grad_accum` microbatches into a sharded accumulator (module docstring)."""
-    mesh, rules = plan.mesh, plan.rules
+    mesh, rules = sharded.mesh, sharded.rules
     batch = tuple(axis for axis in rules.table("activations")["batch"] if mesh.shape[axis] > 1)
     replicas = replica_axes(mesh, rules)
     others = tuple(axis for axis in batch if axis not in replicas)  # still split the rows of a microbatch
-    R, F = math.prod(mesh.shape[a] for a in replicas), math.prod(mesh.shape[a] for a in others)
-    K, (B, T) = cfg.grad_accum, tokens_BT.shape
-    if B % (R * F * K):
-        raise InputError(f"train.global_batch = {B} is not divisible into train.grad_accum = {K} microbatches on "
-                         f"each of the {R * F} batch shards ({' × '.join(batch)})")
-    # Batch shard (r, f) holds rows [(r·F + f)·B/(R·F), …); microbatch k takes the k-th block of b rows of
-    # every shard, so that no row moves: [R, F, K, b, T] → [K, R, F·b, T].
-    tokens_KRbT = tokens_BT.reshape(R, F, K, B // (R * F * K), T).transpose(2, 0, 1, 3, 4).reshape(K, R, -1, T)
-    tokens_KRbT = jax.lax.with_sharding_constraint(tokens_KRbT, NamedSharding(mesh, P(None, replicas or None,
+    Y, X = math.prod(mesh.shape[a] for a in replicas), math.prod(mesh.shape[a] for a in others)
+    A, (B, T) = cfg.grad_accum, tokens_BT.shape
+    check_accumulation(B, Y * X, A, batch)
+    # Batch shard (y, x) holds rows [(y·X + x)·B/(Y·X), …); microbatch a takes the a-th block of b rows of
+    # every shard, so that no row moves: [Y, X, A, b, T] → [A, Y, X·b, T].
+    tokens_AYbT = tokens_BT.reshape(Y, X, A, B // (Y * X * A), T).transpose(2, 0, 1, 3, 4).reshape(A, Y, -1, T)
+    tokens_AYbT = jax.lax.with_sharding_constraint(tokens_AYbT, NamedSharding(mesh, P(None, replicas or None,
                                                                                       others or None)))
     # Inside the vmap over replicas their mesh axes belong to the replica dimension; `batch` keeps the rest.
     outer = context.active()
@@ -250,53 +237,53 @@ def _accumulated(plan: Sharded, cfg: TrainConfig, value_and_grad: ValueAndGrad, 
     accumulator = jax.tree.map(lambda spec: NamedSharding(mesh, P(replicas or None, *spec)),
                                sharding.state_specs(params, mesh, rules, "grads"), is_leaf=lambda x: isinstance(x, P))
 
-    def microbatch(carry, tokens_RbT):
-        loss_sum, acc_R = carry
+    def microbatch(carry, tokens_YbT):
+        loss_sum, acc_Y = carry
         with context.use(local):
-            loss_R, g_R = per_shard(params, tokens_RbT)
-        acc_R = jax.lax.with_sharding_constraint(jax.tree.map(jnp.add, acc_R, g_R), accumulator)
-        return (loss_sum + loss_R.sum(), acc_R), None
+            loss_Y, g_Y = per_shard(params, tokens_YbT)
+        acc_Y = jax.lax.with_sharding_constraint(jax.tree.map(jnp.add, acc_Y, g_Y), accumulator)
+        return (loss_sum + loss_Y.sum(), acc_Y), None
 
-    zeros_R = jax.tree.map(lambda p: jnp.zeros((R, *p.shape), jnp.float32), params)
-    zeros_R = jax.lax.with_sharding_constraint(zeros_R, accumulator)
-    (loss_sum, grads_R), _ = jax.lax.scan(microbatch, (jnp.zeros((), jnp.float32), zeros_R), tokens_KRbT)
-    return loss_sum / (R * K), jax.tree.map(lambda g: g.sum(0) / (R * K), grads_R)
+    zeros_Y = jax.tree.map(lambda p: jnp.zeros((Y, *p.shape), jnp.float32), params)
+    zeros_Y = jax.lax.with_sharding_constraint(zeros_Y, accumulator)
+    (loss_sum, grads_Y), _ = jax.lax.scan(microbatch, (jnp.zeros((), jnp.float32), zeros_Y), tokens_AYbT)
+    return loss_sum / (Y * A), jax.tree.map(lambda g: g.sum(0) / (Y * A), grads_Y)
 
 
-def _loss_and_grads(plan: Sharded, cfg: TrainConfig, loss: Loss | None, model: nnx.Module,
+def _loss_and_grads(sharded: Sharded, cfg: TrainConfig, loss: Loss | None, model: nnx.Module,
                     tokens_BT: jax.Array) -> tuple[jax.Array, nnx.State]:
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    if plan.mesh.shape["stage"] > 1 and plan.rules.parallel.pipeline_schedule == "1f1b":  # the loss runs inside
-        value_and_grad = pipeline_1f1b.value_and_grad(graphdef, rest, loss, cfg.loss_chunk)
+    if sharded.mesh.shape["stage"] > 1 and sharded.rules.parallel.pipeline_schedule == "1f1b":  # the loss runs inside
+        value_and_grad = one_f_one_b.value_and_grad(graphdef, rest, loss, cfg.loss_chunk)
     else:
         loss = loss or default_loss(cfg)
         value_and_grad = jax.value_and_grad(lambda p, t: loss(nnx.merge(graphdef, p, rest), t))
     if cfg.grad_accum == 1:
         loss, grads = value_and_grad(params, tokens_BT)
     else:
-        loss, grads = _accumulated(plan, cfg, value_and_grad, params, tokens_BT)
-    return loss, sharding.constrain_grads(grads, plan.mesh, plan.rules)
+        loss, grads = _accumulated(sharded, cfg, value_and_grad, params, tokens_BT)
+    return loss, sharding.constrain_grads(grads, sharded.mesh, sharded.rules)
 
 
-def loss_and_grads(plan: Sharded, tokens: NamedSharding, cfg: TrainConfig = TrainConfig(),
+def loss_and_grads(sharded: Sharded, tokens: NamedSharding, cfg: TrainConfig = TrainConfig(),
                    loss: Loss | None = None) -> Callable[[nnx.State, jax.Array], tuple[jax.Array, nnx.State]]:
     """`(state, tokens) → (loss, parameter gradients)`, jitted: what parity tests compare. The state is at
     rest (as `init_state` makes it); the gradients come in layer order (`pipeline.to_layers`), as on any mesh."""
 
     def fn(state: nnx.State, tokens_BT: jax.Array) -> tuple[jax.Array, nnx.State]:
-        with context.use(compute_context(plan, cfg)):
-            return _loss_and_grads(plan, cfg, loss, nnx.merge(plan.graphdef, state).model, tokens_BT)
+        with context.use(compute_context(sharded, cfg)):
+            return _loss_and_grads(sharded, cfg, loss, nnx.merge(sharded.graphdef, state).model, tokens_BT)
 
-    jitted = jax.jit(fn, in_shardings=(plan.shardings, tokens))
+    jitted = jax.jit(fn, in_shardings=(sharded.shardings, tokens))
 
     def in_layer_order(state: nnx.State, tokens_BT: jax.Array) -> tuple[jax.Array, nnx.State]:
         value, grads = jitted(state, tokens_BT)
-        return value, pipeline.to_layers(grads, plan.mesh, plan.rules.parallel.pipeline_repeats)
+        return value, pipeline.to_layers(grads, sharded.mesh, sharded.rules.parallel.pipeline_repeats)
 
     return in_layer_order
 
 
-def make_step(plan: Sharded, tokens: NamedSharding, cfg: TrainConfig = TrainConfig(),
+def make_step(sharded: Sharded, tokens: NamedSharding, cfg: TrainConfig = TrainConfig(),
               loss: Loss | None = None) -> Callable[[nnx.State, jax.Array], tuple[nnx.State, dict[str, jax.Array]]]:
     """The jitted training step `(state, tokens) → (state, metrics)`, donating the old state.
 
@@ -307,10 +294,10 @@ def make_step(plan: Sharded, tokens: NamedSharding, cfg: TrainConfig = TrainConf
 
     def step(state: nnx.State, tokens_BT: jax.Array) -> tuple[nnx.State, dict[str, jax.Array]]:
         before = jax.tree.leaves(state)  # the arrays; the update below mutates the merged variables
-        with context.use(compute_context(plan, cfg)):
-            ts = nnx.merge(plan.graphdef, state)
-            value, grads = _loss_and_grads(plan, cfg, loss, ts.model, tokens_BT)
-            offloaded, skip = plan.rules.parallel.offload != "none", cfg.on_nonfinite == "skip"
+        with context.use(compute_context(sharded, cfg)):
+            ts = nnx.merge(sharded.graphdef, state)
+            value, grads = _loss_and_grads(sharded, cfg, loss, ts.model, tokens_BT)
+            offloaded, skip = sharded.rules.parallel.offload != "none", cfg.on_nonfinite == "skip"
             grad_norm = offload.global_norm(ts.model, grads) if offloaded else optax.tree.norm(grads)
             finite = jnp.isfinite(value) & jnp.isfinite(grad_norm)
             if offloaded:  # streams the state through the devices a layer at a time (meshpar.offload)
@@ -326,18 +313,18 @@ def make_step(plan: Sharded, tokens: NamedSharding, cfg: TrainConfig = TrainConf
                 metrics["skipped"] = (~finite).astype(jnp.int32)
             return new_state, metrics
 
-    return jax.jit(step, in_shardings=(plan.shardings, tokens), out_shardings=(plan.shardings, None),
+    return jax.jit(step, in_shardings=(sharded.shardings, tokens), out_shardings=(sharded.shardings, None),
                    donate_argnums=0)
 
 
-def make_eval_step(plan: Sharded, tokens: NamedSharding, cfg: TrainConfig = TrainConfig(),
+def make_eval_step(sharded: Sharded, tokens: NamedSharding, cfg: TrainConfig = TrainConfig(),
                    loss: Loss | None = None) -> Callable[[nnx.State, jax.Array], jax.Array]:
     """The jitted `(state, tokens) → loss` on held-out tokens: the training step's loss and layout, no
     gradients, the state kept (not donated). Compiled once; every evaluation reuses it."""
     loss = loss or default_loss(cfg)
 
     def evaluate(state: nnx.State, tokens_BT: jax.Array) -> jax.Array:
-        with context.use(compute_context(plan, cfg)):
-            return loss(nnx.merge(plan.graphdef, state).model, tokens_BT)
+        with context.use(compute_context(sharded, cfg)):
+            return loss(nnx.merge(sharded.graphdef, state).model, tokens_BT)
 
-    return jax.jit(evaluate, in_shardings=(plan.shardings, tokens))
+    return jax.jit(evaluate, in_shardings=(sharded.shardings, tokens))

@@ -160,13 +160,6 @@ def load_config(hf_dir: str | Path) -> TransformerConfig:
 
 # ---------------------------------------------------------------------------------------------- layouts
 
-def abstract_params(cfg: TransformerConfig) -> tuple[nnx.GraphDef, nnx.State]:
-    """The model's structure and its parameters as shapes with logical axes; nothing is allocated."""
-    with nnx.use_eager_sharding(False):  # meshpar, not Flax, resolves logical names
-        graphdef, params = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))), nnx.Param)
-    return graphdef, params
-
-
 def _tensors(cfg: TransformerConfig) -> list[_Tensor]:
     return [t for t in TENSORS if not (cfg.tie_embeddings and t.path == ("head_DV",))]
 
@@ -254,7 +247,7 @@ def import_params(hf_dir: str | Path, cfg: TransformerConfig, mesh: Mesh, rules:
     """
     hf_dir = Path(hf_dir)
     weight_map = _weight_map(hf_dir)
-    _, abstract = abstract_params(cfg)
+    _, abstract = Transformer.abstract(cfg)
     shardings = dict(nnx.to_flat_state(state_shardings(abstract, mesh, rules)))
     tensors = _tensors(cfg)
     expected = {name for t in tensors for name in _names_of(t, cfg.n_layers)}

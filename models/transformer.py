@@ -4,7 +4,7 @@ Token embedding, pre-norm blocks (RMSNorm → grouped-query causal attention wit
 RMSNorm → SwiGLU MLP), a final RMSNorm and an output head, tied to the embedding or not. The blocks are
 stacked along a leading `layers` axis and run with `lax.scan`, so compile time does not grow with depth
 and the pipeline can split that axis into stages. Its forward pass also comes in the parts the 1F1B
-schedule takes (`embed`, `blocks`, `final_norm`, `output_head`: `meshpar.pipeline_1f1b`).
+schedule takes (`embed`, `blocks`, `final_norm`, `output_head`: `meshpar.pipeline.one_f_one_b`).
 
 The model names LOGICAL axes only (`embed`, `heads`, `kv_heads`, `head_dim`, `mlp`, `vocab`, `layers`
 for parameters; `batch`, `seq` for activations); meshpar's rules decide where they live. Parameters are
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -180,6 +181,17 @@ class Transformer(nnx.Module):
         self.final_norm = RMSNorm(cfg, dtype)
         if not cfg.tie_embeddings:
             self.head_DV = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.d_model**-0.5)
+
+    @classmethod
+    def factory(cls, cfg: TransformerConfig, dtype: jnp.dtype = jnp.float32) -> Callable[[nnx.Rngs], Transformer]:
+        """`rngs → Transformer(cfg)` computing in `dtype`: the model factory meshpar's training takes."""
+        return lambda rngs: cls(cfg, dtype=dtype, rngs=rngs)
+
+    @classmethod
+    def abstract(cls, cfg: TransformerConfig) -> tuple[nnx.GraphDef, nnx.State]:
+        """The model's structure and its parameters as shapes with logical axes; nothing is allocated."""
+        with nnx.use_eager_sharding(False):  # meshpar, not Flax, resolves logical names
+            return nnx.split(nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(0))), nnx.Param)
 
     def __call__(self, tokens_BT: jax.Array, positions_T: jax.Array | None = None) -> jax.Array:
         """Logits `[B, T, V]` in float32 for int tokens `[B, T]` at global `positions_T` (default 0..T-1;

@@ -13,8 +13,8 @@ if __name__ == "__main__":
     jax.config.update("jax_platforms", "cpu")
     jax.config.update("jax_num_cpu_devices", int(sys.argv[1]))
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
-    from launch import compile as compile_cli, train
+    from launch import configure
 
     for config, mesh, overrides in json.loads(sys.argv[2]):
-        cfg, *_ = train.configure(config, mesh, overrides)
-        print(json.dumps(compile_cli.check(cfg)), flush=True)
+        cfg, *_ = configure.configure(config, mesh, overrides)
+        print(json.dumps(configure.compile_check(cfg)), flush=True)

@@ -7,7 +7,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from meshpar import analysis, mesh as mesh_lib, rules as rules_lib, sharding, train
+from meshpar import compiler, mesh as mesh_lib, rules as rules_lib, sharding, train
 from meshpar.data import stdlib_tokens
 from models.transformer import Transformer, TransformerConfig
 
@@ -22,8 +22,9 @@ def tokens(step: int, cfg: train.TrainConfig = TRAIN) -> np.ndarray:
     return np.stack([CORPUS[s:s + cfg.seq_len + 1] for s in starts]).astype(np.int32)
 
 
-class Layout:
-    """One mesh ("single" is one device): plan, initial state, token sharding and compiled functions."""
+class MeshRun:
+    """One mesh ("single" is one device): the sharded state's structure, the initial state, the token
+    sharding and the compiled functions."""
 
     def __init__(self, spec: str, cfg: train.TrainConfig = TRAIN, model: TransformerConfig = MODEL,
                  parallel: rules_lib.ParallelConfig = rules_lib.ParallelConfig()):
@@ -32,22 +33,22 @@ class Layout:
         self.cfg, self.rules = cfg, rules_lib.make(parallel)
         make = lambda rngs: Transformer(model, dtype=cfg.dtype, rngs=rngs)
         tx = train.optimizer(cfg)
-        self.plan = train.plan_state(make, tx, self.mesh, self.rules, cfg.seed)
-        self.state = train.init_state(make, tx, self.plan, cfg.seed)
+        self.sharded = train.sharded_abstract(make, tx, self.mesh, self.rules, cfg.seed)
+        self.state = train.init_state(make, tx, self.sharded, cfg.seed)
         self.tokens_sharding = sharding.batch_sharding(self.mesh, self.rules, (cfg.global_batch, cfg.seq_len + 1))
 
     def batch(self, step: int) -> jax.Array:
         return jax.device_put(tokens(step, self.cfg), self.tokens_sharding)
 
     def loss_and_grads(self) -> tuple[float, nnx.State]:
-        loss, grads = train.loss_and_grads(self.plan, self.tokens_sharding, self.cfg)(self.state, self.batch(0))
+        loss, grads = train.loss_and_grads(self.sharded, self.tokens_sharding, self.cfg)(self.state, self.batch(0))
         return float(loss), jax.tree.map(np.asarray, grads)
 
     @functools.cached_property
     def compiled_step(self) -> tuple[Any, dict]:
         """The compiled training step and what the compiler says about it."""
-        step = train.make_step(self.plan, self.tokens_sharding, self.cfg)
-        return analysis.compile_report(step, self.state, self.batch(0))
+        step = train.make_step(self.sharded, self.tokens_sharding, self.cfg)
+        return compiler.compile_report(step, self.state, self.batch(0))
 
     def losses(self, steps: int) -> list[float]:
         step = self.compiled_step[0]
@@ -65,10 +66,16 @@ class Layout:
 
 
 def max_relative_error(tree, reference) -> float:
-    """The largest |a - b| over max |b| of any leaf: gradients compared leaf by leaf."""
-    errors = jax.tree.map(lambda a, b: np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-30), tree, reference)
-    return max(jax.tree.leaves(errors))
+    """The largest |a - b| over max |b| of any leaf: gradients compared leaf by leaf. A non-finite value in
+    any leaf of either tree gives inf, so no comparison with a tolerance can pass on a NaN."""
+    def error(a, b) -> float:
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        if not (np.all(np.isfinite(a)) and np.all(np.isfinite(b))):
+            return np.inf
+        return float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-30))
+
+    return max(jax.tree.leaves(jax.tree.map(error, tree, reference)))
 
 
-def param_bytes(layout: Layout) -> int:
+def param_bytes(layout: MeshRun) -> int:
     return sum(x.nbytes for x in jax.tree.leaves(nnx.state(layout.state["model"], nnx.Param)))

@@ -6,7 +6,6 @@ Programs are compiled with `xla_backend_optimization_level=0` (CPU: no LLVM opti
 code): the HLO, its collectives and XLA's buffer assignment (temp bytes) are the same, compiling is ~2× faster.
 """
 
-import dataclasses
 import functools
 
 import jax
@@ -16,20 +15,18 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from conftest import require_devices
-from meshpar import analysis, attention, context, mesh as mesh_lib, rules as rules_lib
+from meshpar import attention, compiler, context, mesh as mesh_lib, rules as rules_lib
+from meshpar.attention import context_parallel, kernels, zigzag
 
 B, T, H = 2, 32, 8
 FAST_COMPILE = {"xla_backend_optimization_level": 0}
-FUNCTIONS = {"allgather": attention.allgather_attention, "ring": attention.ring_attention,
-             "ulysses": attention.ulysses_attention}
+FUNCTIONS = {"allgather": context_parallel.allgather_attention, "ring": context_parallel.ring_attention,
+             "ulysses": context_parallel.ulysses_attention}
 
 
-@dataclasses.dataclass(frozen=True)
-class ComputeCP(context.Compute):
-    """`Compute` with the two fields `attend` reads first (before `rules.parallel`)."""
-
-    context_attention: str = "ring"
-    load_balance: bool = True
+def compute_cp(mesh, kernel: str = "auto", **parallel) -> context.Compute:
+    """The Compute of a step on `mesh` whose `parallel` settings name its context attention."""
+    return context.Compute(mesh, rules_lib.make(rules_lib.ParallelConfig(**parallel)), attention_kernel=kernel)
 
 
 def make_mesh(spec: str):
@@ -90,15 +87,15 @@ def sharded(mode: str, mesh_spec: str, balanced: bool, N: int, K: int, spec: tup
     sharding = NamedSharding(mesh, P(*spec))
     args = inputs(N, K)
     if balanced:
-        args = [attention.zigzag(x, n) for x in args]
+        args = [zigzag.zigzag(x, n) for x in args]
     args = [jax.device_put(x, sharding) for x in args]
     f = functools.partial(FUNCTIONS[mode], mesh=mesh, load_balanced=balanced, kernel=kernel)
     compiled = jax.jit(value_and_grads(f)).lower(*args).compile(compiler_options=FAST_COMPILE)
     out, grads = compiled(*args)
     results = [out, *grads]
     if balanced:
-        results = [attention.unzigzag(x, n) for x in results]
-    return [np.asarray(x) for x in results], analysis.collectives(compiled.as_text()), out.sharding
+        results = [zigzag.unzigzag(x, n) for x in results]
+    return [np.asarray(x) for x in results], compiler.collectives(compiled.as_text()), out.sharding
 
 
 def assert_matches_dense(results, N: int, K: int, rtol: float = 1e-5):
@@ -113,20 +110,20 @@ def assert_matches_dense(results, N: int, K: int, rtol: float = 1e-5):
 def test_zigzag_chunk_layout_for_two_shards():
     # 4 chunks of 2: shard 0 holds chunks 0 and 3, shard 1 holds chunks 1 and 2.
     expected = [0, 1, 6, 7, 2, 3, 4, 5]
-    assert np.asarray(attention.zigzag(jnp.arange(8)[None], 2)).tolist() == [expected]
-    assert np.asarray(attention.zigzag_positions(8, 2)).tolist() == expected
-    assert attention.zigzag_positions(8, 2).dtype == jnp.int32
-    assert np.asarray(attention.unzigzag(jnp.asarray(expected)[None], 2)).tolist() == [list(range(8))]
+    assert np.asarray(zigzag.zigzag(jnp.arange(8)[None], 2)).tolist() == [expected]
+    assert np.asarray(zigzag.positions(8, 2)).tolist() == expected
+    assert zigzag.positions(8, 2).dtype == jnp.int32
+    assert np.asarray(zigzag.unzigzag(jnp.asarray(expected)[None], 2)).tolist() == [list(range(8))]
 
 
 @pytest.mark.parametrize("n", [1, 2, 4, 8])
 def test_zigzag_round_trip(n):
     x = jnp.asarray(np.random.default_rng(n).standard_normal((3, 16 * n, 2)))
-    assert np.array_equal(attention.unzigzag(attention.zigzag(x, n), n), x)
-    assert np.array_equal(attention.unzigzag(attention.zigzag(x, n, axis=-2), n, axis=-2), x)
+    assert np.array_equal(zigzag.unzigzag(zigzag.zigzag(x, n), n), x)
+    assert np.array_equal(zigzag.unzigzag(zigzag.zigzag(x, n, axis=-2), n, axis=-2), x)
     y = jnp.moveaxis(x, 1, 0)
-    assert np.array_equal(attention.zigzag(y, n, axis=0), jnp.moveaxis(attention.zigzag(x, n), 1, 0))
-    positions = np.asarray(attention.zigzag_positions(16 * n, n))
+    assert np.array_equal(zigzag.zigzag(y, n, axis=0), jnp.moveaxis(zigzag.zigzag(x, n), 1, 0))
+    positions = np.asarray(zigzag.positions(16 * n, n))
     assert sorted(positions.tolist()) == list(range(16 * n))
 
 
@@ -136,7 +133,7 @@ def test_zigzag_balances_causal_work(n):
     T_ = 64 * n
     work = lambda positions: (positions.reshape(n, -1) + 1).sum(axis=1)
     contiguous = work(np.arange(T_))
-    zigzagged = work(np.asarray(attention.zigzag_positions(T_, n)))
+    zigzagged = work(np.asarray(zigzag.positions(T_, n)))
     assert (np.diff(contiguous) > 0).all()
     assert 2 * n - 2 < contiguous[-1] / contiguous[0] <= 2 * n - 1  # → 2n − 1 as t grows
     assert (zigzagged == zigzagged[0]).all()
@@ -165,41 +162,41 @@ def test_matches_dense_attention(mode, n, balanced, kernel):
 @pytest.mark.parametrize("kernel", ["dense", "blockwise"])
 def test_one_device_matches_dense_attention(kernel):
     q, k, v, ct = inputs(8, 2)
-    out, grads = run_fast(value_and_grads(functools.partial(attention.causal_attention, kernel=kernel)), q, k, v, ct)
+    out, grads = run_fast(value_and_grads(functools.partial(kernels.causal_attention, kernel=kernel)), q, k, v, ct)
     assert_matches_dense([np.asarray(x) for x in (out, *grads)], 8, 2)
 
 
 def test_kernel_setting():
-    assert attention.resolve_kernel("auto", 128, "cpu") == "dense"  # measured: dense wins up to one tile
-    assert attention.resolve_kernel("auto", 256, "cpu") == "blockwise"
-    assert attention.resolve_kernel("auto", 128, "gpu") == "blockwise"
-    assert attention.resolve_kernel("dense", 8192, "gpu") == "dense"
+    assert kernels.resolve_kernel("auto", 128, "cpu") == "dense"  # measured: dense wins up to one tile
+    assert kernels.resolve_kernel("auto", 256, "cpu") == "blockwise"
+    assert kernels.resolve_kernel("auto", 128, "gpu") == "blockwise"
+    assert kernels.resolve_kernel("dense", 8192, "gpu") == "dense"
     with pytest.raises(ValueError, match="'cudnn' needs a GPU; this mesh runs on 'cpu'"):
-        attention.resolve_kernel("cudnn", 128, "cpu")
+        kernels.resolve_kernel("cudnn", 128, "cpu")
     with pytest.raises(ValueError, match="attention kernel 'flash' is not one of auto, dense, blockwise, cudnn"):
-        attention.resolve_kernel("flash", 128, "cpu")
+        kernels.resolve_kernel("flash", 128, "cpu")
 
 
 def test_cudnn_selection():
     """On GPUs `auto` is cuDNN for bf16/fp16 with a head dim it supports; a ring (which differentiates the
     log-sum-exp) and a mask other than plain causal run the blockwise kernel instead."""
     bf16 = jnp.bfloat16
-    assert attention.resolve_kernel("auto", 8192, "gpu", bf16, 128) == "cudnn"
-    assert attention.resolve_kernel("auto", 8192, "gpu", jnp.float16, 64) == "cudnn"
-    assert attention.resolve_kernel("auto", 8192, "gpu", jnp.float32, 128) == "blockwise"
-    assert attention.resolve_kernel("auto", 8192, "gpu", bf16, 256) == "blockwise"
-    assert attention.resolve_kernel("auto", 8192, "gpu", bf16, 128, needs_lse=True) == "blockwise"
-    assert attention.resolve_kernel("cudnn", 8192, "gpu", bf16, 128, needs_lse=True) == "blockwise"
+    assert kernels.resolve_kernel("auto", 8192, "gpu", bf16, 128) == "cudnn"
+    assert kernels.resolve_kernel("auto", 8192, "gpu", jnp.float16, 64) == "cudnn"
+    assert kernels.resolve_kernel("auto", 8192, "gpu", jnp.float32, 128) == "blockwise"
+    assert kernels.resolve_kernel("auto", 8192, "gpu", bf16, 256) == "blockwise"
+    assert kernels.resolve_kernel("auto", 8192, "gpu", bf16, 128, needs_lse=True) == "blockwise"
+    assert kernels.resolve_kernel("cudnn", 8192, "gpu", bf16, 128, needs_lse=True) == "blockwise"
     with pytest.raises(ValueError, match="'cudnn' cannot run this attention: it needs bfloat16 or float16 inputs, "
                                          "not float32"):
-        attention.resolve_kernel("cudnn", 8192, "gpu", jnp.float32, 128)
+        kernels.resolve_kernel("cudnn", 8192, "gpu", jnp.float32, 128)
     with pytest.raises(ValueError, match="head dim 136 is not a multiple of 8 up to 128"):
-        attention.resolve_kernel("cudnn", 8192, "gpu", bf16, 136)
+        kernels.resolve_kernel("cudnn", 8192, "gpu", bf16, 136)
     plain, n = np.arange(8), 2
-    assert attention._plain_causal(attention.Causal.static(plain, plain), 8, 8)
-    zigzag = tuple((p, p) for p in (np.asarray(attention.zigzag_positions(16, n)).reshape(n, 8)))
-    assert not attention._plain_causal(attention.Causal(jnp.zeros(8), jnp.zeros(8), zigzag), 8, 8)
-    assert not attention._plain_causal(attention.Causal.static(plain, np.arange(16)), 8, 16)
+    assert kernels.is_plain_causal(kernels.Causal.static(plain, plain), 8, 8)
+    zigzagged = tuple((p, p) for p in (np.asarray(zigzag.positions(16, n)).reshape(n, 8)))
+    assert not kernels.is_plain_causal(kernels.Causal(jnp.zeros(8), jnp.zeros(8), zigzagged), 8, 8)
+    assert not kernels.is_plain_causal(kernels.Causal.static(plain, np.arange(16)), 8, 16)
 
 
 def test_multi_query_ring():
@@ -223,10 +220,10 @@ def test_output_dtype_is_v_dtype():
     mesh = make_mesh("sequence=2")
     q, k, v, _ = inputs(4, 2, dtype=jnp.bfloat16)
     reference = np.asarray(reference_attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32)))
-    zig = lambda x: attention.zigzag(x, 2)
-    out = run_fast(functools.partial(attention.ring_attention, mesh=mesh, load_balanced=True), zig(q), zig(k), zig(v))
+    zig = lambda x: zigzag.zigzag(x, 2)
+    out = run_fast(functools.partial(context_parallel.ring_attention, mesh=mesh, load_balanced=True), zig(q), zig(k), zig(v))
     assert out.dtype == jnp.bfloat16
-    out = attention.unzigzag(out, 2)
+    out = zigzag.unzigzag(out, 2)
     assert relative_error(out.astype(jnp.float32), reference) < 2e-2
     for f in FUNCTIONS.values():  # the others by abstract evaluation (no compile)
         assert jax.eval_shape(functools.partial(f, mesh=mesh), q, k, v.astype(jnp.float32)).dtype == jnp.float32
@@ -242,7 +239,7 @@ def test_attend_without_context_or_sequence_axis_is_local_attention():
     assert relative_error(attention.attend(q, k, v), expected) < 1e-5
     mesh = make_mesh("data=2,model=4")
     for kernel in ("dense", "blockwise"):
-        with context.use(ComputeCP(mesh, rules_lib.make(), attention_kernel=kernel, context_attention="ulysses")):
+        with context.use(compute_cp(mesh, kernel, context_attention="ulysses")):
             assert relative_error(attention.attend(q, k, v), expected) < 1e-5
 
 
@@ -260,13 +257,13 @@ def test_attend_on_a_composed_mesh(mode, balance):
             return attention.attend(q, k, v)
 
     sharding = NamedSharding(mesh, P("data", "sequence", "model", None))
-    order = (lambda x: attention.zigzag(x, 2)) if balance else (lambda x: x)
+    order = (lambda x: zigzag.zigzag(x, 2)) if balance else (lambda x: x)
     args = [jax.device_put(order(x), sharding) for x in inputs(8, 4)]
     compiled = jax.jit(value_and_grads(f)).lower(*args).compile(compiler_options=FAST_COMPILE)
     out, grads = compiled(*args)
-    unorder = (lambda x: attention.unzigzag(x, 2)) if balance else (lambda x: x)
+    unorder = (lambda x: zigzag.unzigzag(x, 2)) if balance else (lambda x: x)
     assert_matches_dense([np.asarray(unorder(x)) for x in (out, *grads)], 8, 4)
-    collectives = analysis.collectives(compiled.as_text())
+    collectives = compiler.collectives(compiled.as_text())
     expected = {"allgather": {"all-gather", "reduce-scatter"}, "ring": {"collective-permute"},
                 "ulysses": {"all-to-all"}}[mode]
     assert set(collectives) == expected
@@ -277,20 +274,19 @@ def test_attend_on_a_composed_mesh(mode, balance):
 def test_attend_settings_and_errors():
     mesh = make_mesh("sequence=4")
     q, k, v, _ = inputs(8, 2)
-    # A Compute field wins over rules.parallel: here ulysses (rules say ring), balanced by default.
-    compute = ComputeCP(mesh, rules_lib.make(), context_attention="ulysses")
+    # ulysses from rules.parallel, balanced by default
+    compute = compute_cp(mesh, context_attention="ulysses")
     with context.use(compute):
         with pytest.raises(ValueError, match="2 kv heads K are not divisible by 4"):
             attention.attend(q, k, v)
-    q8, k8, v8, _ = [attention.zigzag(x, 4) for x in inputs(8, 8)]
+    q8, k8, v8, _ = [zigzag.zigzag(x, 4) for x in inputs(8, 8)]
     with context.use(compute):
         compiled = jax.jit(attention.attend).lower(q8, k8, v8).compile(compiler_options=FAST_COMPILE)
-    out = attention.unzigzag(compiled(q8, k8, v8), 4)
-    assert "all-to-all" in analysis.collectives(compiled.as_text())
+    out = zigzag.unzigzag(compiled(q8, k8, v8), 4)
+    assert "all-to-all" in compiler.collectives(compiled.as_text())
     assert relative_error(out, dense(8, 8)[0]) < 1e-5
-    with context.use(ComputeCP(mesh, rules_lib.make(), context_attention="flash")):
-        with pytest.raises(ValueError, match="'flash' is not one of allgather, ring, ulysses"):
-            attention.attend(q, k, v)
+    with pytest.raises(ValueError, match="parallel.context_attention = 'flash' is not one of ring, allgather, ulysses"):
+        rules_lib.ParallelConfig(context_attention="flash")
     q12, k12, v12, _ = inputs(8, 2, t=12)  # 12 = 3 per device, not divisible by 2·4 = 8
     with context.use(context.Compute(mesh, rules_lib.make())):  # ring, load_balance from ParallelConfig
         with pytest.raises(ValueError, match="T = 12 is not divisible by 8"):
@@ -303,27 +299,27 @@ def test_attend_settings_and_errors():
 def test_errors():
     mesh = make_mesh("sequence=4")
     with pytest.raises(ValueError, match=r"2·n = 8 chunks, but T = 12 is not divisible by 8"):
-        attention.zigzag(jnp.zeros((1, 12)), 4)
+        zigzag.zigzag(jnp.zeros((1, 12)), 4)
     with pytest.raises(ValueError, match=r"T = 20 is not divisible by 8"):
-        attention.zigzag_positions(20, 4)
+        zigzag.positions(20, 4)
     q, k, v, _ = inputs(8, 2, t=12)
     for f in FUNCTIONS.values():
         with pytest.raises(ValueError, match=r"T = 12 is not divisible by 8"):
             f(q, k, v, mesh=mesh, load_balanced=True)
     q, k, v, _ = inputs(8, 2, t=18)
     with pytest.raises(ValueError, match=r"T = 18 is not divisible by mesh axis 'sequence' of size 4"):
-        attention.ring_attention(q, k, v, mesh=mesh)
+        context_parallel.ring_attention(q, k, v, mesh=mesh)
     q, k, v, _ = inputs(8, 2)
     with pytest.raises(ValueError, match=r"the 2 kv heads K are not divisible by 4"):
-        attention.ulysses_attention(q, k, v, mesh=mesh)
+        context_parallel.ulysses_attention(q, k, v, mesh=mesh)
     q, k, v, _ = inputs(6, 6)
     with pytest.raises(ValueError, match=r"the 6 query heads N are not divisible by 4"):
-        attention.ulysses_attention(q, k, v, mesh=mesh)
+        context_parallel.ulysses_attention(q, k, v, mesh=mesh)
     q, k, v, _ = inputs(8, 3)
     with pytest.raises(ValueError, match=r"8 query heads are not divisible by 3 kv heads"):
-        attention.ring_attention(q, k, v, mesh=mesh)
+        context_parallel.ring_attention(q, k, v, mesh=mesh)
     with pytest.raises(ValueError, match=r"mesh has no axis 'ctx'"):
-        attention.ring_attention(*inputs(8, 2)[:3], mesh=mesh, axis="ctx")
+        context_parallel.ring_attention(*inputs(8, 2)[:3], mesh=mesh, axis="ctx")
 
 
 # --- what the compiler says ---------------------------------------------------------------------------------

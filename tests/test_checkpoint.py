@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 
 from conftest import require_devices
-from layouts import CORPUS, MODEL, TRAIN, Layout
+from layouts import CORPUS, MODEL, TRAIN, MeshRun
 from meshpar import checkpoint, mesh as mesh_lib, rules
-from meshpar.run import run
+from meshpar.run import Checkpoints, Outputs, run
 from models.transformer import Transformer
 
 CONFIG = {"model": dataclasses.asdict(MODEL)}
@@ -29,9 +29,8 @@ def train_to(spec: str, steps: int, directory=None, model=MODEL, offload: str = 
     cfg = dataclasses.replace(TRAIN, steps=steps, decay_steps=8,
                               remat="dots" if offload == "optimizer+params" else TRAIN.remat)
     parallel = rules.make(rules.ParallelConfig(offload=offload))
-    result = run(lambda rngs: Transformer(model, dtype=cfg.dtype, rngs=rngs), cfg, CORPUS, mesh, parallel,
-                 checkpoint_dir=directory and str(directory), checkpoint=EVERY,
-                 config={"model": dataclasses.asdict(model)}, progress=False)
+    result = run(Transformer.factory(model, cfg.dtype), cfg, CORPUS, mesh, parallel, outputs=Outputs(progress=False),
+                 checkpoints=Checkpoints(directory and str(directory), EVERY, {"model": dataclasses.asdict(model)}))
     return result.records
 
 
@@ -109,13 +108,13 @@ def test_a_checkpoint_of_another_model_is_refused_by_field(tmp_path):
 
 
 def test_a_checkpoint_whose_shapes_differ_is_refused_by_path(tmp_path):
-    saved, other = Layout("single"), Layout("single", model=dataclasses.replace(MODEL, d_ff=256))
+    saved, other = MeshRun("single"), MeshRun("single", model=dataclasses.replace(MODEL, d_ff=256))
     ckpt = checkpoint.Checkpointer(tmp_path)
     ckpt.save(1, saved.state, {"data": {}})
     ckpt.wait()
     with pytest.raises(ValueError, match=r"does not fit this model: model.blocks.mlp.w_down_FD: \(2, 128, 64\) in the "
                                          r"checkpoint, \(2, 256, 64\) now"):
-        ckpt.restore(other.plan.abstract, other.plan.shardings)
+        ckpt.restore(other.sharded.abstract, other.sharded.shardings)
 
 
 def test_a_directory_that_is_not_a_checkpoint_is_refused(tmp_path):
@@ -137,18 +136,18 @@ def test_a_checkpoint_with_no_finished_step_is_refused(tmp_path):
 
 def test_exported_parameters_load_onto_any_mesh(tmp_path):
     require_devices(8)
-    source = Layout("fsdp=8")
+    source = MeshRun("fsdp=8")
     params = source.state["model"]
     checkpoint.export_params(tmp_path / "export", params, CONFIG)
-    target = Layout("data=2,model=4")
-    loaded = checkpoint.load_params(tmp_path / "export", target.plan.abstract["model"],
-                                    target.plan.shardings["model"])
+    target = MeshRun("data=2,model=4")
+    loaded = checkpoint.load_params(tmp_path / "export", target.sharded.abstract["model"],
+                                    target.sharded.shardings["model"])
     w = loaded["blocks"]["mlp"]["w_up_DF"][...]
-    assert w.sharding.spec == target.plan.shardings["model"]["blocks"]["mlp"]["w_up_DF"].get_value().spec
+    assert w.sharding.spec == target.sharded.shardings["model"]["blocks"]["mlp"]["w_up_DF"].get_value().spec
     for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(params), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     with pytest.raises(ValueError, match="holds no exported parameters"):
-        checkpoint.load_params(tmp_path / "empty", params, target.plan.shardings["model"])
+        checkpoint.load_params(tmp_path / "empty", params, target.sharded.shardings["model"])
 
 
 def test_resume_between_pipelined_and_unpipelined_meshes(uninterrupted, tmp_path):

@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 
 from conftest import require_devices
-from launch import compile as compile_cli, train
-from meshpar.plan_cost import Shape
+from launch import configure
 
 import configs
 
@@ -47,7 +46,7 @@ LAYOUTS = {
 def reports() -> dict[str, dict]:
     """name → `launch.compile` report; 8-device layouts in this process, 64-device ones in one other."""
     require_devices(8)
-    out = {name: compile_cli.check(train.configure(config, mesh, overrides)[0])
+    out = {name: configure.compile_check(configure.configure(config, mesh, overrides)[0])
            for name, (config, devices, mesh, overrides) in LAYOUTS.items() if devices == 8}
     wide = [name for name, (_, devices, _, _) in LAYOUTS.items() if devices == 64]
     cases = json.dumps([[LAYOUTS[name][0], LAYOUTS[name][2], LAYOUTS[name][3]] for name in wide])
@@ -88,7 +87,7 @@ def test_llama_70b_accumulator_is_a_sixty_fourth_of_the_gradient(reports):
     1/8 of it (the target), and near 1/64 (the layout): compared with one microbatch without accumulation."""
     extra = (reports["70b fsdp×model+SP, accumulation 8"]["memory_per_device"]["temp_bytes"]
              - reports["70b fsdp×model+SP"]["memory_per_device"]["temp_bytes"])
-    whole_gradient = 4 * Shape.of(configs.load("llama_70b").model).params
+    whole_gradient = 4 * configure.shape(configs.load("llama_70b")).params
     assert extra <= whole_gradient / 8
     assert extra <= 1.5 * whole_gradient / 64, (extra / GB, whole_gradient / 64 / GB)
 

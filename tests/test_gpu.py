@@ -48,19 +48,20 @@ def test_collectives_move_the_compute_dtype(tmp_path):
 import jax
 jax.config.update("jax_num_cpu_devices", 8)
 import configs
-from meshpar import config, fit, mesh, rules, train
-from models.transformer import Transformer
+from meshpar import config, mesh, rules, train
+from meshpar.compiler import fit
 for dtype in ("float32", "bfloat16"):
     cfg = config.apply(configs.load("tiny"), [f"train.compute_dtype={dtype}", "model.n_layers=1"])
     m, r = mesh.build(mesh.parse("fsdp=8")), rules.make(cfg.parallel)
-    plan = train.plan_state(lambda rngs: Transformer(cfg.model, dtype=cfg.train.dtype, rngs=rngs),
-                            train.optimizer(cfg.train), m, r)
-    state, tokens = fit.abstract_inputs(plan, cfg.train)
-    train.make_step(plan, tokens.sharding, cfg.train).lower(state, tokens).compile()
+    sharded = train.sharded_abstract(cfg.model_factory(), train.optimizer(cfg.train), m, r)
+    state, tokens = fit.abstract_inputs(sharded, cfg.train)
+    train.make_step(sharded, tokens.sharding, cfg.train).lower(state, tokens).compile()
 """
     result = run_python(code, f"--xla_dump_to={tmp_path} --xla_dump_hlo_pass_re=spmd-partitioning", tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
-    for hlo, dtype in zip(sorted(tmp_path.glob("*jit_step*after_spmd-partitioning*.txt")), ("f32", "bf16")):
+    dumps = sorted(tmp_path.glob("*jit_step*after_spmd-partitioning*.txt"))
+    assert len(dumps) == 2, [path.name for path in tmp_path.iterdir()]  # the float32 step's, then the bf16 one's
+    for hlo, dtype in zip(dumps, ("f32", "bf16")):
         text = hlo.read_text()
         gathers = re.findall(r"= (\w+)\[([\d,]*)\]\{[^}]*\} all-gather\(", text)
         assert sum(d == dtype for d, _ in gathers) >= 7  # per layer: q, k, v, o, gate, up, down

@@ -14,15 +14,15 @@ import math
 import jax
 import numpy as np
 import pytest
-import torch
-import transformers
 from flax import nnx
 from safetensors import safe_open
 
 from conftest import require_devices
+from hf_reference import call
 from launch import convert
 from meshpar import context, mesh as mesh_lib, rules as rules_lib, sharding
 from models import hf_llama as hf
+from models.transformer import Transformer
 from meshpar.errors import InputError
 
 RULES = rules_lib.default()
@@ -32,23 +32,21 @@ SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_la
 TOKENS_BT = np.random.default_rng(0).integers(0, SMALL["vocab_size"], (4, 16))
 
 
-def hf_model(tie: bool, seed: int = 0) -> transformers.LlamaForCausalLM:
-    """A random Llama with weights far from transformers' init (std 0.02, unit norms), so that attention,
-    rotary positions and norm scales all shape the logits."""
-    torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL, tie_word_embeddings=tie)).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-            else:
-                p.normal_(0.0, 1.0 if "embed" in name else 0.2)
-    return model
+def hf_model(directory, tie: bool, seed: int = 0, **saving) -> str:
+    """A random Llama (`hf_reference.save_random_llama`) of the SMALL shape saved in `directory`."""
+    call("save_random_llama", str(directory), {**SMALL, "tie_word_embeddings": tie}, seed, *saving.values())
+    return str(directory)
 
 
-def hf_logits(model: transformers.PreTrainedModel) -> np.ndarray:
-    with torch.no_grad():
-        return model(torch.tensor(TOKENS_BT)).logits.float().numpy()
+@functools.cache
+def small_config() -> dict:
+    """transformers' `config.json` of the SMALL Llama."""
+    return call("llama_config", SMALL)
+
+
+def hf_logits(directory) -> np.ndarray:
+    """transformers' logits of the checkpoint in `directory` for TOKENS_BT."""
+    return call("logits", str(directory), TOKENS_BT.tolist())
 
 
 def build_mesh(spec: str):
@@ -66,7 +64,7 @@ def _forward(graphdef, compute, params, tokens_BT):
 
 def meshpar_logits(params: nnx.State, cfg, mesh) -> np.ndarray:
     """The logits of meshpar's Transformer with `params`, run on `mesh` as a training step runs it."""
-    graphdef, _ = hf.abstract_params(cfg)
+    graphdef, _ = Transformer.abstract(cfg)
     tokens_BT = jax.device_put(TOKENS_BT, sharding.batch_sharding(mesh, RULES, TOKENS_BT.shape))
     return np.asarray(_forward(graphdef, context.Compute(mesh, RULES), params, tokens_BT))
 
@@ -79,10 +77,9 @@ def relative_error(a: np.ndarray, reference: np.ndarray) -> float:
 def untied(tmp_path_factory):
     """An untied model saved in several safetensors shards with an index, and its logits."""
     directory = tmp_path_factory.mktemp("untied")
-    model = hf_model(tie=False)
-    model.save_pretrained(directory, max_shard_size="100KB")
+    hf_model(directory, tie=False, dtype="float32", max_shard_size="100KB")
     assert (directory / hf.INDEX_FILE).is_file() and not (directory / hf.SINGLE_FILE).exists()
-    return directory, hf_logits(model)
+    return directory, hf_logits(directory)
 
 
 @pytest.mark.parametrize("spec", ["", "model=2", "fsdp=4"], ids=["one-device", "tp", "fsdp"])
@@ -91,7 +88,7 @@ def test_imported_logits_match_transformers(untied, spec):
     mesh = build_mesh(spec)
     cfg = hf.load_config(directory)
     params = hf.import_params(directory, cfg, mesh, RULES)
-    shardings = sharding.state_shardings(hf.abstract_params(cfg)[1], mesh, RULES)
+    shardings = sharding.state_shardings(Transformer.abstract(cfg)[1], mesh, RULES)
     assert params["blocks"]["attn"]["wq_DNH"][...].sharding == shardings["blocks"]["attn"]["wq_DNH"].get_value()
     error = relative_error(meshpar_logits(params, cfg, mesh), reference)
     print(f"{spec or 'one device'}: max relative logits difference {error:.2e}")
@@ -106,13 +103,11 @@ def test_greedy_generation_matches_transformers(untied, spec):
     directory, _ = untied
     mesh = build_mesh(spec)
     cfg = hf.load_config(directory)
-    graphdef, _ = hf.abstract_params(cfg)
+    graphdef, _ = Transformer.abstract(cfg)
     model = nnx.merge(graphdef, hf.import_params(directory, cfg, mesh, RULES))
-    prompt_BP = TOKENS_BT[:2, :6]
-    with torch.no_grad():
-        expected = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).generate(
-            torch.tensor(prompt_BP), max_new_tokens=12, do_sample=False, min_new_tokens=12)[:, 6:].numpy()
-    np.testing.assert_array_equal(generate.generate(model, prompt_BP, 12, mesh, RULES), expected)
+    prompt_BT = TOKENS_BT[:2, :6]
+    expected = call("greedy", str(directory), prompt_BT.tolist(), 12)
+    np.testing.assert_array_equal(generate.generate(model, prompt_BT, 12, mesh, RULES), expected)
 
 
 def test_each_device_reads_only_its_block(untied, monkeypatch):
@@ -131,12 +126,11 @@ def test_each_device_reads_only_its_block(untied, monkeypatch):
 
 def test_tied_bfloat16_checkpoint(tmp_path):
     """A bfloat16 file of a tied model: meshpar reads it into float32 as transformers does."""
-    model = hf_model(tie=True, seed=1).to(torch.bfloat16)
-    model.save_pretrained(tmp_path)
+    hf_model(tmp_path, tie=True, seed=1, dtype="bfloat16")
     with safe_open(tmp_path / hf.SINGLE_FILE, framework="np") as f:
         assert f.get_slice("model.embed_tokens.weight").get_dtype() == "BF16"
         assert "lm_head.weight" not in f.keys()
-    reference = hf_logits(transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32))
+    reference = hf_logits(tmp_path)  # transformers reads the bfloat16 file into float32
     cfg = hf.load_config(tmp_path)
     assert cfg.tie_embeddings
     mesh = build_mesh("fsdp=2,model=2")
@@ -147,17 +141,15 @@ def test_tied_bfloat16_checkpoint(tmp_path):
 
 @pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
 def test_export_loads_in_transformers_with_the_same_logits(tmp_path, tie):
-    model = hf_model(tie=tie)
-    model.save_pretrained(tmp_path / "in")
+    hf_model(tmp_path / "in", tie=tie)
     mesh = build_mesh("fsdp=2,model=2")
     cfg = hf.load_config(tmp_path / "in")
     params = hf.import_params(tmp_path / "in", cfg, mesh, RULES)
     # small shards, so the export writes an index as transformers does for large models
     written = hf.export(params, cfg, tmp_path / "out", max_shard_bytes=60_000)
     assert (tmp_path / "out" / hf.INDEX_FILE) in written and len(written) > 3
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
-    assert isinstance(loaded, transformers.LlamaForCausalLM) and loaded.config.tie_word_embeddings == tie
-    error = relative_error(hf_logits(loaded), hf_logits(model))
+    assert call("describe", str(tmp_path / "out")) == {"class": "LlamaForCausalLM", "tied": tie}
+    error = relative_error(hf_logits(tmp_path / "out"), hf_logits(tmp_path / "in"))
     print(f"round trip ({'tied' if tie else 'untied'}): max relative logits difference {error:.2e}")
     assert error < 1e-4
     assert hf.config_from_hf(json.loads((tmp_path / "out" / "config.json").read_text())) == cfg
@@ -173,13 +165,13 @@ def test_export_loads_in_transformers_with_the_same_logits(tmp_path, tie):
     ({"model_type": "mistral"}, "model_type"),
 ])
 def test_unsupported_configs_are_refused(change, culprit):
-    d = {**transformers.LlamaConfig(**SMALL).to_dict(), "architectures": ["LlamaForCausalLM"], **change}
+    d = {**small_config(), "architectures": ["LlamaForCausalLM"], **change}
     with pytest.raises(InputError, match=culprit):
         hf.config_from_hf(d)
 
 
 def test_config_round_trip():
-    cfg = hf.config_from_hf(transformers.LlamaConfig(**SMALL, tie_word_embeddings=True).to_dict())
+    cfg = hf.config_from_hf(call("llama_config", {**SMALL, "tie_word_embeddings": True}))
     assert (cfg.n_heads, cfg.n_kv_heads, cfg.rope_theta, cfg.norm_eps) == (4, 2, 5000.0, SMALL["rms_norm_eps"])
     assert hf.config_from_hf(hf.config_to_hf(cfg)) == cfg
 
@@ -198,14 +190,12 @@ def test_weights_that_do_not_fit_the_config_are_refused(untied, change, culprit)
 
 def test_convert_cli_from_hf_then_to_hf(tmp_path, capsys):
     require_devices(8)
-    model = hf_model(tie=False)
-    model.save_pretrained(tmp_path / "hf")
+    hf_model(tmp_path / "hf", tie=False)
     convert.main(["from-hf", "--hf-dir", str(tmp_path / "hf"), "--out", str(tmp_path / "params")])
     assert "peak host RSS" in capsys.readouterr().out
     convert.main(["to-hf", "--checkpoint", str(tmp_path / "params"), "--out", str(tmp_path / "back"),
                   "--mesh", "fsdp=4,model=2"])
-    error = relative_error(hf_logits(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "back")),
-                           hf_logits(model))
+    error = relative_error(hf_logits(tmp_path / "back"), hf_logits(tmp_path / "hf"))
     print(f"CLI from-hf → to-hf: max relative logits difference {error:.2e}")
     assert error < 1e-4
     (tmp_path / "bare").mkdir()

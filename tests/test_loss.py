@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import NamedSharding
 
 from conftest import require_devices
-from meshpar import analysis, context, loss, mesh as mesh_lib, rules as rules_lib
+from meshpar import compiler, context, loss, mesh as mesh_lib, rules as rules_lib
 from meshpar.sharding import spec_for
 
 B, T, D, V = 8, 64, 32, 512
@@ -62,7 +62,7 @@ def sharded_value_and_grads(spec: str, parallel: rules_lib.ParallelConfig, chunk
     require_devices(n)
     mesh, rules = mesh_lib.build(sizes, jax.devices()[:n]), rules_lib.make(parallel)
     place = lambda x, logical: jax.device_put(x, NamedSharding(mesh, spec_for(
-        logical, x.shape, rules.table("activations"), mesh, "test input")))
+        logical, x.shape, rules.table("activations"), mesh.shape, "test input")))
     hidden, head, targets = inputs()
     hidden, targets = place(hidden, ("batch", "resid_seq", "embed")), place(targets, ("batch", "seq"))
     head = place(head, ("embed", "vocab"))
@@ -99,7 +99,7 @@ def test_the_head_gradient_is_reduced_once_not_per_chunk():
     """fsdp=8, 8 chunks: one reduce-scatter of the head's [D, V] gradient over the batch shards (summed in
     float32 in each device's loop first), not one per chunk."""
     _, compiled = sharded_value_and_grads("fsdp=8", rules_lib.ParallelConfig(), chunk=8)
-    collectives = analysis.collectives(compiled.as_text())
+    collectives = compiler.collectives(compiled.as_text())
     head_bytes = D * V * 4
     assert collectives["reduce-scatter"]["count"] == 1
     assert collectives["reduce-scatter"]["bytes"] == head_bytes // 8

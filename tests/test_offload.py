@@ -11,9 +11,12 @@ from flax import nnx
 from jax._src.ad_checkpoint import saved_residuals
 
 from conftest import require_devices
-from layouts import MODEL, TRAIN, Layout, max_relative_error
-from meshpar import analysis, context, fit, mesh as mesh_lib, plan, plan_cost, rules as rules_lib, train
+from layouts import MODEL, TRAIN, MeshRun, max_relative_error
+from meshpar import context, mesh as mesh_lib, plan, remat, rules as rules_lib, train
+from meshpar.compiler import fit, hlo
 from meshpar.errors import InputError
+from meshpar.mesh import MeshConfig
+from meshpar.plan.layout import local_elements
 from models.transformer import Transformer
 
 STEPS = 10
@@ -21,9 +24,9 @@ DOTS = dataclasses.replace(TRAIN, remat="dots")  # optimizer+params refuses rema
 
 
 @functools.cache
-def layout(spec: str, offload: str = "none") -> Layout:
+def layout(spec: str, offload: str = "none") -> MeshRun:
     require_devices(8)
-    return Layout(spec, DOTS, parallel=rules_lib.ParallelConfig(offload=offload))
+    return MeshRun(spec, DOTS, parallel=rules_lib.ParallelConfig(offload=offload))
 
 
 @functools.cache
@@ -31,12 +34,12 @@ def losses(spec: str, offload: str = "none") -> list[float]:
     return layout(spec, offload).losses(STEPS)
 
 
-def moments_and_weights(lay: Layout) -> tuple[float, float]:
+def moments_and_weights(lay: MeshRun) -> tuple[float, float]:
     """The ZeRO-Offload formula per device: Adam moments 8Ψ/N_opt and float32 weights 4Ψ/N_params, with Ψ/N
     the parameters per device under the `optimizer` / `params` rules (ZeRO stage, fsdp, model, stage)."""
-    shape = plan_cost.Shape.of(MODEL)
-    lay_ = plan.layout_of(dict(lay.mesh.shape), lay.rules.parallel, lay.cfg, "cpu")
-    return (8 * plan_cost.local_elements(shape, lay_, "optimizer"), 4 * plan_cost.local_elements(shape, lay_, "params"))
+    shape = plan.Shape.of_model(Transformer.factory(MODEL))
+    lay_ = plan.Layout.of_run(MeshConfig(**lay.mesh.shape), lay.rules.parallel, lay.cfg, "cpu")
+    return 8 * local_elements(shape, lay_, "optimizer"), 4 * local_elements(shape, lay_, "params")
 
 
 @pytest.mark.parametrize("spec,offload", [
@@ -63,7 +66,7 @@ def test_same_losses_and_the_offloaded_bytes_leave_the_devices(spec, offload):
 def test_the_update_streams_a_layer_at_a_time():
     """Offloaded, the step has two more loops over the L layers than without: the gradient norm's and the
     update's (meshpar.offload.update), besides the forward and backward layer scans."""
-    loops = lambda lay: analysis._TRIP_COUNT.findall(lay.step_hlo()).count(str(MODEL.n_layers))
+    loops = lambda lay: hlo.loop_trip_counts(lay.step_hlo()).count(MODEL.n_layers)
     assert loops(layout("fsdp=8", "optimizer+params")) == loops(layout("fsdp=8")) + 2
 
 
@@ -83,22 +86,22 @@ def test_at_llama_8b_size_the_moments_leave_for_the_host():
     cfg = llama_8b.config()
     mesh = mesh_lib.build(mesh_lib.parse("fsdp=8"))
     run = dataclasses.replace(cfg.train, global_batch=8, seq_len=1024, remat="full")
-    report = fit.compile_step(lambda rngs: Transformer(cfg.model, dtype=run.dtype, rngs=rngs), run, mesh,
+    report = fit.compile_step(Transformer.factory(cfg.model, run.dtype), run, mesh,
                               rules_lib.make(rules_lib.ParallelConfig(offload="optimizer")))
     m = report["memory_per_device"]
-    psi = plan_cost.Shape.of(cfg.model).params
+    psi = plan.Shape.of_model(cfg.model_factory()).params
     states = plan.model_states(psi, 3, 8, precision="fp32")
     assert m["host_arguments_bytes"] == pytest.approx(states["optimizer"], rel=0.05)
     assert m["arguments_bytes"] == pytest.approx(states["params"], rel=0.05)  # weights only, on the device
 
 
-def residual_bytes(lay: Layout, remat: str) -> tuple[int, int]:
+def residual_bytes(lay: MeshRun, remat: str) -> tuple[int, int]:
     """(device, host) bytes of what the backward pass keeps from the forward pass, as JAX lists them."""
     cfg = dataclasses.replace(TRAIN, remat=remat)
-    graphdef, params, rest = nnx.split(nnx.merge(lay.plan.graphdef, lay.state).model, nnx.Param, ...)
+    graphdef, params, rest = nnx.split(nnx.merge(lay.sharded.graphdef, lay.state).model, nnx.Param, ...)
 
     def loss(params, tokens):
-        with context.use(train.compute_context(lay.plan, cfg)):
+        with context.use(train.compute_context(lay.sharded, cfg)):
             return train.default_loss(cfg)(nnx.merge(graphdef, params, rest), tokens)
 
     sizes = [(int(np.prod(aval.shape)) * aval.dtype.itemsize, "host" in str(aval))
@@ -110,11 +113,11 @@ def test_activation_offload_keeps_on_the_devices_what_full_remat_keeps():
     lay = layout("fsdp=8")
     device, host = residual_bytes(lay, "offload")
     full, dots = residual_bytes(lay, "full"), residual_bytes(lay, "dots")
-    assert device <= full[0] and full[1] == dots[1] == 0
+    assert device == full[0] and full[1] == dots[1] == 0  # on the devices exactly what full remat keeps
     assert host == dots[0] - full[0] > 0  # what dots keeps beyond full, in host memory
     offloaded = dataclasses.replace(TRAIN, remat="offload")
-    loss, grads = Layout("fsdp=8", offloaded).loss_and_grads()
-    loss_ref, grads_ref = Layout("fsdp=8").loss_and_grads()  # TRAIN: remat none
+    loss, grads = MeshRun("fsdp=8", offloaded).loss_and_grads()
+    loss_ref, grads_ref = MeshRun("fsdp=8").loss_and_grads()  # TRAIN: remat none
     assert abs(loss - loss_ref) <= 1e-6 * abs(loss_ref)
     assert max_relative_error(grads, grads_ref) < 1e-5
 
@@ -124,9 +127,8 @@ def test_refused_and_auto():
         rules_lib.ParallelConfig(offload="disk")
     weights = rules_lib.ParallelConfig(offload="optimizer+params")
     lay = layout("fsdp=8")
-    plan_ = dataclasses.replace(lay.plan, rules=rules_lib.make(weights))
+    sharded = dataclasses.replace(lay.sharded, rules=rules_lib.make(weights))
     with pytest.raises(InputError, match=r"'optimizer\+params' with train.remat = 'none'"):
-        train.compute_context(plan_, TRAIN)
-    auto = dataclasses.replace(TRAIN, remat="auto")
-    assert train.remat_candidates(auto, "gpu", weights) == ("dots", "full")
-    assert train.remat_candidates(auto, "gpu", rules_lib.ParallelConfig(offload="optimizer")) == ("none", "dots", "full")
+        train.compute_context(sharded, TRAIN)
+    assert remat.candidates("auto", "gpu", weights) == ("dots", "full")
+    assert remat.candidates("auto", "gpu", rules_lib.ParallelConfig(offload="optimizer")) == ("none", "dots", "full")

@@ -14,7 +14,7 @@ from flax import nnx
 from conftest import require_devices
 from layouts import CORPUS, max_relative_error, tokens
 from meshpar import mesh as mesh_lib, rules, sharding, train
-from meshpar.run import run
+from meshpar.run import Outputs, run
 
 V, D, N, F, T = 256, 64, 8, 256, 32
 CFG = train.TrainConfig(steps=4, global_batch=16, seq_len=T, lr=1e-3, warmup_steps=1)
@@ -69,12 +69,12 @@ def make_model(rngs: nnx.Rngs) -> GPT:
 def loss_and_grads(spec: str, parallel: rules.ParallelConfig = rules.ParallelConfig()):
     m = mesh_lib.build(mesh_lib.parse("" if spec == "single" else spec), jax.devices()[:1] if spec == "single" else None)
     r = rules.make(parallel)
-    plan = train.plan_state(make_model, optax.adam(1e-3), m, r)
-    state = train.init_state(make_model, optax.adam(1e-3), plan)
+    sharded = train.sharded_abstract(make_model, optax.adam(1e-3), m, r)
+    state = train.init_state(make_model, optax.adam(1e-3), sharded)
     token_sharding = sharding.batch_sharding(m, r, (CFG.global_batch, T + 1))
     batch = jax.device_put(tokens(0, CFG), token_sharding)
-    loss, grads = train.loss_and_grads(plan, token_sharding, CFG)(state, batch)
-    return float(loss), jax.tree.map(np.asarray, grads), plan
+    loss, grads = train.loss_and_grads(sharded, token_sharding, CFG)(state, batch)
+    return float(loss), jax.tree.map(np.asarray, grads), sharded
 
 
 MESHES = {"dp": ("data=8", rules.ParallelConfig()), "fsdp": ("fsdp=8", rules.ParallelConfig()),
@@ -86,7 +86,7 @@ MESHES = {"dp": ("data=8", rules.ParallelConfig()), "fsdp": ("fsdp=8", rules.Par
 def one_device():
     loss, grads, _ = loss_and_grads("single")
     losses = [r["loss"] for r in run(make_model, CFG, CORPUS, mesh_lib.build(mesh_lib.parse(""), jax.devices()[:1]),
-                                     rules.make(), tx=optax.adam(1e-3), progress=False).records]
+                                     rules.make(), tx=optax.adam(1e-3), outputs=Outputs(progress=False)).records]
     return loss, grads, losses
 
 
@@ -94,16 +94,16 @@ def one_device():
 def test_own_model_matches_one_device(one_device, name):
     require_devices(8)
     spec, parallel = MESHES[name]
-    loss, grads, plan = loss_and_grads(spec, parallel)
+    loss, grads, sharded = loss_and_grads(spec, parallel)
     assert abs(loss - one_device[0]) / one_device[0] < 1e-5
     assert max_relative_error(grads, one_device[1]) < 1e-5
     if name == "fsdp":  # its weights are really split: `embed` over fsdp
-        assert plan.shardings["model"]["wte"].get_value().shard_shape((V, D)) == (V, D // 8)
+        assert sharded.shardings["model"]["wte"].get_value().shard_shape((V, D)) == (V, D // 8)
     if name == "tp":  # and its heads, MLP and vocabulary over model
-        assert plan.shardings["model"]["blocks"][0]["qkv"].get_value().shard_shape((D, 3, N, D // N)) == (D, 3, N // 4, D // N)
-        assert plan.shardings["model"]["head"].get_value().shard_shape((D, V)) == (D, V // 4)
+        assert sharded.shardings["model"]["blocks"][0]["qkv"].get_value().shard_shape((D, 3, N, D // N)) == (D, 3, N // 4, D // N)
+        assert sharded.shardings["model"]["head"].get_value().shard_shape((D, V)) == (D, V // 4)
     result = run(make_model, CFG, CORPUS, mesh_lib.build(mesh_lib.parse(spec)), rules.make(parallel),
-                 tx=optax.adam(1e-3), progress=False)
+                 tx=optax.adam(1e-3), outputs=Outputs(progress=False))
     np.testing.assert_allclose([r["loss"] for r in result.records], one_device[2], rtol=1e-5)
     assert "lr" not in result.records[0]  # its own optimizer: meshpar does not know its learning rate
 
@@ -115,13 +115,13 @@ def test_a_loss_hook_replaces_cross_entropy():
     from meshpar.loss import next_token_loss
 
     m, r = mesh_lib.build(mesh_lib.parse("fsdp=8")), rules.make()
-    plan = train.plan_state(make_model, optax.adam(1e-3), m, r)
-    state = train.init_state(make_model, optax.adam(1e-3), plan)
+    sharded = train.sharded_abstract(make_model, optax.adam(1e-3), m, r)
+    state = train.init_state(make_model, optax.adam(1e-3), sharded)
     token_sharding = sharding.batch_sharding(m, r, (CFG.global_batch, T + 1))
     batch = jax.device_put(tokens(0, CFG), token_sharding)
-    base_loss, base_grads = train.loss_and_grads(plan, token_sharding, CFG)(state, batch)
+    base_loss, base_grads = train.loss_and_grads(sharded, token_sharding, CFG)(state, batch)
     doubled = lambda model, tokens_BT: 2 * next_token_loss(model, tokens_BT)
-    loss, grads = train.loss_and_grads(plan, token_sharding, dataclasses.replace(CFG), loss=doubled)(state, batch)
+    loss, grads = train.loss_and_grads(sharded, token_sharding, dataclasses.replace(CFG), loss=doubled)(state, batch)
     assert float(loss) == pytest.approx(2 * float(base_loss), rel=1e-6)
     assert max_relative_error(jax.tree.map(lambda g: g / 2, grads), base_grads) < 1e-6
 
@@ -130,4 +130,4 @@ def test_a_pipeline_needs_stacked_layers():
     require_devices(8)
     with pytest.raises(ValueError, match="mesh axis stage = 2 pipelines a stack of layers, and this model names no "
                                          "'layers' axis"):
-        train.plan_state(make_model, optax.adam(1e-3), mesh_lib.build(mesh_lib.parse("stage=2,data=4")), rules.make())
+        train.sharded_abstract(make_model, optax.adam(1e-3), mesh_lib.build(mesh_lib.parse("stage=2,data=4")), rules.make())

@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 
 from conftest import require_devices
-from layouts import MODEL, TRAIN, Layout, max_relative_error, param_bytes
+from layouts import MODEL, TRAIN, MeshRun, max_relative_error, param_bytes
 from meshpar import train
 from meshpar.rules import ParallelConfig
 
 
 @pytest.fixture(scope="module")
 def single():
-    return Layout("single")
+    return MeshRun("single")
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +24,7 @@ def reference(single):
     return single.loss_and_grads()
 
 
-def assert_matches(layout: Layout, reference, rtol: float = 1e-5):
+def assert_matches(layout: MeshRun, reference, rtol: float = 1e-5):
     loss, grads = layout.loss_and_grads()
     ref_loss, ref_grads = reference
     assert abs(loss - ref_loss) / ref_loss < rtol
@@ -38,13 +38,13 @@ def assert_matches(layout: Layout, reference, rtol: float = 1e-5):
 @pytest.mark.parametrize("spec", ["model=8", "data=2,model=4", "fsdp=2,model=4", "data=2,fsdp=2,model=2"])
 def test_tensor_parallel_matches_one_device(reference, spec, sequence_parallel):
     require_devices(8)
-    assert_matches(Layout(spec, parallel=ParallelConfig(sequence_parallel=sequence_parallel)), reference)
+    assert_matches(MeshRun(spec, parallel=ParallelConfig(sequence_parallel=sequence_parallel)), reference)
 
 
 @pytest.fixture(scope="module")
 def tp8():
     require_devices(8)
-    return {sp: Layout("model=8", parallel=ParallelConfig(sequence_parallel=sp)) for sp in (False, True)}
+    return {sp: MeshRun("model=8", parallel=ParallelConfig(sequence_parallel=sp)) for sp in (False, True)}
 
 
 def test_tensor_parallel_splits_heads_mlp_and_vocab(tp8):
@@ -88,11 +88,13 @@ def test_sequence_parallel_gathers_and_saves_activation_memory(tp8):
 @pytest.fixture(scope="module")
 def zero_stages():
     require_devices(8)
-    return {stage: Layout("fsdp=8", parallel=ParallelConfig(zero_stage=stage)) for stage in range(4)}
+    return {stage: MeshRun("fsdp=8", parallel=ParallelConfig(zero_stage=stage)) for stage in range(4)}
 
 
 @pytest.mark.parametrize("stage", range(4))
-def test_zero_stage_losses_match_one_device(single, zero_stages, stage):
+def test_zero_stage_matches_one_device(single, reference, zero_stages, stage):
+    """Every ZeRO stage: the loss and every gradient of one device's (1e-5), and 4 steps of its losses."""
+    assert_matches(zero_stages[stage], reference)
     np.testing.assert_allclose(zero_stages[stage].losses(4), single.losses(4), rtol=1e-5)
 
 
@@ -121,14 +123,14 @@ def test_zero2_shards_the_gradients(zero_stages):
 def test_bfloat16_is_close_to_float32(single, reference):
     """bfloat16 matmuls and activations with float32 master weights, loss and softmax statistics: the loss
     within 1e-3 relative, the gradients within 10% of their largest element, 10 steps within 2%."""
-    bf16 = Layout("single", cfg=dataclasses.replace(TRAIN, compute_dtype="bfloat16"))
+    bf16 = MeshRun("single", cfg=dataclasses.replace(TRAIN, compute_dtype="bfloat16"))
     floats = [x.dtype for x in jax.tree.leaves(bf16.state) if np.issubdtype(x.dtype, np.floating)]
     assert floats and set(floats) == {np.dtype(np.float32)}  # master weights and moments stay float32
     loss, grads = bf16.loss_and_grads()
     assert abs(loss - reference[0]) / reference[0] < 1e-3
     assert max_relative_error(grads, reference[1]) < 0.1
     # the traced program multiplies in bfloat16 (XLA on CPU then upcasts dots internally; GPUs do not)
-    lowered = train.make_step(bf16.plan, bf16.tokens_sharding, bf16.cfg).lower(bf16.state, bf16.batch(0)).as_text()
+    lowered = train.make_step(bf16.sharded, bf16.tokens_sharding, bf16.cfg).lower(bf16.state, bf16.batch(0)).as_text()
     assert re.search(r"dot_general.*tensor<[\dx]+bf16>.*tensor<[\dx]+bf16>", lowered)
     np.testing.assert_allclose(bf16.losses(10), single.losses(10), rtol=2e-2)
 
@@ -139,8 +141,8 @@ def test_bfloat16_is_close_to_float32(single, reference):
 @pytest.mark.parametrize("policy", ["full", "dots"])
 def test_remat_gives_the_same_gradients_with_less_memory(reference, policy):
     require_devices(8)
-    plain = Layout("data=8")
-    remat = Layout("data=8", cfg=dataclasses.replace(TRAIN, remat=policy))
+    plain = MeshRun("data=8")
+    remat = MeshRun("data=8", cfg=dataclasses.replace(TRAIN, remat=policy))
     assert_matches(remat, reference)
     assert remat.report()["memory_per_device"]["temp_bytes"] < 0.7 * plain.report()["memory_per_device"]["temp_bytes"]
 
@@ -151,10 +153,10 @@ def test_remat_gives_the_same_gradients_with_less_memory(reference, policy):
 @pytest.mark.parametrize("spec", ["single", "data=8", "fsdp=8"])
 def test_grad_accumulation_equals_the_large_batch_step(reference, spec):
     require_devices(8)
-    accum = Layout(spec, cfg=dataclasses.replace(TRAIN, grad_accum=2))
+    accum = MeshRun(spec, cfg=dataclasses.replace(TRAIN, grad_accum=2))
     assert_matches(accum, reference)
     if spec == "data=8":  # pure replicas: one gradient synchronisation per step, the same bytes as K = 1
-        plain = Layout(spec).report()["collectives"]["all-reduce"]["bytes"]
+        plain = MeshRun(spec).report()["collectives"]["all-reduce"]["bytes"]
         assert abs(accum.report()["collectives"]["all-reduce"]["bytes"] - plain) / plain < 0.01
 
 
@@ -176,7 +178,7 @@ def test_grad_accumulation_composes_with_every_axis(reference, deep_reference, s
     with and without SP, and fsdp: the same loss and gradients as one device's large batch."""
     require_devices(8)
     model = dataclasses.replace(MODEL, n_layers=4) if deep else MODEL
-    layout = Layout(spec, cfg=dataclasses.replace(TRAIN, grad_accum=2), model=model,
+    layout = MeshRun(spec, cfg=dataclasses.replace(TRAIN, grad_accum=2), model=model,
                     parallel=ParallelConfig(**parallel))
     assert_matches(layout, deep_reference if deep else reference)
 
@@ -188,18 +190,18 @@ def test_grad_accumulation_synchronises_replicas_once_per_step():
     bytes per step = K·(per microbatch) + (once per step): the once-per-step part is the fsdp-split
     float32 gradient, 4Ψ/4 — the data all-reduce — and it does not grow with K."""
     require_devices(8)
-    total = {K: Layout("data=2,fsdp=4", cfg=dataclasses.replace(TRAIN, grad_accum=K, global_batch=32)).report()
+    total = {K: MeshRun("data=2,fsdp=4", cfg=dataclasses.replace(TRAIN, grad_accum=K, global_batch=32)).report()
              ["collectives"]["all-reduce"]["bytes"] for K in (2, 4)}
     per_microbatch = (total[4] - total[2]) / 2
     once = total[2] - 2 * per_microbatch
-    gradient = param_bytes(Layout("single"))  # float32: 4Ψ
+    gradient = param_bytes(MeshRun("single"))  # float32: 4Ψ
     assert abs(once - gradient / 4) / (gradient / 4) < 0.05, (once, gradient)
     assert per_microbatch > 2 * once
 
 
 def test_grad_accumulation_must_divide_the_batch_shards():
     require_devices(8)
-    layout = Layout("data=8", cfg=dataclasses.replace(TRAIN, grad_accum=4))
+    layout = MeshRun("data=8", cfg=dataclasses.replace(TRAIN, grad_accum=4))
     with pytest.raises(ValueError, match=r"global_batch = 16 is not divisible into train.grad_accum = 4 "
                                          r"microbatches on each of the 8 batch shards \(data\)"):
         layout.loss_and_grads()
@@ -217,7 +219,7 @@ def test_grad_accumulation_must_divide_the_batch_shards():
 def test_tensor_parallel_refuses_what_model_does_not_divide(model, culprit):
     require_devices(4)
     with pytest.raises(ValueError, match=culprit + r".* is not divisible by mesh axes model=4"):
-        Layout("data=2,model=4", model=model)
+        MeshRun("data=2,model=4", model=model)
 
 
 @pytest.mark.parametrize(("field", "value"), [("remat", "some"), ("compute_dtype", "float16")])
@@ -238,21 +240,23 @@ def test_unknown_settings_are_refused(field, value):
 def test_context_parallel_matches_one_device(reference, spec, mode, balanced):
     require_devices(8)
     parallel = ParallelConfig(context_attention=mode, load_balance=balanced)
-    assert_matches(Layout(spec, parallel=parallel), reference)
+    assert_matches(MeshRun(spec, parallel=parallel), reference)
 
 
 @pytest.fixture(scope="module")
 def deep_reference():
-    return Layout("single", model=dataclasses.replace(MODEL, n_layers=4)).loss_and_grads()
+    return MeshRun("single", model=dataclasses.replace(MODEL, n_layers=4)).loss_and_grads()
 
 
 @pytest.mark.parametrize(("spec", "microbatches", "repeats", "attention"), [
     ("stage=4,data=2", 4, 1, "ring"), ("stage=2,fsdp=2,model=2", 2, 2, "ring"), ("stage=2,data=2,fsdp=2", 1, 1, "ring"),
-    ("stage=2,sequence=2,data=2", 2, 1, "ring"), ("stage=2,sequence=2,model=2", 2, 1, "ulysses")])
+    *[("stage=2,sequence=2,data=2", 2, repeats, mode) for repeats in (1, 2) for mode in ("ring", "allgather")],
+    ("stage=2,sequence=2,model=2", 2, 1, "ulysses"), ("stage=2,sequence=2,data=2", 2, 2, "ulysses")])
 def test_pipeline_matches_one_device(deep_reference, spec, microbatches, repeats, attention):
-    """Also with the sequence split (context parallelism inside the stages)."""
+    """Also with the sequence split (context parallelism inside the stages): every attention mode with
+    R = 1 and R = 2."""
     require_devices(8)
-    layout = Layout(spec, model=dataclasses.replace(MODEL, n_layers=4),
+    layout = MeshRun(spec, model=dataclasses.replace(MODEL, n_layers=4),
                     parallel=ParallelConfig(microbatches=microbatches, pipeline_repeats=repeats,
                                             context_attention=attention))
     assert_matches(layout, deep_reference)
@@ -269,15 +273,15 @@ def test_fused_projections_match_one_device(spec, kv_heads, sequence_parallel):
     require_devices(8)
     model = dataclasses.replace(MODEL, n_kv_heads=kv_heads)
     dots = dataclasses.replace(TRAIN, remat="dots")
-    reference = Layout("single", cfg=dots, model=model).loss_and_grads()
-    assert_matches(Layout(spec, cfg=dots, model=model, parallel=ParallelConfig(sequence_parallel=sequence_parallel)),
+    reference = MeshRun("single", cfg=dots, model=model).loss_and_grads()
+    assert_matches(MeshRun(spec, cfg=dots, model=model, parallel=ParallelConfig(sequence_parallel=sequence_parallel)),
                    reference)
 
 
 def test_fused_projections_all_reduce_one_input_gradient(tp8):
     """model=8: unfused (remat none) the backward pass all-reduces x's gradient once per projection, five
     per layer (q, k, v, gate, up); fused (dots), once per group: three activations a layer fewer."""
-    fused = Layout("model=8", cfg=dataclasses.replace(TRAIN, remat="dots")).report()["collectives"]
+    fused = MeshRun("model=8", cfg=dataclasses.replace(TRAIN, remat="dots")).report()["collectives"]
     unfused = tp8[False].report()["collectives"]
     activation = TRAIN.global_batch * TRAIN.seq_len * MODEL.d_model * 4
     saved = unfused["all-reduce"]["bytes"] - fused["all-reduce"]["bytes"]

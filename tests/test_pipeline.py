@@ -18,9 +18,10 @@ from flax import nnx
 
 from conftest import require_devices
 from layouts import CORPUS, MODEL, TRAIN
-from meshpar import analysis, context, mesh as mesh_lib, pipeline as pp, rules as rules_lib, sharding
+from meshpar import compiler, context, mesh as mesh_lib, rules as rules_lib, sharding
 from meshpar.checkpoint import CheckpointConfig
-from meshpar.run import run
+from meshpar.pipeline import gpipe, order, schedule
+from meshpar.run import Checkpoints, Outputs, run
 from models.transformer import Transformer, TransformerConfig
 
 D, F, T = 32, 64, 8
@@ -92,15 +93,15 @@ class Case:
 
     @functools.cache
     def at_rest(self, repeats: int) -> nnx.State:
-        """The weights in the order the pipeline with R = `repeats` keeps them (`pipeline.to_rest`)."""
-        return pp.to_rest(self.state, self.mesh, repeats)
+        """The weights in the order the pipeline with R = `repeats` keeps them (`order.to_rest`)."""
+        return order.to_rest(self.state, self.mesh, repeats)
 
     def pipelined(self, **kwargs):
         """jit(value_and_grad) of sum(probe ⊙ pipeline(stack, x)) over the weights at rest and x."""
 
         def loss(state, x):
             with context.use(context.Compute(self.mesh, self.rules)):
-                y = pp.pipeline(nnx.merge(self.graphdef, state), x, *self.args, mesh=self.mesh, **kwargs)
+                y = gpipe.pipeline(nnx.merge(self.graphdef, state), x, *self.args, mesh=self.mesh, **kwargs)
             return jnp.sum(self.probe * y), y
 
         return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))
@@ -139,8 +140,8 @@ def relative_error(a, b) -> float:
     return float(np.max(np.abs(np.asarray(a) - b)) / (np.max(np.abs(b)) + 1e-30))
 
 
-# (model, mesh, S, M, R, remat); L = 8 unless S·R = 16. Every S in {2, 4, 8}, M in {1, S, 2S}, R in
-# {1, 2}, remat policy and mesh appears; M < S with R > 1 exercises the circular schedule's wait.
+# (model, mesh, P, M, R, remat); L = 8 unless P·R = 16. Every P in {2, 4, 8}, M in {1, P, 2P}, R in
+# {1, 2}, remat policy and mesh appears; M < P with R > 1 exercises the circular schedule's wait.
 CASES = [
     ("transformer", "stage=4,data=2", 4, 4, 1, "none"),
     ("transformer", "stage=2,fsdp=2,model=2", 2, 4, 2, "full"),
@@ -153,15 +154,15 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("kind,spec,S,M,R,remat", CASES,
-                         ids=[f"{k}-{m}-S{s}-M{mb}-R{r}-{rm}" for k, m, s, mb, r, rm in CASES])
-def test_matches_one_device(kind, spec, S, M, R, remat):
+@pytest.mark.parametrize("kind,spec,P,M,R,remat", CASES,
+                         ids=[f"{k}-{m}-P{s}-M{mb}-R{r}-{rm}" for k, m, s, mb, r, rm in CASES])
+def test_matches_one_device(kind, spec, P, M, R, remat):
     """With every bubble slot poisoned with NaN: a bubble value reaching the result or a gradient shows."""
-    n_layers, batch = max(8, S * R), max(16, 4 * M)
+    n_layers, batch = max(8, P * R), max(16, 4 * M)
     c = case(spec, kind, n_layers, batch)
-    (_, y), (grads, grad_x) = c.pipelined(stages=S, microbatches=M, repeats=R, remat=remat,
+    (_, y), (grads, grad_x) = c.pipelined(stages=P, microbatches=M, repeats=R, remat=remat,
                                           poison_bubbles=True)(c.at_rest(R), c.x)
-    grads = pp.to_layers(grads, c.mesh, R)
+    grads = order.to_layers(grads, c.mesh, R)
     (_, y_ref), (grads_ref, grad_x_ref) = reference(kind, n_layers, batch)
     leaves = jax.tree.leaves((y, grad_x, grads))
     assert all(np.isfinite(np.asarray(leaf)).all() for leaf in leaves)
@@ -175,12 +176,12 @@ def test_matches_one_device(kind, spec, S, M, R, remat):
 @pytest.mark.parametrize("R", [1, 2])
 def test_bubbles_are_poisoned_and_never_reach_the_result(R):
     c = case("stage=4,data=2")
-    S, M = 4, 2  # R = 2: M < S, the circular schedule waits for microbatches to come round
+    P, M = 4, 2  # R = 2: M < P, the circular schedule waits for microbatches to come round
 
     @jax.jit
     def forward(state, x):
         with context.use(context.Compute(c.mesh, c.rules)):
-            return pp._run(nnx.merge(c.graphdef, state), x, mesh=c.mesh, stages=S, microbatches=M, repeats=R,
+            return gpipe.run(nnx.merge(c.graphdef, state), x, mesh=c.mesh, stages=P, microbatches=M, repeats=R,
                            remat="none", poison_bubbles=True)
 
     y, final_state, io = jax.device_get(forward(c.at_rest(R), c.x))
@@ -196,9 +197,9 @@ def test_stage_shift_is_the_only_collective_inside_the_loop(R):
     """R = 2 too: each stage's chunks lie on its devices at rest, so no weight (or gradient) is exchanged
     between stages in the step (stored contiguously they were: an all-to-all each way per weight)."""
     c = case("stage=4,data=2")
-    S, M = 4, 4
-    counts = analysis.collectives(c.compiled(stages=S, microbatches=M, repeats=R).as_text())
-    n = pp.iterations(S, M, R)
+    P, M = 4, 4
+    counts = compiler.collectives(c.compiled(stages=P, microbatches=M, repeats=R).as_text())
+    n = schedule.iterations(P, M, R)
     microbatch_bytes = (c.x.shape[0] // M) // c.mesh.shape["data"] * T * D * 4
     # forward: stage s → s+1 each iteration; backward: the transposed permute, s+1 → s
     assert counts["collective-permute"] == {"count": 2 * n, "bytes": 2 * n * microbatch_bytes}
@@ -208,24 +209,24 @@ def test_stage_shift_is_the_only_collective_inside_the_loop(R):
 
 
 def test_stack_at_rest_holds_each_stage_groups_chunks():
-    """Position (g, r, j) of the stack at rest holds layer (r·k + g)·J + j (k = 2 stage groups, J = L/(k·R));
+    """Position (g, r, j) of the stack at rest holds layer (r·p + g)·J + j (p = 2 stage groups, J = L/(p·R));
     each array keeps its sharding, the conversion is one all-to-all over stage, `to_layers` undoes it."""
     c = case("stage=2,data=2,fsdp=2")
-    assert pp.to_rest(c.state, c.mesh, 1) is c.state  # R = 1: contiguous blocks are the stages' layers
+    assert order.to_rest(c.state, c.mesh, 1) is c.state  # R = 1: contiguous blocks are the stages' layers
     for R in (2, 4):
-        rest = pp.to_rest(c.state, c.mesh, R)
-        order = np.arange(8).reshape(R, 2, -1).swapaxes(0, 1).reshape(-1)
+        rest = order.to_rest(c.state, c.mesh, R)
+        layers = np.arange(8).reshape(R, 2, -1).swapaxes(0, 1).reshape(-1)
         for ordered, at_rest in zip(jax.tree.leaves(c.state), jax.tree.leaves(rest), strict=True):
-            np.testing.assert_array_equal(np.asarray(at_rest), np.asarray(ordered)[order])
+            np.testing.assert_array_equal(np.asarray(at_rest), np.asarray(ordered)[layers])
             assert at_rest.sharding == ordered.sharding
-        for ordered, back in zip(jax.tree.leaves(c.state), jax.tree.leaves(pp.to_layers(rest, c.mesh, R))):
+        for ordered, back in zip(jax.tree.leaves(c.state), jax.tree.leaves(order.to_layers(rest, c.mesh, R))):
             np.testing.assert_array_equal(np.asarray(back), np.asarray(ordered))
         w = c.state["w_in_DF"][...]
         for to_rest in (True, False):
-            hlo = pp._swap_chunks.lower(w, w.sharding, 0, R, to_rest).compile().as_text()
-            assert analysis.collectives(hlo) == {"all-to-all": {"count": 1, "bytes": w.nbytes // 4}}
+            hlo = order.swap_chunks.lower(w, w.sharding, 0, R, to_rest).compile().as_text()
+            assert compiler.collectives(hlo) == {"all-to-all": {"count": 1, "bytes": w.nbytes // 4}}
     with pytest.raises(ValueError, match=r"L = 8 layers cannot be stored as stage=2 blocks of R = 8 chunks each"):
-        pp.to_rest(c.state, c.mesh, 8)
+        order.to_rest(c.state, c.mesh, 8)
 
 
 def test_checkpoints_hold_layer_order(tmp_path):
@@ -238,10 +239,10 @@ def test_checkpoints_hold_layer_order(tmp_path):
     def train_to(spec: str, steps: int, directory=None) -> list[float]:
         mesh = mesh_lib.build(mesh_lib.parse(spec), jax.devices()[:1] if spec == "" else None)
         rules = rules_lib.make(rules_lib.ParallelConfig(microbatches=2, pipeline_repeats=2))
-        result = run(lambda rngs: Transformer(model, dtype=cfg.dtype, rngs=rngs),
-                     dataclasses.replace(cfg, steps=steps), CORPUS, mesh, rules,
-                     checkpoint_dir=directory and str(directory), checkpoint=CheckpointConfig(every=2, keep=2),
-                     config={"model": dataclasses.asdict(model)}, progress=False)
+        result = run(Transformer.factory(model, cfg.dtype), dataclasses.replace(cfg, steps=steps), CORPUS, mesh, rules,
+                     outputs=Outputs(progress=False),
+                     checkpoints=Checkpoints(directory and str(directory), CheckpointConfig(every=2, keep=2),
+                                             {"model": dataclasses.asdict(model)}))
         return [record["loss"] for record in result.records]
 
     pipelined = "stage=2,data=4"
@@ -252,7 +253,7 @@ def test_checkpoints_hold_layer_order(tmp_path):
 @pytest.mark.parametrize("spec,R", [("stage=2,fsdp=2,model=2", 1), ("stage=2,data=2,fsdp=2", 2)])
 def test_weights_gathered_and_gradients_reduced_once_per_step(spec, R):
     c = case(spec, batch=32)
-    counts = {M: analysis.collectives(c.compiled(stages=2, microbatches=M, repeats=R).as_text()) for M in (2, 8)}
+    counts = {M: compiler.collectives(c.compiled(stages=2, microbatches=M, repeats=R).as_text()) for M in (2, 8)}
     assert counts[2]["all-gather"] == counts[8]["all-gather"]
     # each weight once: its stage's share (/ stage, / model where mlp is split) made whole over fsdp
     weights = c.state["w_in_DF"][...], c.state["w_out_FD"][...]
@@ -302,30 +303,30 @@ def test_compile_cost_does_not_grow_with_microbatches():
 
 
 @pytest.mark.parametrize("kwargs,batch,message", [
-    (dict(stages=4, microbatches=2, repeats=4), 16, r"L = 8 layers .* S = 4 stages × R = 4 repeats"),
-    (dict(stages=3, microbatches=2), 16, r"L = 8 layers .* S = 3 stages"),
+    (dict(stages=4, microbatches=2, repeats=4), 16, r"L = 8 layers .* P = 4 stages × R = 4 repeats"),
+    (dict(stages=3, microbatches=2), 16, r"L = 8 layers .* P = 3 stages"),
     (dict(stages=4, microbatches=3), 16, r"batch B = 16 .* M = 3 microbatches"),
     (dict(stages=4, microbatches=4), 12, r"B/M = 12/4 = 3 rows .* data=2 = 2"),
-    (dict(stages=2, microbatches=2), 16, r"S = 2 stages cannot be split over mesh axis stage=4"),
+    (dict(stages=2, microbatches=2), 16, r"P = 2 stages cannot be split over mesh axis stage=4"),
     (dict(stages=4, microbatches=2, remat="some"), 16, r"remat policy 'some'"),
 ])
 def test_errors(kwargs, batch, message):
     c = case("stage=4,data=2")
     with context.use(context.Compute(c.mesh, c.rules)), pytest.raises(ValueError, match=message):
-        pp.pipeline(nnx.merge(c.graphdef, c.state), jnp.zeros((batch, T, D)), mesh=c.mesh, **kwargs)
+        gpipe.pipeline(nnx.merge(c.graphdef, c.state), jnp.zeros((batch, T, D)), mesh=c.mesh, **kwargs)
 
 
 def test_microbatch_must_divide_over_data_and_fsdp():
     c = case("stage=2,data=2,fsdp=2")
     with context.use(context.Compute(c.mesh, c.rules)), pytest.raises(ValueError, match=r"data=2 × fsdp=2 = 4"):
-        pp.pipeline(nnx.merge(c.graphdef, c.state), c.x, mesh=c.mesh, stages=2, microbatches=8)
+        gpipe.pipeline(nnx.merge(c.graphdef, c.state), c.x, mesh=c.mesh, stages=2, microbatches=8)
 
 
 @functools.cache
 def unpipelined_flops(n_layers: int, batch: int) -> int:
     graphdef, state = weights("dense", n_layers)
     x = jax.ShapeDtypeStruct((batch, T, D), jnp.float32)
-    return analysis.matmul_flops(jax.jit(functools.partial(plain_scan, graphdef)).lower(state, x).compile().as_text())
+    return compiler.matmul_flops(jax.jit(functools.partial(plain_scan, graphdef)).lower(state, x).compile().as_text())
 
 
 @pytest.mark.parametrize("M", [1, 4, 8, 16])
@@ -333,22 +334,22 @@ def unpipelined_flops(n_layers: int, batch: int) -> int:
 def test_bubble_fraction(M, R):
     """The formula, and the bubble in the compiled forward pass: 1 − (the unpipelined stack's matmul FLOPs
     / 8 devices) / one device's. Every iteration computes, bubbles included, so the device's FLOPs are
-    n iterations × L/(R·S) layers on one microbatch: the bubble is 1 − R·M/n, n = `iterations`. The
+    n iterations × L/(R·P) layers on one microbatch: the bubble is 1 − R·M/n, n = `iterations`. The
     README's table is this test's; stated tolerance 0.001 (measured: equal to float precision)."""
-    S = 4
-    if R == 1 or M >= S:
-        assert pp.bubble_fraction(S, M, R) == pytest.approx((S - 1) / (R * M + S - 1))
-    else:  # the circular schedule waits for microbatches to come round: R·S stage steps each, in sequence
-        assert pp.bubble_fraction(S, M, R) == pytest.approx(1 - R * M / ((R - 1) * S + M + S - 1))
-        assert pp.bubble_fraction(S, M, R) > (S - 1) / (R * M + S - 1)
-    assert pp.bubble_fraction(S, 1) == pytest.approx((S - 1) / S)  # naive model parallelism
+    P = 4
+    if R == 1 or M >= P:
+        assert schedule.bubble_fraction(P, M, R) == pytest.approx((P - 1) / (R * M + P - 1))
+    else:  # the circular schedule waits for microbatches to come round: R·P stage steps each, in sequence
+        assert schedule.bubble_fraction(P, M, R) == pytest.approx(1 - R * M / ((R - 1) * P + M + P - 1))
+        assert schedule.bubble_fraction(P, M, R) > (P - 1) / (R * M + P - 1)
+    assert schedule.bubble_fraction(P, 1) == pytest.approx((P - 1) / P)  # naive model parallelism
 
     c = case("stage=4,data=2", batch=64)
 
     def forward(state, x):
         with context.use(context.Compute(c.mesh, c.rules)):
-            return pp.pipeline(nnx.merge(c.graphdef, state), x, mesh=c.mesh, stages=S, microbatches=M, repeats=R)
+            return gpipe.pipeline(nnx.merge(c.graphdef, state), x, mesh=c.mesh, stages=P, microbatches=M, repeats=R)
 
-    pipelined = analysis.matmul_flops(jax.jit(forward).lower(c.at_rest(R), c.x).compile().as_text())
+    pipelined = compiler.matmul_flops(jax.jit(forward).lower(c.at_rest(R), c.x).compile().as_text())
     measured = 1 - unpipelined_flops(8, 64) / c.mesh.size / pipelined
-    assert measured == pytest.approx(pp.bubble_fraction(S, M, R), abs=1e-3)
+    assert measured == pytest.approx(schedule.bubble_fraction(P, M, R), abs=1e-3)

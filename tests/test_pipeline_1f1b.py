@@ -1,5 +1,5 @@
-"""The 1F1B schedule (meshpar.pipeline_1f1b): its slot table, the same loss and gradients as one device
-without any pipeline code (S = 2, 4, 8 × M = S, 2S, 4S, data/fsdp/model beside `stage`, bubbles poisoned
+"""The 1F1B schedule (meshpar.pipeline.one_f_one_b): its slot table, the same loss and gradients as one device
+without any pipeline code (P = 2, 4, 8 × M = P, 2P, 4P, data/fsdp/model beside `stage`, bubbles poisoned
 with NaN), the training step's path (gradient accumulation, context parallelism, tensor parallelism),
 activation memory flat in M where GPipe's grows, the bubble in the compiler's FLOPs, the planner against
 the compiler, and the settings it refuses."""
@@ -16,9 +16,11 @@ import pytest
 from flax import nnx
 
 from conftest import require_devices
-from layouts import MODEL, TRAIN, Layout, max_relative_error
-from meshpar import analysis, context, fit, layers, mesh as mesh_lib, pipeline, pipeline_1f1b as p1, plan, rules as rules_lib
-from meshpar import sharding, train
+from layouts import MODEL, TRAIN, MeshRun, max_relative_error
+from meshpar import compiler, context, layers, mesh as mesh_lib, plan, rules as rules_lib, sharding, train
+from meshpar.compiler import fit
+from meshpar.mesh import MeshConfig
+from meshpar.pipeline import one_f_one_b, schedule
 from meshpar.errors import InputError
 from meshpar.loss import logits
 from meshpar.rules import ParallelConfig
@@ -30,38 +32,38 @@ README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
 # --- the slot table ----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("S", [1, 2, 4, 8])
+@pytest.mark.parametrize("P", [1, 2, 4, 8])
 @pytest.mark.parametrize("ratio", [0.5, 1, 2, 4])
-def test_slot_table(S, ratio):
+def test_slot_table(P, ratio):
     """Every stage forwards and backwards every microbatch once, in dependency order; the forward-only and
     backward-only slots are exactly those without the other kind of work, so the step costs
-    (M + S − 1)·(F + B): GPipe's bubble; a stage never holds more than 2(S − 1) stashed inputs, and the
+    (M + P − 1)·(F + B): GPipe's bubble; a stage never holds more than 2(P − 1) stashed inputs, and the
     ring entry a backward reads is the one its forward wrote, never overwritten in between."""
-    M = max(1, int(ratio * S))
-    n = p1.slots(S, M)
-    assert n == M + 2 * (S - 1)
+    M = max(1, int(ratio * P))
+    n = schedule.slots(P, M)
+    assert n == M + 2 * (P - 1)
     forward, backward = {}, {}  # (stage, microbatch) → slot
     for t in range(n):
-        m_F, m_B = p1.microbatches_in(t, S)
-        for s in range(S):
+        m_F, m_B = schedule.microbatches_in(t, P)
+        for s in range(P):
             if 0 <= m_F[s] < M:
                 forward[s, m_F[s]] = t
             if 0 <= m_B[s] < M:
                 backward[s, m_B[s]] = t
         has_forward, has_backward = ((0 <= m) & (m < M) for m in (m_F, m_B))
-        assert has_forward.any() == (t < M + S - 1) and has_backward.any() == (t >= S - 1)
-    assert len(forward) == len(backward) == S * M
-    W = p1.stash_size(S)
-    for s in range(S):
+        assert has_forward.any() == (t < M + P - 1) and has_backward.any() == (t >= P - 1)
+    assert len(forward) == len(backward) == P * M
+    W = schedule.stash_size(P)
+    for s in range(P):
         for m in range(M):
             assert s == 0 or forward[s, m] == forward[s - 1, m] + 1  # the activation comes from stage s − 1
-            assert backward[s, m] == (forward[s, m] if s == S - 1 else backward[s + 1, m] + 1)
+            assert backward[s, m] == (forward[s, m] if s == P - 1 else backward[s + 1, m] + 1)
             written = {forward[s, k] % W: k for k in range(M) if forward[s, m] < forward[s, k] < backward[s, m]}
             assert forward[s, m] % W not in written  # read (in slot backward[s, m]) before overwritten
         in_flight = max(sum(forward[s, m] <= t < backward[s, m] for m in range(M)) for t in range(n))
-        assert in_flight <= min(W, 2 * (S - 1 - s), M) if s < S - 1 else in_flight == 0
-    stage_work = (S - 1) * 1 + M * 2 + (S - 1) * 1  # F-only, F+B, B-only slots in units of F = B
-    assert 1 - 2 * M / stage_work == pytest.approx(pipeline.bubble_fraction(S, M))
+        assert in_flight <= min(W, 2 * (P - 1 - s), M) if s < P - 1 else in_flight == 0
+    stage_work = (P - 1) * 1 + M * 2 + (P - 1) * 1  # F-only, F+B, B-only slots in units of F = B
+    assert 1 - 2 * M / stage_work == pytest.approx(schedule.bubble_fraction(P, M))
 
 
 # --- a cheap model in the parts 1F1B takes ------------------------------------------------------------------
@@ -82,7 +84,7 @@ class Residual(nnx.Module):
 
 class Parts(nnx.Module):
     """Not meshpar's transformer: an embedding, a stack of `Residual` layers, an RMS norm and a head, offered
-    as the parts `meshpar.pipeline_1f1b` takes (embed, blocks, final_norm, output_head)."""
+    as the parts `meshpar.pipeline.one_f_one_b` takes (embed, blocks, final_norm, output_head)."""
 
     def __init__(self, V: int, D: int, F: int, L: int, rngs: nnx.Rngs):
         self.embed_VD = nnx.Param(jax.random.normal(rngs.params(), (V, D)), out_sharding=("vocab", "embed"))
@@ -130,25 +132,26 @@ TX = optax.identity()
 
 
 def planned(size: Size, spec: str, parallel: ParallelConfig = ParallelConfig(), rows: int = B) -> tuple:
-    """(plan, token sharding) of the model on a mesh ("single": one device); nothing allocated."""
+    """(the sharded state's structure, token sharding) of the model on a mesh ("single": one device); nothing
+    allocated."""
     single = spec == "single"
     mesh = mesh_lib.build(mesh_lib.parse("" if single else spec), jax.devices()[:1] if single else None)
     rules = rules_lib.make(parallel)
-    return train.plan_state(size.make, TX, mesh, rules), sharding.batch_sharding(mesh, rules, (rows, size.T + 1))
+    return train.sharded_abstract(size.make, TX, mesh, rules), sharding.batch_sharding(mesh, rules, (rows, size.T + 1))
 
 
 @functools.cache
 def one_device() -> tuple:
     """The host state, a batch, and the loss and gradients of one device: `train.loss_and_grads`, no pipeline."""
-    plan_, tokens = planned(PARITY, "single")
-    state = train.init_state(PARITY.make, TX, plan_)
+    sharded, tokens = planned(PARITY, "single")
+    state = train.init_state(PARITY.make, TX, sharded)
     batch = np.random.default_rng(0).integers(0, PARITY.V, (B, PARITY.T + 1)).astype(np.int32)
-    loss, grads = train.loss_and_grads(plan_, tokens, CFG)(state, jax.device_put(batch, tokens))
+    loss, grads = train.loss_and_grads(sharded, tokens, CFG)(state, jax.device_put(batch, tokens))
     return jax.device_get(state), batch, float(loss), jax.tree.map(np.asarray, grads)
 
 
-# (mesh, S, M, remat): every S in {2, 4, 8} with M in {S, 2S, 4S}, data, fsdp and model beside `stage`, S
-# stages on fewer stage groups (two and four per group), M < S, and each remat policy.
+# (mesh, P, M, remat): every P in {2, 4, 8} with M in {P, 2P, 4P}, data, fsdp and model beside `stage`, P
+# stages on fewer stage groups (two and four per group), M < P, and each remat policy.
 CASES = [
     ("stage=2,data=2,fsdp=2", 2, 2, "none"), ("stage=2,fsdp=2,model=2", 2, 4, "dots"),
     ("stage=2,data=2,model=2", 2, 8, "none"), ("stage=4,data=2", 4, 4, "none"), ("stage=4,fsdp=2", 4, 8, "full"),
@@ -157,26 +160,26 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("spec,S,M,remat", CASES, ids=[f"{m}-S{s}-M{mb}-{r}" for m, s, mb, r in CASES])
-def test_matches_one_device_with_poisoned_bubbles(spec, S, M, remat):
+@pytest.mark.parametrize("spec,P,M,remat", CASES, ids=[f"{m}-P{s}-M{mb}-{r}" for m, s, mb, r in CASES])
+def test_matches_one_device_with_poisoned_bubbles(spec, P, M, remat):
     """Bubble slots compute on NaN: the stages they feed end the step holding NaN (the activations that
-    went to stages 1 … S−1 after the last forward slot, the cotangents that came back to stages 0 … S−2
+    went to stages 1 … P−1 after the last forward slot, the cotangents that came back to stages 0 … P−2
     after the last backward slot), and none of it reaches the loss or a gradient."""
     require_devices(8)
     state, batch, ref_loss, ref_grads = one_device()
-    plan_, tokens = planned(PARITY, spec)
+    sharded, tokens = planned(PARITY, spec)
 
     def run(state, tokens_BT):
-        with context.use(train.compute_context(plan_, dataclasses.replace(CFG, remat=remat))):
-            model = nnx.merge(plan_.graphdef, state).model
-            return p1._model_run(model, tokens_BT, mesh=plan_.mesh, stages=S, microbatches=M, remat=remat, chunk=0,
-                                 poison_bubbles=True)
+        with context.use(train.compute_context(sharded, dataclasses.replace(CFG, remat=remat))):
+            model = nnx.merge(sharded.graphdef, state).model
+            return one_f_one_b.model_loss_and_grads(model, tokens_BT, mesh=sharded.mesh, stages=P, microbatches=M,
+                                                    remat=remat, poison_bubbles=True)
 
-    args = jax.device_put(state, plan_.shardings), jax.device_put(batch, tokens)
+    args = jax.device_put(state, sharded.shardings), jax.device_put(batch, tokens)
     compiled = jax.jit(run).lower(*args).compile(compiler_options=FAST_COMPILE)
-    loss, grads, (x_SKbTD, g_SKbTD) = jax.device_get(compiled(*args))
-    assert np.isnan(x_SKbTD[1:]).all() and np.isfinite(x_SKbTD[0]).all()
-    assert np.isnan(g_SKbTD[:-1]).all() and np.isfinite(g_SKbTD[-1]).all()
+    loss, grads, (x_PZbTD, g_PZbTD) = jax.device_get(compiled(*args))
+    assert np.isnan(x_PZbTD[1:]).all() and np.isfinite(x_PZbTD[0]).all()
+    assert np.isnan(g_PZbTD[:-1]).all() and np.isfinite(g_PZbTD[-1]).all()
     assert all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(grads))
     assert abs(float(loss) - ref_loss) / ref_loss < 1e-5
     assert max_relative_error(grads, ref_grads) < 1e-5
@@ -187,7 +190,7 @@ def test_matches_one_device_with_poisoned_bubbles(spec, S, M, remat):
 
 @pytest.fixture(scope="module")
 def deep_reference():
-    return Layout("single", model=dataclasses.replace(MODEL, n_layers=4)).loss_and_grads()
+    return MeshRun("single", model=dataclasses.replace(MODEL, n_layers=4)).loss_and_grads()
 
 
 def test_training_step_matches_one_device(deep_reference):
@@ -195,7 +198,7 @@ def test_training_step_matches_one_device(deep_reference):
     attention (zigzag) and tensor parallelism (heads, MLP, vocabulary over `model`) inside the stages,
     gradient accumulation around the pipeline."""
     require_devices(8)
-    layout = Layout("stage=2,sequence=2,model=2", cfg=dataclasses.replace(TRAIN, grad_accum=2),
+    layout = MeshRun("stage=2,sequence=2,model=2", cfg=dataclasses.replace(TRAIN, grad_accum=2),
                     model=dataclasses.replace(MODEL, n_layers=4),
                     parallel=ParallelConfig(microbatches=2, pipeline_schedule="1f1b"))
     loss, grads = layout.loss_and_grads()
@@ -209,22 +212,22 @@ TABLE = Size(V=8, D=64, F=256, L=8, T=64)  # a vocabulary of 8: the head (run on
 ROWS = 8  # per microbatch: the batch grows with M
 
 
-def compiled_loss_and_grads(spec: str, M: int, schedule: str, remat: str, stages: int | None = None):
+def compiled_loss_and_grads(spec: str, M: int, kind: str, remat: str, stages: int | None = None):
     """`train`'s loss and gradients for TABLE on `spec` with M microbatches of ROWS rows, compiled for
-    abstract inputs; `stages`: call the 1F1B schedule directly with S stages (S = 1 on a mesh without
+    abstract inputs; `stages`: call the 1F1B schedule directly with P stages (P = 1 on a mesh without
     `stage`: the same arithmetic, no bubble)."""
     cfg = train.TrainConfig(global_batch=M * ROWS, seq_len=TABLE.T, remat=remat)
-    plan_, _ = planned(TABLE, spec, ParallelConfig(microbatches=M, pipeline_schedule=schedule), M * ROWS)
+    sharded, _ = planned(TABLE, spec, ParallelConfig(microbatches=M, pipeline_schedule=kind), M * ROWS)
 
     def run(state, tokens_BT):
-        with context.use(train.compute_context(plan_, cfg)):
-            model = nnx.merge(plan_.graphdef, state).model
+        with context.use(train.compute_context(sharded, cfg)):
+            model = nnx.merge(sharded.graphdef, state).model
             if stages is not None:
-                return p1.model_loss_and_grads(model, tokens_BT, mesh=plan_.mesh, stages=stages, microbatches=M,
-                                               remat=remat)
-            return train._loss_and_grads(plan_, cfg, None, model, tokens_BT)
+                return one_f_one_b.model_loss_and_grads(model, tokens_BT, mesh=sharded.mesh, stages=stages,
+                                                        microbatches=M, remat=remat)[:2]
+            return train._loss_and_grads(sharded, cfg, None, model, tokens_BT)
 
-    return jax.jit(run).lower(*fit.abstract_inputs(plan_, cfg)).compile(compiler_options=FAST_COMPILE)
+    return jax.jit(run).lower(*fit.abstract_inputs(sharded, cfg)).compile(compiler_options=FAST_COMPILE)
 
 
 def readme_table() -> dict[int, list[float]]:
@@ -238,30 +241,30 @@ def readme_table() -> dict[int, list[float]]:
 
 
 def test_memory_is_flat_in_microbatches_and_the_bubble_is_gpipes():
-    """S = 4 on stage=4,data=2, microbatches of ROWS rows (the batch grows with M), per device from the
+    """P = 4 on stage=4,data=2, microbatches of ROWS rows (the batch grows with M), per device from the
     compiler: 1F1B's temp bytes within 15% from M = 8 to 32 where GPipe's grow with M (with remat full
-    too); the bubble 1 − FLOPs(no stages)/FLOPs(S stages) of matmul FLOPs (trip counts read, per device),
-    each schedule against itself without stages (GPipe: the plain layer scan; 1F1B: S = 1, which also
-    recomputes each stage's forward), within 0.012 of (S − 1)/(M + S − 1) for both: the head, run on
+    too); the bubble 1 − FLOPs(no stages)/FLOPs(P stages) of matmul FLOPs (trip counts read, per device),
+    each schedule against itself without stages (GPipe: the plain layer scan; 1F1B: P = 1, which also
+    recomputes each stage's forward), within 0.012 of (P − 1)/(M + P − 1) for both: the head, run on
     every stage, is the rest. The README's table is this test's output; held to 2% and 0.002."""
     require_devices(8)
-    S, base = 4, 8
-    reference = {"gpipe": analysis.matmul_flops(compiled_loss_and_grads("data=2,fsdp=4", base, "gpipe", "none").as_text()),
-                 "1f1b": analysis.matmul_flops(compiled_loss_and_grads("data=2,fsdp=4", base, "1f1b", "none", 1).as_text())}
+    P, base = 4, 8
+    reference = {"gpipe": compiler.matmul_flops(compiled_loss_and_grads("data=2,fsdp=4", base, "gpipe", "none").as_text()),
+                 "1f1b": compiler.matmul_flops(compiled_loss_and_grads("data=2,fsdp=4", base, "1f1b", "none", 1).as_text())}
     table = {}
     for M in (8, 16, 32):
-        programs = {"gpipe": compiled_loss_and_grads(f"stage={S},data=2", M, "gpipe", "none"),
-                    "gpipe full": compiled_loss_and_grads(f"stage={S},data=2", M, "gpipe", "full"),
-                    "1f1b": compiled_loss_and_grads(f"stage={S},data=2", M, "1f1b", "none")}
+        programs = {"gpipe": compiled_loss_and_grads(f"stage={P},data=2", M, "gpipe", "none"),
+                    "gpipe full": compiled_loss_and_grads(f"stage={P},data=2", M, "gpipe", "full"),
+                    "1f1b": compiled_loss_and_grads(f"stage={P},data=2", M, "1f1b", "none")}
         temp = {name: c.memory_analysis().temp_size_in_bytes / 1e6 for name, c in programs.items()}
-        bubble = {name: 1 - reference[name] * M / base / analysis.matmul_flops(programs[name].as_text())
+        bubble = {name: 1 - reference[name] * M / base / compiler.matmul_flops(programs[name].as_text())
                   for name in ("gpipe", "1f1b")}
-        table[M] = [temp["gpipe"], temp["gpipe full"], temp["1f1b"], pipeline.bubble_fraction(S, M),
+        table[M] = [temp["gpipe"], temp["gpipe full"], temp["1f1b"], schedule.bubble_fraction(P, M),
                     bubble["gpipe"], bubble["1f1b"]]
         print(f"| {M} | " + " | ".join(f"{x:.2f}" for x in table[M][:3]) + " | "
               + " | ".join(f"{x:.3f}" for x in table[M][3:]) + " |")
         for name in ("gpipe", "1f1b"):
-            assert bubble[name] == pytest.approx(pipeline.bubble_fraction(S, M), abs=0.012), (name, M)
+            assert bubble[name] == pytest.approx(schedule.bubble_fraction(P, M), abs=0.012), (name, M)
     assert table[32][2] < 1.15 * table[8][2]  # 1F1B: flat in M
     assert table[32][0] > 3 * table[8][0] and table[32][1] > 3 * table[8][1]  # GPipe: grows with M
     for M, row in readme_table().items():
@@ -269,9 +272,9 @@ def test_memory_is_flat_in_microbatches_and_the_bubble_is_gpipes():
 
 
 def test_planner_predicts_the_compiled_peak():
-    """The planner's 1F1B activations (`plan_cost.activations_1f1b`: 2(S − 1) + 2 stage inputs and one
-    stage's backward, whatever M) against the compiled training step (`meshpar.fit`, bfloat16, remat dots,
-    d_model 1024, T 2048, S = 4): the per-device peak within 10%, and the same prediction for M = 32."""
+    """The planner's 1F1B activations (`plan.memory.activations_1f1b`: 2(P − 1) + 2 stage inputs and one
+    stage's backward, whatever M) against the compiled training step (`meshpar.compiler.fit`, bfloat16, remat dots,
+    d_model 1024, T 2048, P = 4): the per-device peak within 10%, and the same prediction for M = 32."""
     require_devices(8)
     model = TransformerConfig(vocab_size=32_000, d_model=1024, n_layers=8, n_heads=16, n_kv_heads=8, d_ff=4096,
                               max_seq_len=2048)
@@ -280,8 +283,9 @@ def test_planner_predicts_the_compiled_peak():
     for M in (8, 32):
         cfg = train.TrainConfig(global_batch=4 * M, seq_len=2048, remat="dots", compute_dtype="bfloat16")
         parallel = ParallelConfig(microbatches=M, pipeline_schedule="1f1b")
-        predicted[M] = plan.layout_memory(model, dict(mesh.shape), parallel, cfg, platform="cpu").total
-    report = fit.compile_step(lambda rngs: Transformer(model, dtype=jnp.bfloat16, rngs=rngs),
+        lay = plan.Layout.of_run(MeshConfig(**mesh.shape), parallel, cfg, "cpu")
+        predicted[M] = plan.memory(plan.Shape.of_model(Transformer.factory(model)), lay, plan.Run.of(cfg, "cpu")).total
+    report = fit.compile_step(Transformer.factory(model, jnp.bfloat16),
                               train.TrainConfig(global_batch=32, seq_len=2048, remat="dots", compute_dtype="bfloat16"),
                               mesh, rules_lib.make(ParallelConfig(microbatches=8, pipeline_schedule="1f1b")))
     peak = report["memory_per_device"]["peak_bytes"]
@@ -304,14 +308,14 @@ def test_refuses_interleaving_host_weights_and_unknown_schedules():
 
 def test_refuses_a_custom_loss_and_a_model_without_parts():
     require_devices(8)
-    plan_, tokens = planned(PARITY, "stage=2,data=4", ParallelConfig(pipeline_schedule="1f1b"))
-    state, batch = fit.abstract_inputs(plan_, CFG)
+    sharded, tokens = planned(PARITY, "stage=2,data=4", ParallelConfig(pipeline_schedule="1f1b"))
+    state, batch = fit.abstract_inputs(sharded, CFG)
     custom = lambda model, tokens_BT: jnp.zeros(())
     with pytest.raises(InputError, match="a custom loss cannot run there: use pipeline_schedule=gpipe"):
-        jax.eval_shape(train.loss_and_grads(plan_, tokens, CFG, loss=custom), state, batch)
+        jax.eval_shape(train.loss_and_grads(sharded, tokens, CFG, loss=custom), state, batch)
     with nnx.use_eager_sharding(False):
         model = nnx.eval_shape(lambda: Transformer(MODEL, rngs=nnx.Rngs(0)))
     del model.final_norm  # a model that is not in the parts 1F1B takes
     with pytest.raises(InputError, match=r"runs the model in parts \(embed, blocks, final_norm, output_head: "
-                                         r"meshpar.pipeline_1f1b\); Transformer has no final_norm"):
-        p1.model_loss_and_grads(model, batch, mesh=plan_.mesh, stages=2, microbatches=2)
+                                         r"meshpar.pipeline.one_f_one_b\); Transformer has no final_norm"):
+        one_f_one_b.model_loss_and_grads(model, batch, mesh=sharded.mesh, stages=2, microbatches=2)

@@ -1,7 +1,8 @@
-"""The planner (meshpar.plan*): exact parameter counts, predictions against the compiler on 8 fake CPU
-devices, against published numbers, and a search whose every proposal builds; the launch.plan CLI."""
+"""The planner (meshpar.plan): the model read from the model, predictions against the compiler on 8 fake
+CPU devices, against published numbers, and a search whose every proposal builds; the launch.plan CLI."""
 
 import dataclasses
+import functools
 import json
 import math
 import re
@@ -12,37 +13,61 @@ import jax
 import pytest
 from conftest import require_devices
 from flax import nnx
-from layouts import MODEL, TRAIN, Layout as Compiled
+from layouts import MODEL, TRAIN, MeshRun
 
 import configs
 from launch import plan as plan_cli
-from meshpar import attention, fit, mesh as mesh_lib, offload, pipeline, plan, rules as rules_lib, sharding, train
-from meshpar.plan_cost import (Layout, Run, Shape, check, collectives, host_traffic, layer_bytes_per_token, memory,
-                               mfu, palm_flops_per_token, totals)
-from models.transformer import Transformer
+from meshpar import mesh as mesh_lib, offload, plan, rules as rules_lib, sharding, train
+from meshpar.attention import context_parallel
+from meshpar.compiler import fit
+from meshpar.mesh import MeshConfig
+from meshpar.mfu import mfu, palm_flops_per_token
+from meshpar.pipeline import schedule, stages as pipeline_stages
+from meshpar.plan import Layout, Run, check, memory
+from meshpar.plan.comm import collectives, host_traffic, totals
+from meshpar.plan.memory import layer_bytes_per_token
+from meshpar.plan.time import bubble
+from meshpar.rules import ParallelConfig
+from models.transformer import Transformer, TransformerConfig
+
+
+@functools.cache
+def shape_of(model: TransformerConfig) -> plan.Shape:
+    return plan.Shape.of_model(Transformer.factory(model))
+
+
+def layout(remat: str = "none", grad_accum: int = 1, *, mesh: str | MeshConfig = "", **parallel) -> Layout:
+    """A planner layout: mesh sizes (`"fsdp=8,model=8"`), ParallelConfig fields, remat and accumulation."""
+    mesh = mesh_lib.parse(mesh) if isinstance(mesh, str) else mesh
+    return Layout(mesh, ParallelConfig(**parallel), remat, grad_accum)
+
 
 # --- the parameter count is exact ------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("name", configs.names())
-def test_parameter_count_equals_the_nnx_model(name):
-    model = configs.load(name).model
-    with nnx.use_eager_sharding(False):
-        abstract = nnx.eval_shape(lambda: Transformer(model, rngs=nnx.Rngs(0)))
-    params = nnx.state(abstract, nnx.Param)
-    assert Shape.of(model).params == sum(math.prod(x.shape) for x in jax.tree.leaves(params))
+def test_the_planner_reads_the_models_dimensions(name):
+    """The dimensions the planner's formulas use come from the logical axes the model's parameters declare;
+    PaLM's matmul parameters are the closed form of meshpar's transformer, L·(2DNH + 2DKH + 3DF) + DV."""
+    cfg = configs.load(name).model
+    shape = shape_of(cfg)
+    assert (shape.vocab, shape.d_model, shape.layers, shape.heads, shape.kv_heads, shape.head_dim, shape.d_ff) == (
+        cfg.vocab_size, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff)
+    D, N, K, H, F = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff
+    assert shape.matmul_params == cfg.n_layers * (2 * D * N * H + 2 * D * K * H + 3 * D * F) + D * cfg.vocab_size
 
 
 def test_parameter_count_with_tied_embeddings_drops_the_head():
-    tied, untied = (Shape.of(dataclasses.replace(MODEL, tie_embeddings=t)) for t in (True, False))
+    tied, untied = (shape_of(dataclasses.replace(MODEL, tie_embeddings=t)) for t in (True, False))
     assert untied.params - tied.params == MODEL.d_model * MODEL.vocab_size
+    assert untied.matmul_params == tied.matmul_params  # the table is the head when tied
 
 
 # --- predictions against the compiler (8 fake CPU devices, float32, the test model of tests/layouts.py) ---
 #
 # Units: model states = XLA's argument bytes (float32 params + Adam moments, sharded by the params and
 # optimizer tables, + the token batch); collectives = result bytes per device per step, per op kind, as
-# meshpar.analysis counts them. The CPU backend emits a reduce-scatter only where the program asks for one
+# meshpar.compiler counts them. The CPU backend emits a reduce-scatter only where the program asks for one
 # explicitly (the loss's for the head's gradient): GSPMD all-reduces the rest of the gradient and slices
 # it (ZeRO 2/3 gradients, Megatron SP's region outputs), and gathers FSDP weights in float32 then casts;
 # `collectives(..., cpu=True)` predicts those forms. Op kinds under 1% of the bytes are not compared
@@ -65,17 +90,16 @@ def compiler_report(name: str) -> dict:
     require_devices(8)
     if name not in _compiled:
         spec, par, tr = CASES[name]
-        layout = Compiled(spec, cfg=dataclasses.replace(TRAIN, **tr), parallel=rules_lib.ParallelConfig(**par))
-        _compiled[name] = layout.report()
+        run = MeshRun(spec, cfg=dataclasses.replace(TRAIN, **tr), parallel=rules_lib.ParallelConfig(**par))
+        _compiled[name] = run.report()
     return _compiled[name]
 
 
 def predicted(name: str):
     spec, par, tr = CASES[name]
-    lay = Layout(**mesh_lib.parse(spec).sizes(), zero_stage=par.get("zero_stage", 3),
-                 sequence_parallel=par.get("sequence_parallel", False), remat=tr.get("remat", "none"))
+    lay = layout(tr.get("remat", "none"), mesh=spec, **par)
     run = Run(TRAIN.global_batch, TRAIN.seq_len, compute_dtype="float32", flash_attention=False)
-    shape = Shape.of(MODEL)
+    shape = shape_of(MODEL)
     assert not check(shape, lay, run)
     return lay, memory(shape, lay, run), totals(collectives(shape, lay, run, cpu=True))
 
@@ -83,7 +107,7 @@ def predicted(name: str):
 @pytest.mark.parametrize("name", CASES)
 def test_model_states_match_argument_bytes(name):
     lay, mem, _ = predicted(name)
-    tokens = TRAIN.global_batch // (lay.data * lay.fsdp) * (TRAIN.seq_len + 1) * 4
+    tokens = TRAIN.global_batch // lay.batch_ways * (TRAIN.seq_len + 1) * 4
     arguments = compiler_report(name)["memory_per_device"]["arguments_bytes"]
     assert abs(mem.params + mem.optimizer + tokens - arguments) / arguments < 0.05
 
@@ -103,8 +127,8 @@ def test_what_the_cpu_emits_instead_of_reduce_scatter():
     all-reduces the whole gradient (result = the gradient) and slices it: the measured all-reduce bytes
     are the whole float32 gradient, 4Ψ, but for the output head's, which the loss reduce-scatters itself."""
     lay, _, cpu = predicted("zero 3 (fsdp)")
-    gpu = totals(collectives(Shape.of(MODEL), lay, Run(TRAIN.global_batch, TRAIN.seq_len, "float32")))
-    four_psi, head = 4 * Shape.of(MODEL).params, 4 * MODEL.d_model * MODEL.vocab_size
+    gpu = totals(collectives(shape_of(MODEL), lay, Run(TRAIN.global_batch, TRAIN.seq_len, "float32")))
+    four_psi, head = 4 * shape_of(MODEL).params, 4 * MODEL.d_model * MODEL.vocab_size
     measured = compiler_report("zero 3 (fsdp)")["collectives"]
     assert measured["reduce-scatter"] == {"count": 1, "bytes": head // 8}
     assert cpu["all-reduce"] == pytest.approx(four_psi - head) and gpu["reduce-scatter"] == pytest.approx(four_psi / 8)
@@ -115,7 +139,7 @@ def test_fsdp_gathers_the_layers_twice_with_or_without_remat():
     """Remat `none` keeps no gathered weight for the backward pass either (meshpar.layers): both gather
     every layer in the forward and again in the backward pass; the embedding and head once."""
     none, full = (compiler_report(name)["collectives"]["all-gather"] for name in ("zero 3 (fsdp)", "fsdp + remat full"))
-    layers = 4 * Shape.of(MODEL).layer_params * MODEL.n_layers
+    layers = 4 * shape_of(MODEL).layer_params * MODEL.n_layers
     assert none["bytes"] == pytest.approx(full["bytes"], abs=0.01 * layers)  # full gathers the norm scales again too
     assert none["bytes"] > 2 * layers
 
@@ -146,8 +170,8 @@ def test_layout_model_states_are_the_zero_formula_split_by_tp_and_pp(zero, preci
     """The per-tensor accounting of a TP × PP × ZeRO layout is the ZeRO formula over fsdp, divided by model
     (everything) and by stage (the layer stack; the embedding and head sit outside the pipeline), up to the
     norm scales, which tensor parallelism does not split (< 0.1% of Ψ)."""
-    shape = Shape.of(configs.load("llama_8b").model)
-    mem = memory(shape, Layout(fsdp=8, stage=4, model=8, zero_stage=zero), Run(64, 4096, precision=precision))
+    shape = shape_of(configs.load("llama_8b").model)
+    mem = memory(shape, layout(mesh="fsdp=8,stage=4,model=8", zero_stage=zero), Run(64, 4096, precision=precision))
     layers = shape.layer_params * shape.layers
     states = lambda n: (lambda z: z["params"] + z["optimizer"])(plan.model_states(n, zero, 8, precision))
     assert mem.params + mem.optimizer == pytest.approx(states(layers) / 32 + states(shape.params - layers) / 8, rel=1e-3)
@@ -164,33 +188,32 @@ def test_gpipe_bubble(stages, microbatches):
     """GPipe (Huang et al., arXiv:1811.06965 §2.3): the bubble is (K − 1)/(M + K − 1) of the time;
     meshpar's pipeline computes the same."""
     expected = (stages - 1) / (microbatches + stages - 1)
-    lay = Layout(stage=stages, microbatches=microbatches)
-    assert plan.bubble(lay) == pytest.approx(expected)
-    assert pipeline.bubble_fraction(stages, microbatches) == pytest.approx(expected)
-    assert plan.iterations(stages, microbatches) == pipeline.iterations(stages, microbatches)
+    lay = layout(mesh=f"stage={stages}", microbatches=microbatches)
+    assert bubble(lay) == pytest.approx(expected)
+    assert schedule.bubble_fraction(stages, microbatches) == pytest.approx(expected)
 
 
 @pytest.mark.parametrize(("p", "m", "v"), [(4, 8, 2), (8, 32, 4), (16, 64, 2)])
 def test_megatron_interleaved_bubble(p, m, v):
     """Narayanan et al. (arXiv:2104.04473 §2.2.2): with v model chunks per device the bubble is
     (1/v)·(p − 1)/m of the ideal time (m ≥ p): bubble / (1 − bubble) with R = v repeats."""
-    f = plan.bubble(Layout(stage=p, microbatches=m, pipeline_repeats=v))
+    f = bubble(layout(mesh=f"stage={p}", microbatches=m, pipeline_repeats=v))
     assert f / (1 - f) == pytest.approx((p - 1) / (v * m))
 
 
 def test_palm_mfu_definition():
-    """PaLM (Chowdhery et al., arXiv:2204.02311 §4.1, App. B): model FLOPs per token 6N + 12·L·H·Q·T;
-    PaLM 540B (N = 540.35B, L = 118, H = 48 heads, Q = 256, T = 2048) trained at 238.3K tokens/s on 6144
-    TPU v4 chips (275 TFLOP/s bf16 peak each): MFU 46.2%."""
+    """PaLM (Chowdhery et al., arXiv:2204.02311 §4.1, App. B): model FLOPs per token 6N + 12·L·H·Q·T (in
+    meshpar's letters 6Ψ + 12·L·N·H·T); PaLM 540B (Ψ = 540.35B, L = 118, N = 48 heads, H = 256, T = 2048)
+    trained at 238.3K tokens/s on 6144 TPU v4 chips (275 TFLOP/s bf16 peak each): MFU 46.2%."""
     flops = palm_flops_per_token(540.35e9, 118, 48, 256, 2048)
     assert mfu(flops, 238.3e3, 6144, 275e12) == pytest.approx(0.462, abs=0.001)
 
 
-def _gpt(hidden: int, heads: int, layers: int) -> Shape:
+def _gpt(hidden: int, heads: int, layers: int) -> plan.Shape:
     """Megatron's GPT (vocab 51200, tied embeddings) in our shape: a SwiGLU of d_ff = 8h/3 has the 4h GeLU
     MLP's 8h² weights, so the FLOPs per token are the same (within 0.01%)."""
-    return Shape(vocab=51200, d_model=hidden, layers=layers, heads=heads, kv_heads=heads,
-                 d_ff=round(8 * hidden / 3), tied=True)
+    return shape_of(TransformerConfig(vocab_size=51200, d_model=hidden, n_layers=layers, n_heads=heads,
+                                      n_kv_heads=heads, d_ff=round(8 * hidden / 3), tie_embeddings=True))
 
 
 # Narayanan et al. 2021 (arXiv:2104.04473) Table 1, A100 80GB (312 TFLOP/s bf16), sequence 2048, full
@@ -207,13 +230,13 @@ def test_predicted_mfu_next_to_megatron_2021(row):
     within 30% of it. It is a prediction of MESHPAR's program on that layout, which communicates more
     than Megatron's: 7 all-reduces per layer where Megatron does 4, every tensor-parallel rank sending
     the whole microbatch between stages (no scatter/gather), and the pipeline's output all-reduced over
-    the stages (pipeline.py)."""
+    the stages (meshpar.pipeline.gpipe)."""
     label, heads, hidden, layers, tp, pp, gpus, batch, fraction = row
     shape, s = _gpt(hidden, heads, layers), 2048
     eq3 = 96 * hidden**2 * layers * (1 + s / (6 * hidden) + 51200 / (16 * layers * hidden))
     published = fraction * shape.model_flops_per_token(s) / eq3
     dp = gpus // (tp * pp)
-    lay = Layout(data=dp, stage=pp, model=tp, zero_stage=0, microbatches=batch // dp, remat="full")
+    lay = layout("full", mesh=MeshConfig(data=dp, stage=pp, model=tp), zero_stage=0, microbatches=batch // dp)
     est = plan.estimate(shape, lay, Run(batch, s), plan.parse_hardware("a100"), 8, strict=False)
     assert shape.params / 1e9 == pytest.approx(float(label[:-1]), rel=0.01)
     assert 0.7 * published < est.mfu < published, (est.mfu, published)
@@ -225,17 +248,19 @@ def test_predicted_mfu_next_to_llama3_405b():
     attention (modelled: no materialised scores, the causal half of the attention FLOPs) and an
     interleaved pipeline whose depth is not given: the best of R = 1..7 repeats (126/16 layers per stage)
     is below the published MFU and within 30% of it, for the same reasons as Megatron's rows."""
-    shape = Shape(vocab=128256, d_model=16384, layers=126, heads=128, kv_heads=8, d_ff=53248)
+    shape = shape_of(TransformerConfig(vocab_size=128256, d_model=16384, n_layers=126, n_heads=128, n_kv_heads=8,
+                                       d_ff=53248))
     run = Run(2048, 8192, flash_attention=True)
-    best = max(plan.estimate(shape, Layout(fsdp=64, stage=16, model=8, microbatches=32, pipeline_repeats=r),
-                             run, plan.parse_hardware("h100"), 8, strict=False).mfu for r in range(1, 8))
+    fsdp = MeshConfig(fsdp=64, stage=16, model=8)
+    best = max(plan.estimate(shape, layout(mesh=fsdp, microbatches=32, pipeline_repeats=r), run,
+                             plan.parse_hardware("h100"), 8, strict=False).mfu for r in range(1, 8))
     assert shape.params / 1e9 == pytest.approx(405, rel=0.01)
     assert 0.7 * 0.43 < best < 0.43, best
 
 
 # --- host offload (meshpar.offload): what leaves the devices, what the host holds, what the copies cost ----
 
-LLAMA_8B = Shape.of(configs.load("llama_8b").model)
+LLAMA_8B = shape_of(configs.load("llama_8b").model)
 RUN_8K = Run(64, 8192)
 
 
@@ -247,8 +272,8 @@ def test_offload_moves_the_zero_offload_bytes_to_the_host(zero):
     norm scales). The update streams the stacks a layer at a time, so the largest states it brings to the
     device are the embedding's (or head's): V·D elements split over model (its weights under ZeRO-2) or
     fsdp × model; one layer's SwiGLU matrix is 1/L of a stack, D·F, smaller."""
-    base = Layout(fsdp=8, model=8, zero_stage=zero, remat="full")
-    none, opt, both = (memory(LLAMA_8B, dataclasses.replace(base, offload=o), RUN_8K) for o in rules_lib.OFFLOAD)
+    base = layout("full", mesh="fsdp=8,model=8", zero_stage=zero)
+    none, opt, both = (memory(LLAMA_8B, base.replace(offload=o), RUN_8K) for o in rules_lib.OFFLOAD)
     states = plan.model_states(LLAMA_8B.params, zero, 8, "fp32")
     close = lambda planned, formula: planned == pytest.approx(formula / 8, rel=1e-3)
     assert none.host == 0 and opt.optimizer == opt.host_temp == 0 and close(opt.host_states, states["optimizer"])
@@ -264,34 +289,33 @@ def test_offload_moves_the_zero_offload_bytes_to_the_host(zero):
 
 def test_activation_offload_keeps_full_remats_inputs_on_the_device_and_the_rest_on_the_host():
     """Remat `offload`: the device keeps each layer's input (as `full`), host memory what `dots` keeps beyond it."""
-    lay = Layout(fsdp=8, remat="offload")
-    per_token = lambda remat, saved=True: layer_bytes_per_token(LLAMA_8B, dataclasses.replace(lay, remat=remat),
-                                                                RUN_8K, saved=saved)
+    lay = layout("offload", mesh="fsdp=8")
+    per_token = lambda remat, saved=True: layer_bytes_per_token(LLAMA_8B, lay.replace(remat=remat), RUN_8K, saved=saved)
     tokens = RUN_8K.global_batch / 8 * RUN_8K.seq_len
-    full, off = (memory(LLAMA_8B, dataclasses.replace(lay, remat=remat), RUN_8K) for remat in ("full", "offload"))
+    full, off = (memory(LLAMA_8B, lay.replace(remat=remat), RUN_8K) for remat in ("full", "offload"))
     assert off.host_temp == pytest.approx((per_token("dots") - per_token("full")) * LLAMA_8B.layers * tokens)
     kept = lambda mem, remat: mem.activations - per_token(remat, saved=False) * tokens  # without one layer's work
     assert kept(off, "offload") == pytest.approx(kept(full, "full")) and off.host_states == 0
 
 
 def test_the_time_model_charges_the_host_copies():
-    """Not overlapped (meshpar.plan_time), at 64 GB/s × 0.8 each way: `optimizer` the moments in and out for
+    """Not overlapped (meshpar.plan.time), at 64 GB/s × 0.8 each way: `optimizer` the moments in and out for
     the update; `optimizer+params` also the weights fetched in the forward pass and again in the backward
     (embedding and head once), the gradients out, the update's weights and gradients in and weights out;
     remat `offload` its projections out in the forward pass and back in the backward."""
     hw, bw = plan.parse_hardware("h100"), 64e9 * 0.8
-    lay = Layout(fsdp=8, remat="full")
-    est = {o: plan.estimate(LLAMA_8B, dataclasses.replace(lay, offload=o), RUN_8K, hw, 8) for o in rules_lib.OFFLOAD}
+    lay = layout("full", mesh="fsdp=8")
+    est = {o: plan.estimate(LLAMA_8B, lay.replace(offload=o), RUN_8K, hw, 8) for o in rules_lib.OFFLOAD}
     moments, weights = 8 * LLAMA_8B.params / 8, 4 * LLAMA_8B.params / 8
     layers = 4 * LLAMA_8B.layer_params * LLAMA_8B.layers / 8
     assert est["none"].host_s == 0 and est["optimizer"].host_s == pytest.approx(2 * moments / bw)
     assert est["optimizer"].step_s - est["none"].step_s == pytest.approx(est["optimizer"].host_s)
     h2d = moments + (weights - layers) + 2 * layers + 2 * weights
     d2h = moments + 2 * weights
-    both = dataclasses.replace(lay, offload="optimizer+params")
+    both = lay.replace(offload="optimizer+params")
     assert host_traffic(LLAMA_8B, both, RUN_8K) == pytest.approx((h2d, d2h))
     assert est["optimizer+params"].host_s == pytest.approx((h2d + d2h) / bw)
-    act = dataclasses.replace(lay, remat="offload")
+    act = lay.replace(remat="offload")
     out, back = host_traffic(LLAMA_8B, act, RUN_8K)
     assert out == back == pytest.approx(memory(LLAMA_8B, act, RUN_8K).host_temp)  # one microbatch: all it keeps
     assert plan.estimate(LLAMA_8B, act, RUN_8K, hw, 8).host_s == pytest.approx(2 * out / bw)
@@ -301,16 +325,16 @@ def test_the_time_model_charges_the_host_copies():
                                                ("stage=2,fsdp=2,model=2", "optimizer+params")])
 def test_offloaded_model_states_match_the_compilers_device_and_host_arguments(spec, setting):
     """The planner's model states per device, on the device and in host memory, against XLA's argument bytes
-    in each (meshpar.analysis), for the test model's step compiled on 8 CPU devices (dots remat)."""
+    in each (meshpar.compiler), for the test model's step compiled on 8 CPU devices (dots remat)."""
     require_devices(8)
     cfg, parallel = dataclasses.replace(TRAIN, remat="dots"), rules_lib.ParallelConfig(offload=setting)
     mesh = mesh_lib.build(mesh_lib.parse(spec))
-    compiled = fit.compile_step(lambda rngs: Transformer(MODEL, dtype=cfg.dtype, rngs=rngs), cfg, mesh,
+    compiled = fit.compile_step(Transformer.factory(MODEL, cfg.dtype), cfg, mesh,
                                 rules_lib.make(parallel))["memory_per_device"]
-    lay = plan.layout_of(dict(mesh.shape), parallel, cfg, "cpu")
-    mem = plan.layout_memory(MODEL, dict(mesh.shape), parallel, cfg, "cpu")
-    tokens = TRAIN.global_batch // (lay.data * lay.fsdp) * (TRAIN.seq_len + 1) * 4
-    assert lay.offload == setting
+    lay = Layout.of_run(MeshConfig(**mesh.shape), parallel, cfg, "cpu")
+    mem = memory(shape_of(MODEL), lay, Run.of(cfg, "cpu"))
+    tokens = TRAIN.global_batch // lay.batch_ways * (TRAIN.seq_len + 1) * 4
+    assert lay.parallel.offload == setting
     assert mem.params + mem.optimizer + tokens == pytest.approx(compiled["arguments_bytes"], rel=0.05)
     assert mem.host_states == pytest.approx(compiled["host_arguments_bytes"], rel=0.05)
 
@@ -329,52 +353,46 @@ class FakeDevice:
 
 
 def assert_builds(model_cfg, est: plan.Estimate, global_batch: int, seq_len: int, devices: list) -> None:
-    """Everything meshpar checks when it builds this layout: the mesh (host layout), the rules, the
-    shardings of every parameter, gradient and optimizer moment, the token batch, the activations, the
-    pipeline, gradient accumulation and context attention."""
+    """Everything meshpar checks when it builds this layout, on a mesh of these devices: the mesh (host
+    layout), the rules, the shardings of every parameter, gradient and optimizer moment, the token batch,
+    the activations, the pipeline, gradient accumulation and context attention."""
     lay = est.layout
-    mesh = mesh_lib.build(mesh_lib.MeshConfig(**lay.sizes).resolve(len(devices)), devices)
-    parallel = rules_lib.ParallelConfig(zero_stage=lay.zero_stage, sequence_parallel=lay.sequence_parallel,
-                                        context_attention=lay.context_attention, load_balance=lay.load_balance,
-                                        microbatches=lay.microbatches, pipeline_repeats=lay.pipeline_repeats,
-                                        offload=lay.offload)
-    offload.check(parallel, lay.remat)
-    rules = rules_lib.make(parallel)
+    mesh = mesh_lib.build(lay.mesh.resolve(len(devices)), devices)
+    offload.check(lay.parallel, lay.remat)
+    rules = rules_lib.make(lay.parallel)
     cfg = train.TrainConfig(global_batch=global_batch, seq_len=seq_len, remat=lay.remat, grad_accum=lay.grad_accum)
     with nnx.use_eager_sharding(False):
         state = nnx.state(nnx.eval_shape(lambda: train.TrainState(Transformer(model_cfg, rngs=nnx.Rngs(0)),
                                                                    train.optimizer(cfg))))
     sharding.state_specs(state, mesh, rules)  # params and Adam moments: raises on a dimension not divisible
     sharding.state_specs(nnx.state(state["model"], nnx.Param), mesh, rules, "grads")
-    shards = lay.data * lay.fsdp
-    assert global_batch % (shards * cfg.grad_accum) == 0  # train._accumulated
-    rows = global_batch // cfg.grad_accum  # one accumulation step
-    sharding.spec_for(("batch", None), (rows, seq_len + 1), rules.table("activations"), mesh, "tokens")
-    if lay.stage > 1:
-        pipeline._check(model_cfg.n_layers, rows, mesh=mesh, stages=lay.stage, microbatches=lay.M,
-                        repeats=lay.R, remat=lay.remat)
-        rows //= lay.M
-    D, N, K, H = model_cfg.d_model, model_cfg.n_heads, model_cfg.n_kv_heads, model_cfg.d_model // model_cfg.n_heads
     table = rules.table("activations")
+    train.check_accumulation(global_batch, lay.batch_ways, cfg.grad_accum, table["batch"])
+    rows = global_batch // cfg.grad_accum  # one accumulation step
+    sharding.spec_for(("batch", None), (rows, seq_len + 1), table, mesh.shape, "tokens")
+    if lay.mesh.stage > 1:
+        pipeline_stages.check(model_cfg.n_layers, rows, mesh.shape, stages=lay.mesh.stage, microbatches=lay.M,
+                              repeats=lay.R)
+        rows //= lay.M
+    D, N, K, H = model_cfg.d_model, model_cfg.n_heads, model_cfg.n_kv_heads, model_cfg.head_dim
     for logical, shape in [(("batch", "resid_seq", "embed"), (rows, seq_len, D)),
                            (("batch", "seq", "embed"), (rows, seq_len, D)),
                            (("batch", "seq", "heads", None), (rows, seq_len, N, H)),
                            (("batch", "seq", "kv_heads", None), (rows, seq_len, K, H)),
                            (("batch", "seq", "mlp"), (rows, seq_len, model_cfg.d_ff)),
                            (("batch", "seq", "vocab"), (rows, seq_len, model_cfg.vocab_size))]:
-        sharding.spec_for(logical, shape, table, mesh, f"activation {logical}")
-    if lay.sequence > 1:
-        q, kv = (jax.ShapeDtypeStruct((rows, seq_len, n, H), "float32") for n in (N, K))
-        attention._check(q, kv, kv, lay.sequence, "sequence", lay.context_attention == "ring" and lay.load_balance)
-        if lay.context_attention == "ulysses":
-            assert (N // lay.model) % lay.sequence == 0 and (K // lay.model) % lay.sequence == 0
+        sharding.spec_for(logical, shape, table, mesh.shape, f"activation {logical}")
+    if lay.mesh.sequence > 1:
+        model = lay.mesh.model
+        context_parallel.check(lay.parallel.context_attention, seq_len, (N, K), lay.mesh.sequence,
+                               balanced=lay.parallel.load_balance, head_ways=(model, model))
 
 
 @pytest.mark.parametrize(("name", "devices", "batch", "seq"), [
     ("llama_8b", 64, 512, 8192), ("llama_70b", 512, 1024, 8192), ("llama_1b", 16, 64, 4096)])
 def test_every_proposed_layout_builds(name, devices, batch, seq):
     model = configs.load(name).model
-    result = plan.search(model, devices=devices, devices_per_host=8, hardware="h100", global_batch=batch,
+    result = plan.search(shape_of(model), devices=devices, devices_per_host=8, hardware="h100", global_batch=batch,
                          seq_len=seq, top=15)
     assert result.ranked and all(e.fits for e in result.ranked)
     assert [e.step_s for e in result.ranked] == sorted(e.step_s for e in result.ranked)
@@ -387,24 +405,27 @@ def test_every_proposed_layout_builds(name, devices, batch, seq):
 
 def test_layouts_for_the_test_model_build_on_the_real_devices():
     require_devices(8)
-    result = plan.search(MODEL, devices=8, devices_per_host=8, hardware="h100", global_batch=TRAIN.global_batch,
-                         seq_len=TRAIN.seq_len, top=20)
+    result = plan.search(shape_of(MODEL), devices=8, devices_per_host=8, hardware="h100",
+                         global_batch=TRAIN.global_batch, seq_len=TRAIN.seq_len, top=20)
     for est in result.ranked:
         assert_builds(MODEL, est, TRAIN.global_batch, TRAIN.seq_len, jax.devices())
 
 
 def test_search_respects_what_the_model_cannot_split():
     model = dataclasses.replace(MODEL, n_heads=6, n_kv_heads=2, d_model=96, d_ff=192, n_layers=3)
-    result = plan.search(model, devices=8, devices_per_host=8, hardware="h100", global_batch=12, seq_len=24, top=50)
+    result = plan.search(shape_of(model), devices=8, devices_per_host=8, hardware="h100", global_batch=12, seq_len=24,
+                         top=50)
+    assert result.ranked
     for est in result.ranked:
         lay = est.layout
-        assert 2 % lay.model == 0 and 3 % lay.stage == 0 and 12 % (lay.data * lay.fsdp * lay.M * lay.grad_accum) == 0
+        assert 2 % lay.mesh.model == 0 and 3 % lay.mesh.stage == 0
+        assert 12 % (lay.batch_ways * lay.M * lay.grad_accum) == 0
 
 
 def test_search_of_4096_devices_prunes():
     """What keeps a large search fast (timed by `launch.plan`, not here): many layouts are never sized."""
     model = configs.load("llama_70b").model
-    result = plan.search(model, devices=4096, devices_per_host=8, hardware="h100", global_batch=1024,
+    result = plan.search(shape_of(model), devices=4096, devices_per_host=8, hardware="h100", global_batch=1024,
                          seq_len=8192, top=10)
     assert len(result.ranked) == 10 and result.considered > 1_000
     assert result.pruned > result.considered / 4, (result.pruned, result.considered)
@@ -413,9 +434,9 @@ def test_search_of_4096_devices_prunes():
 def test_best_layout_gives_a_mesh_and_valid_overrides():
     from meshpar import config as config_lib
 
-    sizes, overrides = plan.best_layout(configs.load("llama_8b").model, devices=64, devices_per_host=8,
-                                        hardware="h100", global_batch=512, seq_len=8192)
-    assert math.prod(mesh_lib.MeshConfig(**sizes).resolve(64).sizes().values()) == 64
+    mesh, overrides = plan.best_layout(shape_of(configs.load("llama_8b").model), devices=64, devices_per_host=8,
+                                       hardware="h100", global_batch=512, seq_len=8192)
+    assert math.prod(mesh.resolve(64).sizes().values()) == 64
     cfg = config_lib.apply(configs.load("llama_8b"), [f"{k}={v}" for k, v in overrides.items()])
     assert cfg.train.remat == overrides["train.remat"] and cfg.parallel.zero_stage == overrides["parallel.zero_stage"]
 
@@ -428,16 +449,17 @@ def test_a_model_that_fits_only_with_offload_gets_an_offload_pick(capsys):
     from meshpar import config as config_lib
 
     model = configs.load("llama_70b").model
-    result = plan.search(model, devices=8, devices_per_host=8, hardware="h100", global_batch=8, seq_len=8192, top=5)
+    result = plan.search(shape_of(model), devices=8, devices_per_host=8, hardware="h100", global_batch=8,
+                         seq_len=8192, top=5)
     pick = result.ranked[0]
-    assert plan.describe(pick.layout) == "fsdp=8 zero=3 remat=full offload=optimizer+params"
-    assert all(e.fits and e.layout.offload != "none" and e.host_s > 0 for e in result.ranked)
-    assert pick.memory.host == pytest.approx(16 * Shape.of(model).params / 8, rel=1e-3)
+    assert pick.layout.describe() == "fsdp=8 zero=3 remat=full offload=optimizer+params"
+    assert all(e.fits and e.layout.parallel.offload != "none" and e.host_s > 0 for e in result.ranked)
+    assert pick.memory.host == pytest.approx(16 * shape_of(model).params / 8, rel=1e-3)
     assert pick.memory.host <= pick.host_budget == 225e9
     for est in result.ranked:
         assert_builds(model, est, 8, 8192, [FakeDevice(i, 0) for i in range(8)])
-    cfg = config_lib.apply(configs.load("llama_70b"), [f"{k}={v}" for k, v in plan.overrides(pick.layout).items()])
-    assert plan.layout_of(pick.layout.sizes, cfg.parallel, cfg.train) == pick.layout
+    cfg = config_lib.apply(configs.load("llama_70b"), [f"{k}={v}" for k, v in pick.layout.overrides().items()])
+    assert Layout.of_run(pick.layout.mesh, cfg.parallel, cfg.train) == pick.layout
     planner_section = (Path(__file__).parents[1] / "README.md").read_text().split("## Planning a layout")[1]
     assert "`fsdp=8`, ZeRO-3, `full` remat, `parallel.offload=optimizer+params`" in planner_section.split("\n## ")[0]
     plan_cli.main(["--config", "llama_70b", "--devices", "8", "--global-batch", "8", "--top", "2"])
@@ -462,7 +484,7 @@ def test_unknown_hardware_is_refused():
 
 def test_devices_not_divisible_by_devices_per_host_are_refused():
     with pytest.raises(ValueError, match="12 devices are not divisible by 8 devices per host"):
-        plan.search(MODEL, devices=12, devices_per_host=8, hardware="h100", global_batch=16, seq_len=32)
+        plan.search(shape_of(MODEL), devices=12, devices_per_host=8, hardware="h100", global_batch=16, seq_len=32)
 
 
 def test_a_model_that_fits_no_layout_gets_the_smallest_requirement():
@@ -472,10 +494,11 @@ def test_a_model_that_fits_no_layout_gets_the_smallest_requirement():
     with pytest.raises(plan.NothingFits, match=r"nothing fits: the smallest layout needs [\d.]+ GB per device and "
                                                r"282.2 GB of host memory per device \(.*offload=optimizer\+params\), "
                                                r"but h100 has 72.0 GB usable \(90% of 80 GB\) and 225.0 GB of host"):
-        plan.search(model, devices=4, devices_per_host=8, hardware="h100", global_batch=8, seq_len=8192)
+        plan.search(shape_of(model), devices=4, devices_per_host=8, hardware="h100", global_batch=8, seq_len=8192)
     with pytest.raises(plan.NothingFits, match=r"needs [\d.]+ GB per device \(.* remat=full\), but h100,host_mem=0 "
                                                r"has 72.0 GB usable \(90% of 80 GB\); use more") as err:
-        plan.search(model, devices=8, devices_per_host=8, hardware="h100,host_mem=0", global_batch=8, seq_len=8192)
+        plan.search(shape_of(model), devices=8, devices_per_host=8, hardware="h100,host_mem=0", global_batch=8,
+                    seq_len=8192)
     assert err.value.smallest.memory.total > 72e9
 
 
@@ -516,7 +539,8 @@ def test_cli_params_only(capsys):
     (["--config", "llama_70b", "--devices", "4", "--global-batch", "8"], "nothing fits: the smallest layout needs"),
     (["--config", "llama_8b", "--devices", "64", "--set", "train.remat=full"], "layout settings need --mesh"),
     (["--config", "llama_8b", "--devices", "64", "--mesh", "data=4,model=16"],
-     "does not build: n_heads 32 and n_kv_heads 8 must be divisible by model = 16"),
+     r"does not build: parameter 'blocks/attn/wk_DKH': dimension 2 \('kv_heads'\) of size 8 .* not divisible by "
+     r"mesh axes model=16"),
 ])
 def test_cli_bad_input(argv, message):
     with pytest.raises(SystemExit, match=message):

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 from conftest import require_devices
-from layouts import CORPUS, MODEL, TRAIN, Layout
-from meshpar import checkpoint, mesh as mesh_lib, rules, train
+from layouts import CORPUS, MODEL, TRAIN, MeshRun
+from meshpar import checkpoint, mesh as mesh_lib, remat, rules, train
 from meshpar.errors import TrainingStopped
-from meshpar.run import run
+from meshpar.run import Checkpoints, Outputs, run
 from models.transformer import Transformer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -120,11 +120,11 @@ def test_evaluation_compiles_once_and_is_the_training_loss():
     """The eval step is one jitted program for every held-out batch (its cache holds one entry after three
     batches), and it computes the training step's loss on the training layout."""
     require_devices(8)
-    layout = Layout("data=2,fsdp=2,model=2")
-    evaluate = train.make_eval_step(layout.plan, layout.tokens_sharding, layout.cfg)
+    layout = MeshRun("data=2,fsdp=2,model=2")
+    evaluate = train.make_eval_step(layout.sharded, layout.tokens_sharding, layout.cfg)
     losses = [float(evaluate(layout.state, layout.batch(step))) for step in range(3)]
     assert evaluate._cache_size() == 1
-    reference, _ = train.loss_and_grads(layout.plan, layout.tokens_sharding, layout.cfg)(layout.state, layout.batch(2))
+    reference, _ = train.loss_and_grads(layout.sharded, layout.tokens_sharding, layout.cfg)(layout.state, layout.batch(2))
     assert losses[2] == pytest.approx(float(reference), rel=1e-6)
 
 
@@ -163,8 +163,8 @@ def test_skip_mode_leaves_the_state_finite(tmp_path, offload):
     mesh = mesh_lib.build(mesh_lib.parse("fsdp=8"))
     cfg = dataclasses.replace(TRAIN, steps=12, lr=1e3, clip_norm=1e9, on_nonfinite="skip")
     parallel = rules.make(rules.ParallelConfig(offload=offload))
-    result = run(lambda rngs: Transformer(MODEL, rngs=rngs), cfg, CORPUS, mesh, parallel, progress=False,
-                 checkpoint_dir=str(tmp_path), checkpoint=checkpoint.CheckpointConfig(every=4))
+    result = run(Transformer.factory(MODEL), cfg, CORPUS, mesh, parallel, outputs=Outputs(progress=False),
+                 checkpoints=Checkpoints(str(tmp_path), checkpoint.CheckpointConfig(every=4)))
     skipped = [r["step"] for r in result.records if r["skipped"]]
     assert skipped, [r["loss"] for r in result.records]
     assert all(not math.isfinite(r["loss"]) or not math.isfinite(r["grad_norm"])
@@ -178,7 +178,7 @@ def test_stopping_raises_with_the_step_in_python():
     mesh = mesh_lib.build(mesh_lib.parse("data=8"))
     cfg = dataclasses.replace(TRAIN, steps=30, lr=1e3, clip_norm=1e9)
     with pytest.raises(TrainingStopped, match=r"step \d+: loss .* not finite. The run stopped and no checkpoint"):
-        run(lambda rngs: Transformer(MODEL, rngs=rngs), cfg, CORPUS, mesh, rules.default(), progress=False)
+        run(Transformer.factory(MODEL), cfg, CORPUS, mesh, rules.default(), outputs=Outputs(progress=False))
 
 
 # --- bad input: each gets a message naming the culprit --------------------------------------------------------
@@ -275,13 +275,13 @@ def test_remat_auto_takes_the_fastest_policy_that_fits(monkeypatch):
     compiled in order and the first whose step fits is kept, else the last."""
     import meshpar.run as run_module
 
-    assert train.remat_candidates(dataclasses.replace(TRAIN, remat="auto"), "cpu") == ("dots",)
-    assert train.remat_candidates(dataclasses.replace(TRAIN, remat="auto"), "gpu") == ("none", "dots", "full")
+    assert remat.candidates("auto", "cpu") == ("dots",)
+    assert remat.candidates("auto", "gpu") == ("none", "dots", "full")
     mesh, rule = mesh_lib.build(mesh_lib.parse(""), jax.devices()[:1]), rules.make()
     model = lambda rngs: Transformer(dataclasses.replace(MODEL, n_layers=1), rngs=rngs)
     auto = dataclasses.replace(TRAIN, steps=1, remat="auto")
-    chosen = lambda: run(model, auto, CORPUS, mesh, rule, progress=False).report["remat"]
-    monkeypatch.setitem(train.REMAT_AUTO, "cpu", ("full", "dots"))
+    chosen = lambda: run(model, auto, CORPUS, mesh, rule, outputs=Outputs(progress=False)).report["remat"]
+    monkeypatch.setitem(remat.AUTO, "cpu", ("full", "dots"))
     monkeypatch.setattr(run_module, "device_memory_limit", lambda: 2**40)
     assert chosen() == "full"  # the first fits
     monkeypatch.setattr(run_module, "device_memory_limit", lambda: 1)

@@ -63,45 +63,45 @@ def abstract_state(**params):
     ((), (), PARAMS, P()),
 ])
 def test_spec_for_default_rules(dfm, logical, shape, table, expected):
-    assert sharding.spec_for(logical, shape, table, dfm, "x") == expected
+    assert sharding.spec_for(logical, shape, table, dfm.shape, "x") == expected
 
 
 def test_spec_for_drops_size_one_axes(fsdp8):
     # batch → (data, fsdp): data is 1, so only fsdp is left, as a plain name
-    assert sharding.spec_for(("batch", "seq", "embed"), (8, 4, 16), ACTS, fsdp8, "x") == P("fsdp", None, None)
+    assert sharding.spec_for(("batch", "seq", "embed"), (8, 4, 16), ACTS, fsdp8.shape, "x") == P("fsdp", None, None)
     # heads/mlp → model (size 1), seq → sequence (size 1): nothing splits them
-    assert sharding.spec_for(("embed", "heads", "head_dim"), (8, 3, 5), PARAMS, fsdp8, "x") == P("fsdp", None, None)
-    assert sharding.spec_for(("batch", "seq", "mlp"), (8, 3, 5), ACTS, fsdp8, "x") == P("fsdp", None, None)
+    assert sharding.spec_for(("embed", "heads", "head_dim"), (8, 3, 5), PARAMS, fsdp8.shape, "x") == P("fsdp", None, None)
+    assert sharding.spec_for(("batch", "seq", "mlp"), (8, 3, 5), ACTS, fsdp8.shape, "x") == P("fsdp", None, None)
     one = mesh_lib.build(mesh_lib.MeshConfig(), jax.devices()[:1])
-    assert sharding.spec_for(("batch", "seq", "vocab"), (3, 5, 7), ACTS, one, "x") == P(None, None, None)
+    assert sharding.spec_for(("batch", "seq", "vocab"), (3, 5, 7), ACTS, one.shape, "x") == P(None, None, None)
 
 
 def test_spec_for_unknown_logical_name(dfm):
     with pytest.raises(ValueError, match=r"^thing: unknown logical axis 'bogus' on dimension 1 of shape \(4, 4\); "
                                          r"known: embed, head_dim, heads, kv_heads, layers, mlp, vocab$"):
-        sharding.spec_for(("embed", "bogus"), (4, 4), PARAMS, dfm, "thing")
+        sharding.spec_for(("embed", "bogus"), (4, 4), PARAMS, dfm.shape, "thing")
 
 
 def test_spec_for_unknown_logical_name_even_when_nothing_is_split():
     one = mesh_lib.build(mesh_lib.MeshConfig(), jax.devices()[:1])
     with pytest.raises(ValueError, match=r"unknown logical axis 'bogus'"):
-        sharding.spec_for(("bogus",), (4,), PARAMS, one, "thing")
+        sharding.spec_for(("bogus",), (4,), PARAMS, one.shape, "thing")
 
 
 def test_spec_for_wrong_number_of_names(dfm):
     with pytest.raises(ValueError, match=r"^thing: 2 logical axes \('embed', 'mlp'\) for shape \(4, 4, 4\)$"):
-        sharding.spec_for(("embed", "mlp"), (4, 4, 4), PARAMS, dfm, "thing")
+        sharding.spec_for(("embed", "mlp"), (4, 4, 4), PARAMS, dfm.shape, "thing")
 
 
 def test_spec_for_not_divisible_names_dimension_size_and_axis(dfm, fsdp8):
     with pytest.raises(ValueError, match=r"^thing: dimension 1 \('embed'\) of size 12 in shape \(4, 12\) is not "
                                          r"divisible by mesh axes fsdp=8$"):
-        sharding.spec_for(("mlp", "embed"), (4, 12), PARAMS, fsdp8, "thing")
+        sharding.spec_for(("mlp", "embed"), (4, 12), PARAMS, fsdp8.shape, "thing")
     with pytest.raises(ValueError, match=r"dimension 0 \('batch'\) of size 6 in shape \(6, 3\) is not divisible "
                                          r"by mesh axes data=2 × fsdp=2$"):
-        sharding.spec_for(("batch", None), (6, 3), ACTS, dfm, "thing")
+        sharding.spec_for(("batch", None), (6, 3), ACTS, dfm.shape, "thing")
     with pytest.raises(ValueError, match=r"dimension 0 \('vocab'\) of size 257 .* by mesh axes model=2$"):
-        sharding.spec_for(("vocab", "embed"), (257, 8), PARAMS, dfm, "thing")
+        sharding.spec_for(("vocab", "embed"), (257, 8), PARAMS, dfm.shape, "thing")
 
 
 def one_table(table):
@@ -113,9 +113,9 @@ def test_spec_for_one_mesh_axis_twice_in_one_array(dfm):
     with pytest.raises(ValueError, match=r"^thing: mesh axis 'fsdp' would split dimension 0 \('rows'\) and "
                                          r"dimension 2 \('cols'\) of shape \(4, 4, 4\); one mesh axis can split "
                                          r"one dimension only$"):
-        sharding.spec_for(("rows", "other", "cols"), (4, 4, 4), twice.table("params"), dfm, "thing")
+        sharding.spec_for(("rows", "other", "cols"), (4, 4, 4), twice.table("params"), dfm.shape, "thing")
     # the same table is fine for an array that uses each name once
-    assert sharding.spec_for(("rows", "other"), (4, 4), twice.table("params"), dfm, "x") == P("fsdp", "model")
+    assert sharding.spec_for(("rows", "other"), (4, 4), twice.table("params"), dfm.shape, "x") == P("fsdp", "model")
 
 
 # --- state_specs / state_shardings ------------------------------------------------------------------------
@@ -162,16 +162,16 @@ def test_state_specs_reject_a_parameter_without_logical_names(dfm):
 
 
 @pytest.fixture(scope="module")
-def tiny_plans():
+def tiny_sharded():
     require_devices(8)
     tx = train.optimizer(train.TrainConfig())
     make = lambda rngs: Transformer(TINY, rngs=rngs)  # noqa: E731
-    return {text: train.plan_state(make, tx, make_mesh(text), RULES) for text in ("fsdp=8", "data=2,fsdp=2,model=2")}
+    return {text: train.sharded_abstract(make, tx, make_mesh(text), RULES) for text in ("fsdp=8", "data=2,fsdp=2,model=2")}
 
 
-def test_state_specs_of_the_transformer(tiny_plans):
-    plan = tiny_plans["data=2,fsdp=2,model=2"]
-    specs = sharding.state_specs(plan.abstract, plan.mesh, RULES)
+def test_state_specs_of_the_transformer(tiny_sharded):
+    sharded = tiny_sharded["data=2,fsdp=2,model=2"]
+    specs = sharding.state_specs(sharded.abstract, sharded.mesh, RULES)
     model = specs["model"]
     assert model["embed_VD"].get_value() == P("model", "fsdp")
     assert model["head_DV"].get_value() == P("fsdp", "model")
@@ -185,14 +185,14 @@ def test_state_specs_of_the_transformer(tiny_plans):
     assert specs["opt"]["step"].get_value() == P()
 
 
-def test_state_shardings_are_named_shardings_on_the_mesh(tiny_plans):
-    plan = tiny_plans["fsdp=8"]
-    shardings = sharding.state_shardings(plan.abstract, plan.mesh, RULES)
+def test_state_shardings_are_named_shardings_on_the_mesh(tiny_sharded):
+    sharded = tiny_sharded["fsdp=8"]
+    shardings = sharding.state_shardings(sharded.abstract, sharded.mesh, RULES)
     flat = dict(nnx.to_flat_state(shardings))
-    assert flat.keys() == dict(nnx.to_flat_state(plan.abstract)).keys()
+    assert flat.keys() == dict(nnx.to_flat_state(sharded.abstract)).keys()
     for variable in flat.values():
         assert isinstance(variable.get_value(), NamedSharding)
-        assert variable.get_value().mesh == plan.mesh
+        assert variable.get_value().mesh == sharded.mesh
     embed = shardings["model"]["embed_VD"].get_value()
     assert embed.spec == P(None, "fsdp")
     assert embed.shard_shape((256, 128)) == (256, 16)
@@ -208,10 +208,10 @@ def table_rows(text: str) -> dict[str, list[str]]:
     return {cells[0]: cells[1:] for cells in (re.split(r"\s{2,}", line) for line in lines[1:])}
 
 
-def test_sharding_table_of_the_tiny_model_on_fsdp8(tiny_plans):
-    plan = tiny_plans["fsdp=8"]
-    rows = table_rows(sharding.sharding_table(plan.abstract, plan.mesh, RULES))
-    paths = ["/".join(str(k) for k in path) for path, _ in nnx.to_flat_state(plan.abstract)]
+def test_sharding_table_of_the_tiny_model_on_fsdp8(tiny_sharded):
+    sharded = tiny_sharded["fsdp=8"]
+    rows = table_rows(sharding.sharding_table(sharded.abstract, sharded.mesh, RULES))
+    paths = ["/".join(str(k) for k in path) for path, _ in nnx.to_flat_state(sharded.abstract)]
     assert list(rows) == paths + ["total"]
 
     assert rows["model/embed_VD"] == ["(256, 128)", "('vocab', 'embed')", "(None, 'fsdp')", "(256, 16)", "16,384"]
@@ -224,15 +224,15 @@ def test_sharding_table_of_the_tiny_model_on_fsdp8(tiny_plans):
     total = int(rows["total"][-1].replace(",", ""))
     assert total == sum(per_row)
     # params + two AdamW moments, each an eighth per device in float32, plus three 4-byte counters
-    params = sum(math.prod(v.shape) for v in jax.tree.leaves(nnx.state(plan.abstract["model"], nnx.Param)))
+    params = sum(math.prod(v.shape) for v in jax.tree.leaves(nnx.state(sharded.abstract["model"], nnx.Param)))
     assert total == 3 * params * 4 // 8 + 3 * 4
 
 
-def test_sharding_table_shard_shapes_match_the_shardings(tiny_plans):
-    plan = tiny_plans["data=2,fsdp=2,model=2"]
-    rows = table_rows(sharding.sharding_table(plan.abstract, plan.mesh, RULES))
-    shardings = dict(nnx.to_flat_state(plan.shardings))
-    for path, variable in nnx.to_flat_state(plan.abstract):
+def test_sharding_table_shard_shapes_match_the_shardings(tiny_sharded):
+    sharded = tiny_sharded["data=2,fsdp=2,model=2"]
+    rows = table_rows(sharding.sharding_table(sharded.abstract, sharded.mesh, RULES))
+    shardings = dict(nnx.to_flat_state(sharded.shardings))
+    for path, variable in nnx.to_flat_state(sharded.abstract):
         name = "/".join(str(k) for k in path)
         expected = shardings[path].get_value().shard_shape(variable.shape)
         assert rows[name][3] == str(expected)

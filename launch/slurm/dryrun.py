@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import sys
 
 import numpy as np
@@ -30,23 +31,25 @@ def _span(values: list[int]) -> str:
 
 
 def describe(nodes: int, gpus_per_node: int, config, mesh_text: str) -> list[str]:
-    from meshpar import mesh as mesh_lib
+    from meshpar import mesh as mesh_lib, rules as rules_lib, sharding
 
     devices = [PlannedDevice(n * gpus_per_node + g, n) for n in range(nodes) for g in range(gpus_per_node)]
     sizes = mesh_lib.parse(mesh_text).resolve(len(devices)).sizes()
     grid = mesh_lib.device_grid(sizes, devices)
     inside, across = mesh_lib.host_split(sizes, gpus_per_node)
     B, T = config.train.global_batch, config.train.seq_len
-    row_blocks = sizes["data"] * sizes["fsdp"]  # the batch is split over (data, fsdp)
-    if B % row_blocks:
-        raise InputError(f"train.global_batch = {B} is not divisible by data × fsdp = {row_blocks}")
+    sharding.spec_for(("batch", None), (B, T + 1), rules_lib.make(config.parallel).table("activations"), sizes,
+                      f"token batch [{B}, {T + 1}]")  # the batch's rows divide over the batch axes
+    batch = [mesh_lib.AXES.index(axis) for axis in rules_lib.BATCH_AXES]
+    row_blocks = math.prod(sizes[axis] for axis in rules_lib.BATCH_AXES)
     lines = [f"{config.name} on {nodes} nodes × {gpus_per_node} GPUs, mesh {mesh_lib.describe(sizes)}; "
              f"global batch {B} × {T} tokens"]
     for node in range(nodes):
         coords = [np.argwhere(np.vectorize(lambda d: d.id == dev.id)(grid))[0] for dev in devices
                   if dev.process_index == node]
         per_axis = {axis: _span([int(c[i]) for c in coords]) for i, axis in enumerate(mesh_lib.AXES) if sizes[axis] > 1}
-        blocks = sorted({int(c[0]) * sizes["fsdp"] + int(c[2]) for c in coords})
+        blocks = sorted({int(np.ravel_multi_index([c[i] for i in batch], [sizes[mesh_lib.AXES[i]] for i in batch]))
+                         for c in coords})
         rows = (blocks[0] * B // row_blocks, (blocks[-1] + 1) * B // row_blocks)
         duties = "progress, metrics, report and its checkpoint shards" if node == 0 else "its checkpoint shards"
         lines += [f"process {node} (SLURM_PROCID={node}, node {node}): devices {_span([d.id for d in devices if d.process_index == node])}",

@@ -43,13 +43,6 @@ from meshpar.errors import InputError
 SKIP, MASKED, FULL = 0, 1, 2
 
 
-def block_size(length: int, block: int) -> int:
-    """The largest divisor of `length` that is at most `block`: blocks tile the sequence exactly."""
-    if length < 1 or block < 1:
-        raise InputError(f"sequence length {length} and block size {block} must be >= 1")
-    return max(d for d in range(1, min(length, block) + 1) if length % d == 0)
-
-
 def block_pattern(q_positions: Sequence[np.ndarray] | np.ndarray, k_positions: np.ndarray, block_q: int,
                   block_k: int) -> np.ndarray:
     """[T/block_q, S/block_k] of SKIP, MASKED, FULL for causal attention at these static positions.
@@ -75,7 +68,7 @@ def attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, q_pos_T: 
     """Causal GQA attention over the pairs `pattern` (from `block_pattern`) allows: (out f32 [B, T, N, H],
     lse f32 [B, T, N]). Query t sees key s iff q_pos_T[t] >= k_pos_S[s]; block sizes are T and S over the
     pattern's shape. A query row that sees no key gets out 0 and lse −inf."""
-    (B, T, N, H), (S, K) = q_BTNH.shape, k_BSKH.shape[1:3]
+    T, S = q_BTNH.shape[1], k_BSKH.shape[1]
     nq, nk = pattern.shape
     if T % nq or S % nk:
         raise InputError(f"a {nq}×{nk} block pattern does not tile T = {T} queries and S = {S} keys")
@@ -116,7 +109,6 @@ def _forward(q_BTNH, k_BSKH, v_BSKH, q_pos_T, k_pos_S, pairs, bt, bs):
     # of the kernel depends on a subset of its inputs.
     q_BTNH, k_BSKH, v_BSKH, q_pos_T, k_pos_S = lax.optimization_barrier((q_BTNH, k_BSKH, v_BSKH, q_pos_T, k_pos_S))
     (B, T, N, H), K = q_BTNH.shape, k_BSKH.shape[2]
-    G = N // K
     q_BTKGH = _grouped(q_BTNH, K)
 
     def pair(carry, i, j, full):

@@ -1,4 +1,4 @@
-"""Step time of one layout from its FLOPs, HBM traffic and collectives (see `meshpar.plan_cost`).
+"""Step time of one layout from its FLOPs, HBM traffic and collectives (`meshpar.plan.comm`).
 
 Overlap, stated: tensor-parallel, Ulysses / all-gather context-parallel and pipeline transfers are on the
 critical path (the next matmul needs them); ring attention's K/V permutes hide behind the block matmuls
@@ -6,7 +6,16 @@ critical path (the next matmul needs them); ring attention's K/V permutes hide b
 weight gathers) runs asynchronously beside compute — exposed is what exceeds the step's compute, and at
 least one layer's share (the last gradients are reduced after the last backward layer).
 
-Host offload's copies (`plan_cost.host_traffic`) are charged in full at `host_bw`·`net_efficiency`, one
+Compute: model FLOPs per token 6Ψ + 12·L·N·H·T (`meshpar.mfu`: PaLM's; the full T×T attention square, not
+halved for the causal mask — the convention MFU is reported in). What a device executes: forward
+2·Ψ_l + 4·N_l·H·T_kv per token (local, all-gather and Ulysses attention compute the masked half too;
+zigzag ring only the visible blocks, ≈ half), backward twice that, +1 forward of the layers with full
+remat, +1 attention forward with dots and with ring (its steps are rematerialised). Time = FLOPs / (peak ·
+efficiency) + HBM traffic of the non-matmul tensors (3 passes over the activations, / HBM bandwidth) per
+microbatch, for every pass of the pipeline schedule, plus the exposed communication, plus the optimizer
+update (memory-bound), plus the host↔device copies of offload.
+
+Host offload's copies (`comm.host_traffic`) are charged in full at `host_bw`·`net_efficiency`, one
 direction after the other: not overlapped with compute or with each other. An upper bound, stated: the
 update's copies wait for the last gradients and prefetching them would hold them in device memory, which
 offload exists to avoid; the weight fetches and remat `offload`'s copies could hide behind the layers'
@@ -19,17 +28,19 @@ from __future__ import annotations
 
 import dataclasses
 
-from meshpar.plan_cost import (PRECISIONS, Layout, Memory, Run, Shape, attention_bytes_per_token, check,
-                               collective_time, collectives, host_traffic, iterations, layer_applications,
-                               local_dims, local_elements, memory, mfu)
-from meshpar.plan_hardware import Hardware
+from meshpar.hardware import Hardware
+from meshpar.mfu import mfu
+from meshpar.pipeline import schedule
+from meshpar.plan.comm import collective_time, collectives, host_traffic
+from meshpar.plan.layout import (PRECISIONS, Layout, Run, check, layer_applications, layer_matmul_params, local_dims,
+                                 local_elements)
+from meshpar.plan.memory import Memory, attention_bytes_per_token, memory
+from meshpar.plan.shape import Shape
 
 
 def bubble(lay: Layout) -> float:
-    """Idle fraction of the pipeline: (S − 1)/(R·M + S − 1) (GPipe; Narayanan et al. with R chunks)."""
-    if lay.stage == 1:
-        return 0.0
-    return 1.0 - lay.R * lay.M / iterations(lay.stage, lay.M, lay.R)
+    """Idle fraction of the layout's pipeline (`schedule.bubble_fraction`); 0 without one."""
+    return 0.0 if lay.mesh.stage == 1 else schedule.bubble_fraction(lay.mesh.stage, lay.M, lay.R)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,13 +66,15 @@ class Estimate:
         return self.memory.total <= self.budget and self.memory.host <= self.host_budget and not self.problems
 
     def row(self) -> dict:
-        lay, mem = self.layout, self.memory
+        lay, par, mem = self.layout, self.layout.parallel, self.memory
         return {
-            "mesh": lay.sizes, "zero_stage": lay.zero_stage, "sequence_parallel": lay.sequence_parallel,
-            "context_attention": lay.context_attention if lay.sequence > 1 else None,
-            "load_balance": lay.load_balance if lay.sequence > 1 else None,
-            "microbatches": lay.M if lay.stage > 1 else None, "pipeline_repeats": lay.R if lay.stage > 1 else None,
-            "remat": lay.remat, "grad_accum": lay.grad_accum, "offload": lay.offload,
+            "mesh": lay.sizes, "zero_stage": par.zero_stage, "sequence_parallel": par.sequence_parallel,
+            "context_attention": par.context_attention if lay.mesh.sequence > 1 else None,
+            "load_balance": par.load_balance if lay.mesh.sequence > 1 else None,
+            "microbatches": lay.M if lay.mesh.stage > 1 else None,
+            "pipeline_repeats": lay.R if lay.mesh.stage > 1 else None,
+            "pipeline_schedule": par.pipeline_schedule if lay.mesh.stage > 1 else None,
+            "remat": lay.remat, "grad_accum": lay.grad_accum, "offload": par.offload,
             "memory_bytes": {"params": mem.params, "grads": mem.grads, "optimizer": mem.optimizer,
                              "activations": mem.activations, "other": mem.other, "update": mem.update,
                              "total": mem.total},
@@ -77,12 +90,12 @@ class Estimate:
 
 def layer_flops_per_token(shape: Shape, lay: Layout, run: Run) -> tuple[float, float]:
     """(projection, attention) matmul FLOPs of one layer's forward pass per local token, on one device."""
-    D, H, T, n = shape.d_model, shape.head_dim, run.seq_len, lay.sequence
-    _, _, N, K, F, _ = local_dims(shape, lay, run)
-    proj = 2 * (2 * D * N * H + 2 * D * K * H + 3 * D * F)
+    H, T, n = shape.head_dim, run.seq_len, lay.mesh.sequence
+    _, _, N, *_ = local_dims(shape, lay, run)
+    proj = 2 * layer_matmul_params(shape, lay)
     if run.flash_attention:
         keys = T / 2  # a fused kernel skips the masked blocks
-    elif n > 1 and lay.context_attention == "ring" and lay.load_balance:
+    elif n > 1 and lay.parallel.context_attention == "ring" and lay.parallel.load_balance:
         keys = T * (n + 1) / (2 * n)  # zigzag: the local block whole, then two visible half blocks per step
     else:
         keys = T  # the whole masked square is computed (and the busiest ring device does all blocks)
@@ -93,10 +106,11 @@ def layer_traffic_per_token(shape: Shape, lay: Layout, run: Run) -> float:
     """Bytes one layer's non-matmul work writes per local token, on a GPU: the residual stream and two
     norms (float32 statistics and outputs), the region inputs, q, k, v and the attention output, SwiGLU's
     three [F] tensors and their products, and what attention keeps of its scores."""
-    D, H, c = shape.d_model, shape.head_dim, run.c
+    D, H, e = shape.d_model, shape.head_dim, run.e
     _, _, N, K, F, _ = local_dims(shape, lay, run)
-    sp = lay.model if lay.sequence_parallel else 1
-    return (2 * c + 16) * D / sp + 2 * D * c + 2 * (N + K) * H * c + 6 * F * c + attention_bytes_per_token(shape, lay, run)
+    sp = lay.mesh.model if lay.parallel.sequence_parallel else 1
+    return ((2 * e + 16) * D / sp + 2 * D * e + 2 * (N + K) * H * e + 6 * F * e
+            + attention_bytes_per_token(shape, lay, run))
 
 
 def compute_seconds(shape: Shape, lay: Layout, run: Run, hw: Hardware) -> tuple[float, float]:
@@ -105,33 +119,32 @@ def compute_seconds(shape: Shape, lay: Layout, run: Run, hw: Hardware) -> tuple[
     Every microbatch pass through this device's layers counts, pipeline bubbles included (they compute
     on zeros); the head and loss run outside the pipeline, on every stage.
     """
-    peak = hw.peak(run.c) * run.efficiency
+    peak = hw.peak(run.e) * run.efficiency
     b, t, _, _, _, V = local_dims(shape, lay, run)
     tokens = b * t  # one microbatch on one device
     proj, attn = layer_flops_per_token(shape, lay, run)
-    ring = lay.sequence > 1 and lay.context_attention == "ring"
+    ring = lay.mesh.sequence > 1 and lay.parallel.context_attention == "ring"
     recompute = {"none": 0.0, "dots": attn, "offload": attn, "full": proj + attn}[lay.remat]
     recompute += attn if ring and lay.remat != "full" else 0.0  # ring steps are rematerialised anyway
     flops_layer = (3 * (proj + attn) + recompute) * tokens
     act = layer_traffic_per_token(shape, lay, run)
     if ring and not run.flash_attention:  # every step's [t, t] score block goes through HBM, not just one
-        N, n = shape.heads / lay.model, lay.sequence
-        act += N * (attn / (4 * N * shape.head_dim) - run.seq_len / n) * (4 + run.c)
+        N, n = shape.heads / lay.mesh.model, lay.mesh.sequence
+        act += N * (attn / (4 * N * shape.head_dim) - run.seq_len / n) * (4 + run.e)
     hbm_layer = 3 * act * tokens * (2 if lay.remat == "full" else 1) / hw.hbm_bw
     layer_steps = layer_applications(shape, lay)
     head = (3 * 2 * shape.d_model * V / peak + 3 * 4 * V / hw.hbm_bw) * tokens * lay.grad_accum * lay.M
     return layer_steps * (flops_layer / peak + hbm_layer) + head, 3 * attn * tokens / peak * layer_steps
 
 
-def estimate(model, lay: Layout, run: Run, hw: Hardware, devices_per_host: int, *,
+def estimate(shape: Shape, lay: Layout, run: Run, hw: Hardware, devices_per_host: int, *,
              mem_fraction: float = 0.9, strict: bool = True) -> Estimate:
-    """Predicted memory, communication and time of `lay` for `model` (a TransformerConfig or Shape).
+    """Predicted memory, communication and time of `lay` for the model `shape`.
 
-    `strict=False` skips the divisibility rules (to compare with published runs of other shapes).
+    `strict=False` skips the checks of what meshpar builds (to compare with published runs of other shapes).
     """
-    shape = Shape.of(model)
     problems = tuple(check(shape, lay, run)) if strict else ()
-    offloads = lay.offload != "none" or lay.remat == "offload"
+    offloads = lay.parallel.offload != "none" or lay.remat == "offload"
     if offloads and not hw.offloads:
         problems += (f"hardware '{hw.name}' does not give host_bw and host_mem, which host offload needs: add "
                      f"e.g. host_bw=64e9,host_mem=250e9 (PCIe Gen5 x16, 2 TB for 8 GPUs) to the spec",)
@@ -143,7 +156,7 @@ def estimate(model, lay: Layout, run: Run, hw: Hardware, devices_per_host: int, 
     exposed = {"tp": kind_s["tp"], "cp": kind_s["cp"] + max(0.0, kind_s["ring"] - attn_s), "pp": kind_s["pp"]}
     critical = sum(exposed.values())
     dp = kind_s["dp"]
-    exposed["dp"] = max(dp / max(1.0, shape.layers / lay.stage), dp - compute - critical)
+    exposed["dp"] = max(dp / max(1.0, shape.layers / lay.mesh.stage), dp - compute - critical)
     _, _, ob = PRECISIONS[run.precision]
     optimizer_s = local_elements(shape, lay, "optimizer") * (4 + 4 + ob + 4 + ob) / hw.hbm_bw  # r p,g,m,v; w p,m,v
     host_s = sum(host_traffic(shape, lay, run)) / (hw.host_bw * hw.net_efficiency) if offloads and hw.offloads else 0.0
@@ -158,10 +171,7 @@ def estimate(model, lay: Layout, run: Run, hw: Hardware, devices_per_host: int, 
                     comm={k: (v[0], v[1]) for k, v in comm.items()}, compute_s=compute,
                     exposed_s=sum(exposed.values()), step_s=step, tokens_per_s=tokens_step / step,
                     mfu=mfu(shape.model_flops_per_token(run.seq_len), tokens_step / step, lay.devices,
-                            hw.peak(run.c)), bubble=bubble(lay),
+                            hw.peak(run.e)), bubble=bubble(lay),
                     problems=problems, exposed=exposed, optimizer_s=optimizer_s,
                     host_budget=hw.host_mem * mem_fraction, host_s=host_s)
-
-
-__all__ = ["Estimate", "estimate", "bubble", "compute_seconds", "iterations", "layer_flops_per_token"]
 

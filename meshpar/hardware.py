@@ -1,4 +1,5 @@
-"""Accelerator presets for the planner, and a custom spec from the command line.
+"""Accelerator presets (the planner's hardware, and the datasheet peaks MFU is measured against), and a
+custom spec from the command line.
 
 Every number is per GPU and in bytes, bytes/s or FLOP/s (decimal units: 1 GB = 1e9 bytes, as the
 datasheets print them). `link_bw` is NVLink (inside a host), one direction; `net_bw` is the network

@@ -1,4 +1,4 @@
-"""meshpar.analysis on 8 fake CPU devices: programs whose collectives, memory and flops are known."""
+"""meshpar.compiler on 8 fake CPU devices: programs whose collectives, memory and flops are known."""
 
 import jax
 import jax.numpy as jnp
@@ -8,7 +8,7 @@ from jax._src.lib import xla_client  # XLA's own HLO parser/printer, to keep han
 from jax.sharding import AxisType, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from meshpar.analysis import collectives, compile_report, flops_per_device, matmul_flops, memory_per_device
+from meshpar.compiler import collectives, compile_report, flops_per_device, matmul_flops, memory_per_device
 
 BLOCK = 128  # f32 elements per device in the shard_map tests: 512 bytes
 

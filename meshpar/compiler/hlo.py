@@ -1,4 +1,4 @@
-"""What the compiler says about a jitted step: collectives, memory, flops and compile time per device.
+"""The text of a compiled XLA module, read: its collectives, its matmul FLOPs, its host-memory placement.
 
 All numbers are per device, for one call of the compiled program. `collectives` reads the text of the
 compiled XLA module (`compiled.as_text()`) and counts the collectives one execution of the ENTRY
@@ -8,16 +8,13 @@ and `fori_loop`); a loop without a known trip count (e.g. `lax.while_loop`) has 
 so its numbers are a lower bound. Every branch of a `conditional` is counted as if it ran (an upper
 bound). Bytes are the size of the collective's result on one device (what it delivers); for async
 pairs the `X-start` is counted as one X and `X-done` is ignored, with bytes taken from the start's
-output part (see `_output_shape`). The CPU backend emits only the sync forms. Memory and flops come
-from XLA's own `memory_analysis()` and `cost_analysis()`.
+output part (see `_output_shape`). The CPU backend emits only the sync forms.
 """
 
 import functools
 import math
 import re
-import time
 from collections import Counter
-from typing import Any
 
 from meshpar.errors import InputError
 
@@ -201,7 +198,13 @@ def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
     }
 
 
-def _host_entry_bytes(hlo_text: str) -> dict[str, int]:
+def loop_trip_counts(hlo_text: str) -> list[int]:
+    """The iteration counts XLA records for the module's `while` loops (those that have one: `lax.scan`,
+    `fori_loop`), in the order of the text."""
+    return [int(n) for n in _TRIP_COUNT.findall(hlo_text)]
+
+
+def host_entry_bytes(hlo_text: str) -> dict[str, int]:
     """Bytes of the entry computation's arguments and outputs placed in host memory (memory space 5,
     `S(5)` in `entry_computation_layout`), and of the donated host arguments that outputs reuse."""
     header = _COMMENT.sub("", hlo_text.split("\n", 1)[0])
@@ -218,37 +221,6 @@ def _host_entry_bytes(hlo_text: str) -> dict[str, int]:
     return {"arguments": sum(b for b, host in args_placed if host),
             "outputs": sum(b for b, host in outs_placed if host),
             "alias": sum(b for i, (b, host) in enumerate(args_placed) if host and i in aliased)}
-
-
-def memory_per_device(compiled: Any) -> dict[str, int]:
-    """Argument, output, temporary and aliased bytes per device in device memory, from XLA's memory
-    analysis, and the peak they imply: arguments + temp + outputs − aliased (outputs that reuse a donated
-    argument's buffer count once). XLA's own `peak_memory_in_bytes` is not meaningful on CPU (arguments
-    only). The same in host memory (`host_*`, meshpar.offload): XLA's host fields where it fills them;
-    XLA:CPU does not (its host memory is device memory), so arguments and outputs placed in host memory
-    are read from the compiled module's entry layout there and taken out of the device figures."""
-    stats = compiled.memory_analysis()
-    if stats is None:
-        raise InputError("this backend gives no memory analysis")
-    out = {
-        "arguments_bytes": stats.argument_size_in_bytes,
-        "outputs_bytes": stats.output_size_in_bytes,
-        "temp_bytes": stats.temp_size_in_bytes,
-        "alias_bytes": stats.alias_size_in_bytes,
-        "host_arguments_bytes": stats.host_argument_size_in_bytes,
-        "host_outputs_bytes": stats.host_output_size_in_bytes,
-        "host_temp_bytes": stats.host_temp_size_in_bytes,
-        "host_alias_bytes": stats.host_alias_size_in_bytes,
-    }
-    if not (out["host_arguments_bytes"] or out["host_outputs_bytes"]):
-        host = _host_entry_bytes(compiled.as_text() or "")
-        for kind in ("arguments", "outputs", "alias"):
-            out[f"host_{kind}_bytes"] = host[kind]
-            out[f"{kind}_bytes"] -= host[kind]
-    out["peak_bytes"] = out["arguments_bytes"] + out["temp_bytes"] + out["outputs_bytes"] - out["alias_bytes"]
-    out["host_peak_bytes"] = (out["host_arguments_bytes"] + out["host_temp_bytes"] + out["host_outputs_bytes"]
-                              - out["host_alias_bytes"])
-    return out
 
 
 # A dot: `%dot.8 = f32[32,32]{1,0} dot(%param_0, %param_1), lhs_contracting_dims={1}, ...`; any instruction's
@@ -280,31 +252,3 @@ def matmul_flops(hlo_text: str) -> int:
         return own.get(name, 0) + sum(runs * total(callee) for callee, runs in computations[name].calls)
 
     return total(entry)
-
-
-def flops_per_device(compiled: Any) -> float:
-    """Floating-point operations per device per call, from XLA's cost analysis."""
-    cost = compiled.cost_analysis()
-    if not isinstance(cost, dict):
-        raise InputError(f"expected a dict from cost_analysis(), got {type(cost).__name__}")
-    # XLA leaves the key out when no instruction counted flops (e.g. a lone all-gather).
-    return float(cost.get("flops", 0.0))
-
-
-def compile_report(jitted: Any, *args: Any, compiler_options: dict | None = None,
-                   **kwargs: Any) -> tuple[Any, dict[str, Any]]:
-    """Lowers and compiles `jitted` for these arguments (concrete, or `jax.ShapeDtypeStruct`s with
-    shardings: nothing is allocated); returns the compiled step and its report."""
-    lowered = jitted.lower(*args, **kwargs)
-    start = time.perf_counter()
-    compiled = lowered.compile(compiler_options=compiler_options)
-    compile_s = time.perf_counter() - start
-    hlo_text = compiled.as_text()
-    if hlo_text is None:
-        raise InputError("this backend gives no text for the compiled module")
-    return compiled, {
-        "memory_per_device": memory_per_device(compiled),
-        "collectives": collectives(hlo_text),
-        "flops_per_device": flops_per_device(compiled),
-        "compile_s": compile_s,
-    }

@@ -1,7 +1,7 @@
 """Will it fit? The real training step compiled for abstract state: per-device memory, nothing allocated.
 
 The state is described, never created: every leaf is a `jax.ShapeDtypeStruct` carrying its shape, dtype
-and sharding on the mesh (`train.plan_state`), and so is the token batch; `jit(step).lower(...).compile()`
+and sharding on the mesh (`train.sharded_abstract`), and so is the token batch; `jit(step).lower(...).compile()`
 then gives XLA's own memory analysis of the program that would run — arguments, temporaries, outputs,
 aliased (donated) buffers and the peak they imply, per device — plus the collectives and FLOPs, at any
 size: `llama_70b` on 512 fake CPU devices allocates nothing. What XLA's CPU backend emits differs from a
@@ -30,27 +30,28 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from meshpar import analysis, sharding
+from meshpar import sharding
+from meshpar.compiler.compiled import compile_report
 from meshpar.rules import Rules
-from meshpar.train import ModelFactory, Sharded, TrainConfig, make_step, optimizer, plan_state
+from meshpar.train import ModelFactory, Sharded, TrainConfig, make_step, optimizer, sharded_abstract
 
 CHECK_OPTIONS = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED",
                  "xla_disable_hlo_passes": "while-loop-invariant-code-motion", "xla_backend_optimization_level": 0}
 
 
-def abstract_inputs(plan: Sharded, cfg: TrainConfig) -> tuple[Any, jax.ShapeDtypeStruct]:
+def abstract_inputs(sharded: Sharded, cfg: TrainConfig) -> tuple[Any, jax.ShapeDtypeStruct]:
     """The step's arguments as shapes with shardings: the state and one token batch."""
-    state = sharding.placed_shapes(plan.abstract, plan.shardings)
+    state = sharding.placed_shapes(sharded.abstract, sharded.shardings)
     shape = (cfg.global_batch, cfg.seq_len + 1)
-    return state, jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sharding.batch_sharding(plan.mesh, plan.rules, shape))
+    return state, jax.ShapeDtypeStruct(shape, jnp.int32,
+                                       sharding=sharding.batch_sharding(sharded.mesh, sharded.rules, shape))
 
 
 def compile_step(make_model: ModelFactory, cfg: TrainConfig, mesh: Mesh, rules: Rules) -> dict[str, Any]:
-    """The report of the training step of `make_model` on `mesh` (`analysis.compile_report`), compiled
+    """The report of the training step of `make_model` on `mesh` (`compiled.compile_report`), compiled
     for abstract inputs; on CPU devices with `CHECK_OPTIONS`, elsewhere as the step itself compiles."""
-    plan = plan_state(make_model, optimizer(cfg), mesh, rules, cfg.seed)
-    state, tokens = abstract_inputs(plan, cfg)
+    sharded = sharded_abstract(make_model, optimizer(cfg), mesh, rules, cfg.seed)
+    state, tokens = abstract_inputs(sharded, cfg)
     options = CHECK_OPTIONS if mesh.devices.flat[0].platform == "cpu" else None
-    _, report = analysis.compile_report(make_step(plan, tokens.sharding, cfg), state, tokens,
-                                        compiler_options=options)
+    _, report = compile_report(make_step(sharded, tokens.sharding, cfg), state, tokens, compiler_options=options)
     return report

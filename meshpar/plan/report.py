@@ -2,20 +2,24 @@
 
 from __future__ import annotations
 
-import dataclasses
-
-from meshpar.plan_cost import Layout, Run, Shape, memory
-from meshpar.plan_hardware import Hardware
-from meshpar.plan_time import Estimate, estimate
+from meshpar import mesh as mesh_lib
+from meshpar.hardware import Hardware
+from meshpar.mesh import MeshConfig
+from meshpar.plan.layout import Layout, Run
+from meshpar.plan.memory import memory
+from meshpar.plan.shape import Shape
+from meshpar.plan.time import Estimate, estimate
+from meshpar.rules import ParallelConfig
 
 GB = 1e9
 KINDS = {"tp": "tensor-parallel", "cp": "context-parallel", "pp": "pipeline", "dp": "data-parallel/ZeRO"}
 
 
 def _attention(lay: Layout) -> str:
-    if lay.sequence == 1:
+    if lay.mesh.sequence == 1:
         return "-"
-    return lay.context_attention + ("+zigzag" if lay.context_attention == "ring" and lay.load_balance else "")
+    par = lay.parallel
+    return par.context_attention + ("+zigzag" if par.context_attention == "ring" and par.load_balance else "")
 
 
 def _comm(e: Estimate) -> str:
@@ -24,7 +28,7 @@ def _comm(e: Estimate) -> str:
 
 
 def _offloads(lay: Layout) -> bool:
-    return lay.offload != "none" or lay.remat == "offload"
+    return lay.parallel.offload != "none" or lay.remat == "offload"
 
 
 def header(shape: Shape, run: Run, hw: Hardware, devices: int, devices_per_host: int, mem_fraction: float,
@@ -38,7 +42,7 @@ def header(shape: Shape, run: Run, hw: Hardware, devices: int, devices_per_host:
             f"{'fp32 master weights + Adam' if run.precision == 'fp32' else 'mixed precision (ZeRO paper)'}\n"
             f"memory per device in GB (1e9 bytes), usable {hw.hbm * mem_fraction / GB:.1f} "
             f"({mem_fraction:.0%} of {hw.hbm / GB:.0f}){host}; comm per mesh axis: GB on the wire / seconds per "
-            f"step; MFU: PaLM's 6N + 12·L·H·Q·T per token (full attention square)")
+            f"step; MFU: PaLM's 6Ψ + 12·L·N·H·T per token (full attention square)")
 
 
 def table(estimates: list[Estimate]) -> str:
@@ -47,13 +51,13 @@ def table(estimates: list[Estimate]) -> str:
     only_host = lambda *columns: list(columns) if host else []  # the offload columns, where a row offloads
     columns = [  # (header, left-aligned, cell of (rank, estimate))
         ("#", False, lambda i, e: str(i)),
-        ("mesh", True, lambda i, e: e.layout.describe()),
-        ("zero", False, lambda i, e: str(e.layout.zero_stage)),
-        ("sp", False, lambda i, e: "yes" if e.layout.sequence_parallel and e.layout.model > 1 else "-"),
+        ("mesh", True, lambda i, e: mesh_lib.describe(e.layout.mesh)),
+        ("zero", False, lambda i, e: str(e.layout.parallel.zero_stage)),
+        ("sp", False, lambda i, e: "yes" if e.layout.parallel.sequence_parallel and e.layout.mesh.model > 1 else "-"),
         ("attention", True, lambda i, e: _attention(e.layout)),
-        ("M/R", False, lambda i, e: f"{e.layout.M}/{e.layout.R}" if e.layout.stage > 1 else "-"),
+        ("M/R", False, lambda i, e: f"{e.layout.M}/{e.layout.R}" if e.layout.mesh.stage > 1 else "-"),
         ("remat", True, lambda i, e: e.layout.remat),
-        *only_host(("offload", True, lambda i, e: "-" if e.layout.offload == "none" else e.layout.offload)),
+        *only_host(("offload", True, lambda i, e: e.layout.parallel.offload.replace("none", "-"))),
         ("accum", False, lambda i, e: str(e.layout.grad_accum)),
         *((label, False, lambda i, e, part=part: gb(getattr(e.memory, part))) for label, part in (
             ("params", "params"), ("grads", "grads"), ("optim", "optimizer"), ("acts", "activations"),
@@ -87,16 +91,16 @@ def why(ranked: list[Estimate], shape: Shape | None = None, run: Run | None = No
     lay, m = best.layout, best.memory
     kind, seconds = max(best.exposed.items(), key=lambda kv: kv[1]) if best.exposed else ("dp", 0.0)
     notes = ([f"{lay.remat} remat"] if lay.remat != "none" else []) + (
-        [f"pipeline bubble {best.bubble:.0%}"] if lay.stage > 1 else [])
+        [f"pipeline bubble {best.bubble:.0%}"] if lay.mesh.stage > 1 else [])
     host = f"; host {m.host / GB:.1f} of {best.host_budget / GB:.1f} GB" if _offloads(lay) else ""
     copies = f" + {best.host_s:.2f} s of host↔device copies" if _offloads(lay) else ""
     text = (f"why: #1 fits ({m.total / GB:.1f} of {best.budget / GB:.1f} GB{host}) and its {best.step_s:.2f} s step "
             f"is {best.compute_s:.2f} s of compute" + (f" ({', '.join(notes)})" if notes else "")
             + f" + {best.exposed_s:.2f} s of exposed communication (most: {KINDS[kind]} {seconds:.2f} s){copies}")
     used = [what for what, on in (("remat", lay.remat != "none"), ("accumulation", lay.grad_accum > 1),
-                                  ("offload", lay.offload != "none")) if on]
+                                  ("offload", lay.parallel.offload != "none")) if on]
     if shape is not None and run is not None and used:
-        plain = memory(shape, dataclasses.replace(lay, remat="none", grad_accum=1, offload="none"), run).total
+        plain = memory(shape, lay.replace(remat="none", grad_accum=1, offload="none"), run).total
         text += f"; without {' and '.join(used)} it would need {plain / GB:.0f} GB"
     if len(ranked) > 1:
         other = ranked[1]
@@ -107,8 +111,8 @@ def why(ranked: list[Estimate], shape: Shape | None = None, run: Run | None = No
                   + (" (pipeline bubble)" if other.bubble > best.bubble else ""),
                   "optimizer": "a larger optimizer update", "host": "more host↔device copies"}.get(
                       key, f"more exposed {KINDS.get(key, key)} communication")
-        text += (f"; #2 ({other.layout.describe()}, {other.layout.remat} remat"
-                 + (f", offload {other.layout.offload}" if other.layout.offload != "none" else "")
+        text += (f"; #2 ({mesh_lib.describe(other.layout.mesh)}, {other.layout.remat} remat"
+                 + (f", offload {other.layout.parallel.offload}" if other.layout.parallel.offload != "none" else "")
                  + f") is {other.step_s / best.step_s - 1:.1%} slower: {reason} (+{diff[key]:.2f} s)")
     return text
 
@@ -130,14 +134,13 @@ def plot_memory(path: str, shape: Shape, run: Run, hw: Hardware, devices: int, d
                 (f"FSDP+CP{h} ring", dict(fsdp=n // h, sequence=h), 3),
                 (f"FSDP+PP{h}", dict(fsdp=n // h, stage=h), 3)]
     for label, sizes, zero in families:
-        rows = run.global_batch // (sizes.get("data", 1) * sizes.get("fsdp", 1))
-        M = 2 * sizes.get("stage", 1) if sizes.get("stage", 1) > 1 else 0
-        lay = Layout(**sizes, zero_stage=zero, sequence_parallel=label.endswith("+SP"), microbatches=M,
-                     remat="full", grad_accum=max(1, rows // max(1, M)))
+        lay = Layout(MeshConfig(**sizes), ParallelConfig(zero_stage=zero, sequence_parallel=label.endswith("+SP")),
+                     remat="full")
+        lay = lay.replace(grad_accum=max(1, run.global_batch // (lay.batch_ways * lay.M)))  # one sequence each
         bars.append((label, estimate(shape, lay, run, hw, devices_per_host, mem_fraction=mem_fraction, strict=False)))
     if pick is not None:
         lay = pick.layout
-        bars.append((f"planner's pick\n{lay.describe()}\nremat={lay.remat}, accum={lay.grad_accum}", pick))
+        bars.append((f"planner's pick\n{mesh_lib.describe(lay.mesh)}\nremat={lay.remat}, accum={lay.grad_accum}", pick))
     parts = {"params": "parameters", "grads": "gradients (alive at the peak)", "optimizer": "Adam moments",
              "activations": "activations (saved + one layer's working set)",
              "other": "other: accumulation buffer, kept / gathered weights, update"}
@@ -162,5 +165,5 @@ def plot_memory(path: str, shape: Shape, run: Run, hw: Hardware, devices: int, d
 
 
 def as_json(estimates: list[Estimate]) -> list[dict]:
-    return [dict(e.row(), rank=i, describe=e.layout.describe()) for i, e in enumerate(estimates, 1)]
+    return [dict(e.row(), rank=i, describe=mesh_lib.describe(e.layout.mesh)) for i, e in enumerate(estimates, 1)]
 

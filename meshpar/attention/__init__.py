@@ -1,0 +1,58 @@
+"""Causal grouped-query attention, as the model calls it (`attend`), on one device or with the sequence
+split over the mesh axis `sequence`.
+
+The wing: `kernels` (one block of attention: dense, blockwise, cuDNN, and the choice among them), `flash`
+(the blockwise kernel), `zigzag` (the load-balanced sequence order), `context_parallel` (ring, all-gather
+and Ulysses attention over a split sequence).
+"""
+
+from __future__ import annotations
+
+import jax
+
+from meshpar import context, sharding
+from meshpar.attention.context_parallel import context_attention
+from meshpar.attention.kernels import cached_attention, causal_attention, platform_of
+from meshpar.errors import InputError
+
+__all__ = ["attend", "cached_attention", "causal_attention"]
+
+
+def attend(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array) -> jax.Array:
+    """Causal GQA attention of q [B, T, N, H] over k, v [B, T, K, H], with T maybe split over `sequence`.
+
+    Reads the active `meshpar.context.Compute`: its `attention_kernel` is the block kernel (`auto` with
+    none). With none (eager use of a model), or when its mesh's `sequence` axis has size 1, this is
+    `causal_attention` (batch / head sharding need no collective). Otherwise the schedule is the rules'
+    `parallel.context_attention` (ring, allgather or ulysses: `meshpar.attention.context_parallel`), and
+    `parallel.load_balance` says the activations are in zigzag order (`meshpar.attention.zigzag`): the
+    training step reorders tokens, targets and rotary positions once (`meshpar.loss.next_token_inputs`),
+    every per-token layer is indifferent to the order, and attention masks by the zigzag positions. The ring
+    then does equal work on every device; allgather and ulysses do the same work either way.
+
+    Layout: q is laid out by the activation rules as ("batch", "seq", "heads", None) and k, v as
+    ("batch", "seq", "kv_heads", None); `seq` must map to `sequence`. The shard_map is manual over every
+    mesh axis those specs name (data, fsdp, model as well as sequence), not just `sequence`: XLA's
+    partitioner replicates the operand of an all-gather or all-to-all in a partially manual region over
+    the automatic axes (measured: a data=2,sequence=2,model=2 mesh gathers batch and heads first), which
+    would undo data and tensor parallelism; per-device blocks avoid that. Ulysses then needs the heads
+    per `model` shard divisible by the `sequence` size.
+    """
+    compute = context.active()
+    axis = "sequence"
+    if compute is None:
+        return causal_attention(q_BTNH, k_BTKH, v_BTKH)
+    kernel = compute.attention_kernel
+    if compute.mesh.shape.get(axis, 1) == 1:
+        return causal_attention(q_BTNH, k_BTKH, v_BTKH, kernel=kernel, platform=platform_of(compute.mesh))
+    parallel, mesh, table = compute.rules.parallel, compute.mesh, compute.rules.table("activations")
+    q_spec = sharding.spec_for(("batch", "seq", "heads", None), q_BTNH.shape, table, mesh.shape,
+                               "attention q [B, T, N, H]")
+    kv_spec = sharding.spec_for(("batch", "seq", "kv_heads", None), k_BTKH.shape, table, mesh.shape,
+                                "attention k, v [B, T, K, H]")
+    if q_spec[1] != axis or kv_spec[1] != axis:
+        raise InputError(f"context-parallel attention needs the activation rule 'seq' to map to mesh axis "
+                         f"'{axis}' alone; it gives {q_spec[1]!r}")
+    return context_attention(parallel.context_attention, q_BTNH, k_BTKH, v_BTKH, mesh=mesh, axis=axis,
+                             load_balanced=parallel.load_balance, kernel=kernel, q_spec=q_spec, kv_spec=kv_spec,
+                             vmapped=compute.vmapped)

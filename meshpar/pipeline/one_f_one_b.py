@@ -1,0 +1,374 @@
+"""The 1F1B pipeline schedule (PipeDream-Flush, Narayanan et al. 2021) as one SPMD program.
+
+Letters: P stages, M microbatches, J = L/P layers per stage, Z batch shards (data × fsdp), b rows of a
+microbatch on one shard, W stash entries.
+
+Why. GPipe (`meshpar.pipeline.gpipe`) runs every microbatch forward, then every one backward: each stage
+keeps the input of every schedule iteration until the backward pass, M + P − 1 microbatches of
+activations, so buying the bubble down with more microbatches costs memory. 1F1B starts a microbatch's
+backward pass as soon as its forward pass has left the last stage, so a stage holds a bounded number of
+microbatches whatever M is: activation memory flat in M, the same bubble.
+
+The schedule. One slot = every stage runs the forward of one microbatch and the backward of another (a
+VJP driven here, not `jax.grad` of the whole). Stage q forwards microbatch m in slot m + q and
+backwards it in slot m + 2(P − 1) − q (`schedule.microbatches_in`); the last stage turns its forward
+output into the loss and its cotangent in the same slot, and backwards it at once. P = 3, M = 4
+(Fm / Bm: forward / backward of m):
+
+    slot     0    1    2      3      4      5      6    7
+    stage 0  F0   F1   F2     F3     B0     B1     B2   B3
+    stage 1  .    F0   F1     F2 B0  F3 B1  B2     B3   .
+    stage 2  .    .    F0 B0  F1 B1  F2 B2  F3 B3  .    .
+    runs     F    F    F+B    F+B    F+B    F+B    B    B
+
+n = M + 2(P − 1) slots (`schedule.slots`) in three phases (`schedule.phases`): P − 1 that only forward
+(nothing has reached the last stage yet), M that do both, P − 1 that only backward (the last forward is
+done). They are three `lax.scan`s over the same slot function, so a forward-only slot computes no backward
+and costs F, a backward-only one B: the step takes (P − 1)·F + M·(F + B) + (P − 1)·B = (M + P − 1)·(F + B),
+and each stage works M·(F + B) of it: GPipe's bubble (`schedule.bubble_fraction`). Bubble slots compute on
+zeros and selects drop their results; `poison_bubbles=True` feeds them NaN instead, so a test proves
+none reaches the loss or a gradient.
+
+Each slot is computed like GPipe's iterations, under the vmaps over stages and batch shards of
+`meshpar.pipeline.stages`, so the layers run unchanged under GSPMD. The loss runs per microbatch inside the
+pipeline, on the last stage, and so does the embedding, on the first: the model is taken in parts
+(below). Under the vmap every stage computes both, masked (the last stage's loss and the first stage's
+lookup are on the critical path anyway, so no slot gets longer).
+
+Collectives per step (per device; a = one microbatch's activations on one device, as in `gpipe`):
+- activations q → q+1 (`stages.shift`): one collective-permute of a per forward slot, M + P − 1;
+- cotangents q+1 → q (its transpose): one collective-permute of a per backward slot, M + P − 1;
+- the gradients of the stage weights over data × fsdp, of the embedding and head over stage, data and
+  fsdp, and the loss: reduced once, after the slots (XLA combines them: 2 all-reduces without TP);
+  FSDP's gathers of every weight once, before them (the weights stay whole over fsdp for the step, as
+  in GPipe); the layers' own (tensor and context parallelism) in every slot, bubbles included.
+No stage-0 result is all-reduced over `stage` (GPipe's): the loss never leaves the last stage. Within a
+slot the collectives run in one order on every device, forward, shift, loss, backward, shift (`_after`).
+
+Memory. A stage keeps the input of every microbatch it has forwarded and not yet backwarded, for the
+backward pass to recompute the stage from (the standard trade: one more forward of each stage, what
+GPipe pays with remat=full; `remat` then applies per layer inside that recompute). Stage q holds
+microbatch m from slot m + q to slot m + 2(P − 1) − q: 2(P − 1 − q) slots, at most 2(P − 1) microbatch
+inputs (stage 0), a ring stash of W = `schedule.stash_size(P)` entries read before it is written in each
+slot. That is the bound for any lockstep schedule with GPipe's bubble. (The asynchronous 1F1B holds P:
+there a hop costs one forward, not a forward and a backward.) Beside the stash, the two in-flight
+buffers, one stage's backward working set, and per batch shard (one per device) the weight and
+embedding/head gradient accumulators: nothing grows with M but the int32 tokens.
+
+The model's parts, the one protocol: `embed(tokens_BT) -> x_BTD` (the input of the stacked layers),
+`blocks` (the stacked layers, run by `meshpar.layers.scan`, each called as `layer(x_BTD, positions_T)`),
+`final_norm(x_BTD) -> hidden_BTD` and `output_head() -> head_DV`, such that `hidden_states(tokens,
+positions)` is `final_norm(layers.scan(blocks, embed(tokens), positions))` and the loss is meshpar's
+chunked cross-entropy of `hidden` and `output_head()`: `models/transformer.py` offers them. Evaluation
+(no backward) keeps GPipe's forward (`layers.scan`), which holds no activations for a backward pass.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh
+
+from meshpar import context, remat as remat_lib
+from meshpar.errors import InputError
+from meshpar.loss import chunked_cross_entropy, next_token_inputs
+from meshpar.pipeline import schedule, stages as stages_lib
+from meshpar.pipeline.stages import U, constrain
+
+PARTS = ("embed", "blocks", "final_norm", "output_head")
+
+First = Callable[[nnx.State, jax.Array], jax.Array]  # (other params, tokens [b, T]) → x [b, T, D]
+Last = Callable[[nnx.State, jax.Array, jax.Array], jax.Array]  # (other params, y [b, T, D], targets [b, T]) → loss
+
+
+class _Flags(NamedTuple):
+    """Per stage in a slot: whether it is the first or the last stage, and whether the microbatch it
+    forwards (F) and the one it backwards (B) exist (else it computes on a bubble)."""
+
+    first: jax.Array
+    last: jax.Array
+    real_F: jax.Array
+    real_B: jax.Array
+
+
+class _Lane(NamedTuple):
+    """What one stage sees of a slot on one batch shard: the cotangent from the stage after and the stashed
+    input of the microbatch it backwards; the activation from the stage before, and after its forward its
+    output before and after the shift; the tokens of the microbatches it forwards and backwards."""
+
+    g: jax.Array | None = None
+    stashed: jax.Array | None = None
+    x: jax.Array | None = None
+    y: jax.Array | None = None
+    shifted: jax.Array | None = None
+    inputs_F: jax.Array | None = None
+    inputs_B: jax.Array | None = None
+    targets: jax.Array | None = None
+
+
+class _Backward(NamedTuple):
+    """A backward lane's results: its share of the loss, its input's cotangent, its gradients."""
+
+    loss: jax.Array
+    dx: jax.Array
+    d_w: nnx.State
+    d_other: nnx.State
+
+
+def _masked(keep: jax.Array, tree: Any) -> Any:
+    """`tree` where `keep`, zeros elsewhere: a select, so a NaN in a dropped bubble never propagates."""
+    return jax.tree.map(lambda x: jnp.where(keep, x, jnp.zeros_like(x)), tree)
+
+
+def _after(x: jax.Array, *tokens: Any) -> jax.Array:
+    """`x`, once every array in `tokens` is computed: a select on a predicate that is always false (nothing is
+    below −inf, NaN included) but that XLA does not fold, so whatever reads `x` runs after the tokens.
+
+    Why: XLA:CPU runs independent computations concurrently, and two collectives of one kind in flight at
+    once can meet in each other's rendezvous (collective-permutes share one id, as do a shard_map's
+    all-gathers): seen as wrong losses and aborts with ring or all-gather attention in both halves of a
+    slot under gradient accumulation. An optimization barrier does not order them (XLA removes it before
+    the runtime sees the program); data does.
+    """
+    leaves = jax.tree.leaves(tokens)
+    never = functools.reduce(jnp.logical_or, [leaf.ravel()[0] < -jnp.inf for leaf in leaves])
+    return jnp.where(never, jnp.zeros_like(x), x)
+
+
+def _is_variable(x: Any) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+class _Schedule:
+    """One 1F1B step: the stage weights and tokens as the slots read them, the lanes, and the slots."""
+
+    def __init__(self, stack: nnx.Module, other: nnx.State, first: First, last: Last, inputs_BT: jax.Array,
+                 targets_BT: jax.Array, args: tuple, *, mesh: Mesh, stages: int, microbatches: int, remat: str,
+                 poison_bubbles: bool):
+        self.graphdef, weights, consts = nnx.split(stack, nnx.Param, ...)
+        leaves = jax.tree.leaves(weights)
+        if not leaves:
+            raise InputError("1f1b pipeline: the stack has no parameters")
+        self.L, batch = leaves[0].shape[0], stages_lib.batch_axes(mesh)
+        stages_lib.check(self.L, inputs_BT.shape[0], mesh.shape, stages=stages, microbatches=microbatches, repeats=1,
+                         batch=batch)
+        self.policy = None if remat == "none" else remat_lib.policy(remat)  # per layer, in the recompute
+        self.P, self.M, self.mesh, self.args = stages, microbatches, mesh, args
+        self.batch, self.Z = batch or None, math.prod(mesh.shape[axis] for axis in batch)
+        self.W, self.fill = schedule.stash_size(stages), jnp.nan if poison_bubbles else 0.0
+        self.first, self.last, self.lane_compute = first, last, stages_lib.lane_context(self.batch)
+        # The stage weights [L, ...] → [P, J, ...] with P on `stage`, and the other weights (embedding,
+        # head) in their compute layout: gathered over fsdp here, ONCE per step.
+        self.weights_PJ, self.consts_PJ = (jax.tree.map(self._stage_view, tree, is_leaf=_is_variable)
+                                           for tree in (weights, consts))
+        self.other = jax.tree.map(self._compute_view, other, is_leaf=_is_variable)
+        self.inputs_MZbT, self.targets_MZbT = self._microbatched(inputs_BT), self._microbatched(targets_BT)
+
+    def _stage_view(self, variable: nnx.Variable) -> nnx.Variable:
+        rest = stages_lib.weight_spec(variable, self.mesh, stacked=True)
+        value = constrain(variable[...], self.mesh, "stage", *rest)
+        value = value.reshape(self.P, self.L // self.P, *variable.shape[1:])
+        return variable.replace(constrain(value, self.mesh, "stage", None, *rest))
+
+    def _compute_view(self, variable: nnx.Variable) -> nnx.Variable:
+        if context.active() is None or variable.get_metadata().get("out_sharding") is None:
+            return variable
+        return variable.replace(constrain(variable[...], self.mesh,
+                                          *stages_lib.weight_spec(variable, self.mesh, stacked=False)))
+
+    def _microbatched(self, x_BT: jax.Array) -> jax.Array:
+        """Microbatch m = rows m, M + m, …, its b rows on batch shard z at [m, z]: a local reshape."""
+        B, T = x_BT.shape
+        x_MZbT = x_BT.reshape(B // self.M, self.M, T).swapaxes(0, 1).reshape(self.M, self.Z, -1, T)
+        return constrain(x_MZbT, self.mesh, None, self.batch, None, U)
+
+    def _in_lane(self):
+        return context.use(self.lane_compute) if self.lane_compute is not None else contextlib.nullcontext()
+
+    def _activations(self, x: jax.Array) -> jax.Array:
+        return constrain(x, self.mesh, "stage", self.batch, None, U, U)
+
+    def _stage(self, w_J: nnx.State, c_J: nnx.State, x_bTD: jax.Array) -> jax.Array:
+        """A stage's J layers on one batch shard's rows of a microbatch."""
+
+        def one_layer(x, layer):
+            return nnx.merge(self.graphdef, *layer)(x, *self.args), None
+
+        if self.policy is not None:  # the backward's recompute keeps what the policy saves, per layer
+            one_layer = jax.checkpoint(one_layer, policy=self.policy, prevent_cse=False)
+        return jax.lax.scan(one_layer, x_bTD, (w_J, c_J))[0]
+
+    def _forward_lane(self, w_J: nnx.State, c_J: nnx.State, lane: _Lane, flags: _Flags) -> tuple[jax.Array, jax.Array]:
+        """One stage on one batch shard: the forward of microbatch m_F, whose input is the embedding on
+        stage 0, else what came from the stage before. Returns (its input, its output)."""
+        with self._in_lane():
+            x_bTD = jnp.where(flags.first, self.first(self.other, lane.inputs_F), lane.x)
+            x_bTD = jnp.where(flags.real_F, x_bTD, self.fill)
+            return x_bTD, self._stage(w_J, c_J, x_bTD)
+
+    def _loss_lane(self, lane: _Lane, flags: _Flags) -> tuple[jax.Array, nnx.State, jax.Array, jax.Array]:
+        """The last stage's loss of the microbatch it just forwarded: (loss, its gradient of `other`, the
+        cotangent and input its backward takes there), zeros and `lane`'s own elsewhere."""
+        at_loss = flags.last & flags.real_F
+        y_bTD = _after(lane.y, lane.shifted)  # the loss's collectives after the shift's
+        loss, loss_vjp = jax.vjp(lambda o, y: self.last(o, y, lane.targets) / (self.M * self.Z), self.other, y_bTD)
+        d_loss, g_last = loss_vjp(jnp.ones_like(loss))
+        x_B = _after(lane.stashed, g_last, d_loss)  # the stage's collectives after the loss's
+        return (jnp.where(at_loss, loss, 0.0), _masked(at_loss, d_loss), jnp.where(at_loss, g_last, lane.g),
+                jnp.where(at_loss, lane.x, x_B))
+
+    def _backward_lane(self, w_J: nnx.State, c_J: nnx.State, lane: _Lane, flags: _Flags, *,
+                       with_loss: bool) -> _Backward:
+        """One stage on one batch shard: the backward of microbatch m_B, recomputing the stage from its
+        stashed input, with the cotangent from the stage after; `with_loss`: the last stage first turns its
+        forward output (of m_F, which is m_B there) into the loss and that cotangent."""
+        with self._in_lane():
+            loss, d_loss, g_bTD, x_B = jnp.zeros(()), None, lane.g, lane.stashed
+            if with_loss:
+                loss, d_loss, g_bTD, x_B = self._loss_lane(lane, flags)
+            real = flags.real_B
+            g_bTD, x_B = jnp.where(real, g_bTD, self.fill), jnp.where(real, x_B, self.fill)
+            d_w, dx_bTD = jax.vjp(lambda w, x: self._stage(w, c_J, x), w_J, x_B)[1](g_bTD)
+            # Stage 0 hands its input's cotangent to the embedding (zeros elsewhere: a scatter of zeros).
+            d_embed = jax.vjp(lambda o: self.first(o, lane.inputs_B), self.other)[1](
+                _masked(flags.first & real, dx_bTD))[0]
+            d_other = d_embed if d_loss is None else jax.tree.map(jnp.add, d_embed, d_loss)
+            return _Backward(loss, dx_bTD, _masked(real, d_w), d_other)
+
+    def _over_lanes(self, lane_fn: Callable, lanes_PZ: _Lane, t: jax.Array) -> Any:
+        """`lane_fn(w_J, c_J, lane, flags)` on every stage (a vmap on `stage`) and batch shard (inside, a vmap
+        on the batch axes) in slot t, with each stage's tokens and flags."""
+        stage_P = jnp.arange(self.P)
+        m_F, m_B = schedule.microbatches_in(t, self.P)
+        flags = _Flags(stage_P == 0, stage_P == self.P - 1, (m_F >= 0) & (m_F < self.M), (m_B >= 0) & (m_B < self.M))
+        pick = lambda x_MZbT, m: jax.lax.dynamic_index_in_dim(x_MZbT, jnp.clip(m, 0, self.M - 1), 0, False)
+
+        def one_stage(w_J, c_J, lanes_Z, m_F, m_B, flags):
+            lanes_Z = lanes_Z._replace(inputs_F=pick(self.inputs_MZbT, m_F), inputs_B=pick(self.inputs_MZbT, m_B),
+                                       targets=pick(self.targets_MZbT, m_F))
+            return jax.vmap(lane_fn, in_axes=(None, None, 0, None), spmd_axis_name=self.batch)(w_J, c_J, lanes_Z,
+                                                                                                flags)
+
+        return jax.vmap(one_stage, spmd_axis_name="stage")(self.weights_PJ, self.consts_PJ, lanes_PZ, m_F, m_B, flags)
+
+    def _stashed(self, stash_PWZbTD: jax.Array, t: jax.Array) -> jax.Array:
+        """The input each stage backwards in slot t: microbatch m_B entered stage q in slot m_B + q, into
+        ring entry (m_B + q) mod W."""
+        entry_P = (schedule.microbatches_in(t, self.P)[1] + jnp.arange(self.P)) % self.W
+        read = lambda stash_WZbTD, entry: jax.lax.dynamic_index_in_dim(stash_WZbTD, entry, 0, False)
+        return self._activations(jax.vmap(read, spmd_axis_name="stage")(stash_PWZbTD, entry_P))
+
+    def _slot(self, carry, t, *, forward: bool, backward: bool):
+        """Slot t: every stage's forward (then the shift on) and backward (then the shift back)."""
+        x_PZbTD, g_PZbTD, stash_PWZbTD, (loss_PZ, d_w, d_other) = carry
+        lanes = _Lane(g=g_PZbTD, stashed=self._stashed(stash_PWZbTD, t))  # read before this slot's write
+        if forward:
+            x_in, y_PZbTD = self._over_lanes(self._forward_lane, _Lane(x=x_PZbTD), t)
+            x_PZbTD = self._activations(stages_lib.shift(self._activations(y_PZbTD), self.mesh))  # q → q+1
+            stash_PWZbTD = jax.lax.dynamic_update_index_in_dim(stash_PWZbTD, x_in, t % self.W, 1)
+            stash_PWZbTD = constrain(stash_PWZbTD, self.mesh, "stage", None, self.batch, None, U, U)
+            lanes = lanes._replace(x=x_in, y=y_PZbTD, shifted=x_PZbTD)
+        if backward:
+            out = self._over_lanes(functools.partial(self._backward_lane, with_loss=forward), lanes, t)
+            dx_PZbTD = self._activations(out.dx)  # q+1 → q: the shift's transpose, one collective-permute
+            shift = functools.partial(stages_lib.shift, mesh=self.mesh)
+            g_PZbTD = self._activations(jax.linear_transpose(shift, dx_PZbTD)(dx_PZbTD)[0])
+            loss_PZ = loss_PZ + out.loss
+            d_w = jax.tree.map(jnp.add, d_w, out.d_w)
+            d_other = jax.tree.map(jnp.add, d_other, out.d_other)
+        return (x_PZbTD, g_PZbTD, stash_PWZbTD, (loss_PZ, d_w, d_other)), None
+
+    def _accumulators(self, like: Any) -> Any:  # per stage and batch shard: one copy per device
+        return jax.tree.map(lambda x: constrain(jnp.zeros((self.P, self.Z, *x.shape), x.dtype), self.mesh, "stage",
+                                                self.batch, *(U,) * x.ndim), like)
+
+    def run(self) -> tuple[jax.Array, nnx.State, nnx.State, tuple[jax.Array, jax.Array]]:
+        """The slots, phase by phase: (loss, stack gradients, `other` gradients, in-flight buffers)."""
+        P, Z = self.P, self.Z
+        with self._in_lane():
+            x_like = jax.eval_shape(self.first, self.other, self.inputs_MZbT[0, 0])
+        empty = lambda *lead: jnp.full((*lead, *x_like.shape), self.fill, x_like.dtype)
+        x_PZbTD, g_PZbTD = self._activations(empty(P, Z)), self._activations(empty(P, Z))
+        stash_PWZbTD = constrain(empty(P, self.W, Z), self.mesh, "stage", None, self.batch, None, U, U)
+        carry = (x_PZbTD, g_PZbTD, stash_PWZbTD, (jnp.zeros((P, Z), jnp.float32),
+                                                  self._accumulators(jax.tree.map(lambda w: w[0], self.weights_PJ)),
+                                                  self._accumulators(self.other)))
+        for start, stop, forward, backward in schedule.phases(P, self.M):
+            body = functools.partial(self._slot, forward=forward, backward=backward)
+            carry, _ = jax.lax.scan(body, carry, jnp.arange(start, stop))
+        x_PZbTD, g_PZbTD, _, (loss_PZ, d_w, d_other) = carry
+        # the per-shard (and, for `other`, per-stage) gradients reduced once, after the slots
+        d_w = jax.tree.map(lambda g: g.sum(1).reshape(self.L, *g.shape[3:]), d_w)
+        return loss_PZ.sum(), d_w, jax.tree.map(lambda g: g.sum((0, 1)), d_other), (x_PZbTD, g_PZbTD)
+
+
+def one_f_one_b(stack: nnx.Module, other: nnx.State, first: First, last: Last, inputs_BT: jax.Array,
+                targets_BT: jax.Array, *args: jax.Array, mesh: Mesh, stages: int, microbatches: int, remat: str,
+                poison_bubbles: bool) -> tuple[jax.Array, nnx.State, nnx.State, tuple[jax.Array, jax.Array]]:
+    """The mean loss of a batch and its gradients, as a 1F1B pipeline of the stacked layers (docstring).
+
+    Per microbatch: `first(other, inputs)` on stage 0, the L layers of `stack` (each called as
+    `layer(x, *args)`) split into P stages, `last(other, y, targets)` (the mean loss of its rows) on the
+    last stage. `stages` P (a multiple of the mesh's stage size), `microbatches` M (B/M rows each,
+    divisible by the batch mesh axes), `remat` the per-layer policy of the backward's recompute,
+    `poison_bubbles` NaN in bubble slots. Returns the loss, the gradients of the stack's parameters and of
+    `other`, and the in-flight buffers after the last slot (a test's view of the bubbles): the
+    activations that went to each stage [P, Z, b, T, D] and the cotangents that came back to it.
+    """
+    return _Schedule(stack, other, first, last, inputs_BT, targets_BT, args, mesh=mesh, stages=stages,
+                     microbatches=microbatches, remat=remat, poison_bubbles=poison_bubbles).run()
+
+
+def _in_stack(path: tuple, variable: Any) -> bool:
+    return path[:1] == ("blocks",) and isinstance(variable, nnx.Param)
+
+
+def model_loss_and_grads(model: nnx.Module, tokens_BT: jax.Array, *, mesh: Mesh, stages: int, microbatches: int,
+                         remat: str = "none", chunk: int = 0, poison_bubbles: bool = False
+                         ) -> tuple[jax.Array, nnx.State, tuple[jax.Array, jax.Array]]:
+    """(mean next-token loss, gradients of every `nnx.Param`, `one_f_one_b`'s in-flight buffers) of `model`
+    (in parts: module docstring) on tokens [B, T + 1]: the loss and gradients `jax.value_and_grad` of
+    `meshpar.loss.next_token_loss` gives, by 1F1B."""
+    missing = [part for part in PARTS if not hasattr(model, part)]
+    if missing:
+        raise InputError(f"parallel.pipeline_schedule = 1f1b runs the model in parts ({', '.join(PARTS)}: "
+                         f"meshpar.pipeline.one_f_one_b); {type(model).__name__} has no {', '.join(missing)}")
+    inputs_BT, targets_BT, positions_T = next_token_inputs(tokens_BT)
+    parts, stack_params, other, others = nnx.split(model, _in_stack, nnx.Param, ...)
+    with_other = lambda o: nnx.merge(parts, stack_params, o, others)
+
+    def last(o: nnx.State, y_bTD: jax.Array, targets_bT: jax.Array) -> jax.Array:
+        piece = with_other(o)
+        return chunked_cross_entropy(piece.final_norm(y_bTD), piece.output_head(), targets_bT, chunk)
+
+    embed = lambda o, tokens_bT: with_other(o).embed(tokens_bT)
+    loss, d_stack, d_other, in_flight = one_f_one_b(model.blocks, other, embed, last, inputs_BT, targets_BT,
+                                                    positions_T, mesh=mesh, stages=stages, microbatches=microbatches,
+                                                    remat=remat, poison_bubbles=poison_bubbles)
+    return loss, nnx.merge_state(nnx.State({"blocks": d_stack}), d_other), in_flight
+
+
+def value_and_grad(graphdef: nnx.GraphDef, rest: nnx.State, loss: Any = None,
+                   chunk: int = 0) -> Callable[[nnx.State, jax.Array], tuple[jax.Array, nnx.State]]:
+    """The training step's `(params, tokens) → (loss, gradients)` for the model `graphdef`, `rest` by 1F1B,
+    on the active Compute: P = its mesh's `stage` size, M = `schedule.microbatches`, its remat.
+    `loss` must be None (next-token cross-entropy): a custom loss cannot run inside the pipeline."""
+    if loss is not None:
+        raise InputError("parallel.pipeline_schedule = 1f1b computes the next-token loss inside the pipeline, "
+                         "microbatch by microbatch; a custom loss cannot run there: use pipeline_schedule=gpipe")
+
+    def fn(params: nnx.State, tokens_BT: jax.Array) -> tuple[jax.Array, nnx.State]:
+        compute = context.active()
+        P = compute.mesh.shape["stage"]
+        return model_loss_and_grads(nnx.merge(graphdef, params, rest), tokens_BT, mesh=compute.mesh, stages=P,
+                                    microbatches=schedule.microbatches(compute.rules.parallel.microbatches, P),
+                                    remat=compute.remat, chunk=chunk)[:2]
+
+    return fn

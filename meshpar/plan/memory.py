@@ -1,0 +1,201 @@
+"""Memory per device of one layout of meshpar's transformer: model states, activations and the rest.
+
+Fitted to what XLA allocates for this model (`launch.compile`; `tests/test_fit.py` holds the per-device
+peak to 10% on the layouts it was fitted on and, apart, on layouts it was not):
+- params, optimizer: at rest, by the params/optimizer tables: float32 params 4 + Adam moments 8 bytes per
+  element (`precision="mixed"`, the ZeRO paper's convention: 2 + 12). These are XLA's argument bytes.
+- grads: the gradient in its own layout (`rules` grads table: split over fsdp under ZeRO-2/3).
+- activations: what the backward pass keeps of every layer this device runs, per local token
+  (`layer_bytes_per_token`): `full` remat keeps each layer's input (e·D, ÷ model with Megatron SP);
+  `dots` also q, k, v, the attention projection, gate and up; `none` every intermediate (the fitted
+  `SAVED_NONE`). Attention adds what its kernel holds (`attention_bytes_per_token`): nothing for the
+  blockwise kernel beyond its output and log-sum-exp; the dense kernel's float32 scores and
+  probabilities [t, T]; ring's per-step inputs; all-gather's whole K and V. Plus one layer's backward
+  working set (`WORKING`, fitted): the peak is inside a layer's backward pass. The loss is chunked
+  (`meshpar.loss`): it holds at most one chunk of logits, counted in the working set. The pipeline's
+  scan keeps every iteration's stage input (`schedule.iterations` microbatch passes), plus one stage's
+  layers while it recomputes them; 1F1B (`pipeline_schedule`) its stash and the two in flight whatever M
+  (`activations_1f1b`).
+- other: the output head's whole float32 gradient and gathered compute copy (`HEAD_BYTES` per element),
+  the int32 token batch, the pipeline's stage weights held for the step (`PIPELINE_BYTES`, more with
+  fsdp), and the accumulation buffer (A > 1), in the gradients' own layout: its fsdp/model/stage shard.
+- host offload (`meshpar.offload`), per device: `optimizer` moves the Adam moments (8 bytes per element of
+  the optimizer table) to host memory (`host_states`); `optimizer+params` the float32 weights too, and
+  the weight gradients land there (`host_temp`), while one layer's fetched weights and their gradient
+  pass through the device. The update brings each offloaded array to the device in turn (XLA moves each
+  array separately; the new values overwrite it before it goes back): `update` holds the largest
+  tensor's offloaded states, and the peak is the larger of that and the activations (freed by then).
+  Remat `offload` keeps on the device what `full` keeps (each layer's input) and in host memory (host
+  temp) what `dots` keeps beyond it (q, k, v, the attention projection, gate and up); one layer's come
+  back for its backward pass, which otherwise works as with `dots`.
+
+Letters as in `meshpar.plan.layout`; the widths: D (d_model), Dsp (D / model under Megatron SP: the
+residual stream), F (d_ff / model), Q (N·H / model) and KV (K·H / model).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+
+from meshpar.pipeline import schedule
+from meshpar.plan.layout import PRECISIONS, Layout, Run, layer_applications, local_dims, local_elements, local_tensors
+from meshpar.plan.shape import Shape
+
+# Per element of a pipeline stage's weights (`meshpar.pipeline.gpipe` holds them for the step, gathered over
+# fsdp): each shard's float32 gradient and a compute copy (6 bytes); with fsdp the gathered float32 copy and
+# the float32 copy of the chunk the layer loop reads too (9 more). Fitted as SAVED_NONE. The XLA of jax
+# 0.12 holds 4 bytes fewer per element (measured: 4.0-4.2 at llama_8b stage=2 with and without fsdp,
+# llama_70b stage=4,fsdp=16).
+PIPELINE_BYTES, PIPELINE_GATHER_BYTES = 6, 9
+PIPELINE_SAVED_BYTES = 4 if jax.__version_info__ >= (0, 12) else 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Memory:
+    """Bytes per device: on the device (params … other, update; `total`: the peak) and in its host's memory."""
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    other: float
+    update: float = 0.0  # offload: the update's offloaded states of one tensor, after the activations are freed
+    host_states: float = 0.0  # offloaded params and moments at rest (XLA's host argument bytes)
+    host_temp: float = 0.0  # offloaded gradients and saved activations (XLA's host temp bytes)
+
+    @property
+    def total(self) -> float:
+        return self.params + self.grads + self.optimizer + max(self.activations, self.update) + self.other
+
+    @property
+    def host(self) -> float:
+        return self.host_states + self.host_temp
+
+    @property
+    def states(self) -> float:
+        return self.params + self.optimizer
+
+
+# Activation bytes per local token, fitted to what XLA's compiler allocates for this model (its CPU
+# backend, bfloat16 compute, checked by `launch.compile`; tests/test_fit.py holds the fit to 10% of
+# the per-device peak at 8B and 70B sizes). Coefficients of the per-device widths (module docstring).
+SAVED_NONE = {"Dsp": 15, "D": 4.5, "F": 12.75, "Q": 15, "KV": 1.5}  # one layer, remat none: every intermediate
+WORKING = {"none": {}, "dots": {"D": 13, "F": 3, "Q": 19, "KV": 8},  # one layer's backward pass
+           "full": {"D": 17, "F": 14, "Q": 12, "KV": 2}}
+HEAD_BYTES = 6  # per element of the output head: its whole float32 gradient and its gathered compute copy
+
+
+def _widths(shape: Shape, lay: Layout) -> dict[str, float]:
+    m = lay.mesh.model
+    return {"D": shape.d_model, "Dsp": shape.d_model / (m if lay.parallel.sequence_parallel else 1),
+            "F": shape.d_ff / m, "Q": shape.heads * shape.head_dim / m, "KV": shape.kv_heads * shape.head_dim / m}
+
+
+def _weighted(coefficients: dict[str, float], widths: dict[str, float], run: Run) -> float:
+    """Σ coefficient·width, scaled from the bfloat16 fit to the compute dtype."""
+    return sum(k * widths[name] for name, k in coefficients.items()) * run.e / 2
+
+
+def attention_bytes_per_token(shape: Shape, lay: Layout, run: Run) -> float:
+    """What attention holds per local token beyond q, k, v and its output: the dense kernel's f32
+    scores and probabilities [t, T], ring's n saved step inputs, all-gather's whole K and V."""
+    w, n, e, T = _widths(shape, lay), lay.mesh.sequence, run.e, run.seq_len
+    ring = n > 1 and lay.parallel.context_attention == "ring"
+    out = n * (4 * w["Q"] + 2 * e * w["KV"]) if ring else 0.0  # f32 output accumulator, K/V block per step
+    if not run.flash_attention:
+        out += w["Q"] / shape.head_dim * (T / n if ring else T) * (4 + e)
+    if n > 1 and lay.parallel.context_attention == "allgather":
+        out += 2 * n * e * w["KV"]
+    return out
+
+
+def _projections(w: dict[str, float], e: int) -> float:
+    """What `dots` keeps of a layer beyond its input, per token: q, k, v, the attention projection, gate, up."""
+    return e * (w["Dsp"] + w["Q"] + 2 * w["KV"] + 2 * w["F"])
+
+
+def layer_bytes_per_token(shape: Shape, lay: Layout, run: Run, *, saved: bool = True) -> float:
+    """Activation bytes of one layer per local token on the device: what the backward pass keeps of it
+    under the layout's remat (`saved`), or what its backward pass works with (`saved=False`)."""
+    w, e = _widths(shape, lay), run.e
+    if not saved:  # offload's backward pass is dots', with the layer's projections fetched back
+        remat = "dots" if lay.remat == "offload" else lay.remat
+        return (_weighted(WORKING[remat], w, run) + host_layer_bytes_per_token(shape, lay, run)
+                + (attention_bytes_per_token(shape, lay, run) if remat != "none" else 0.0))
+    if lay.remat in ("full", "offload"):  # the layer's input (offload: the rest is in host memory)
+        return e * w["Dsp"]
+    if lay.remat == "dots":
+        return e * w["Dsp"] + _projections(w, e)
+    return _weighted(SAVED_NONE, w, run) + attention_bytes_per_token(shape, lay, run)
+
+
+def host_layer_bytes_per_token(shape: Shape, lay: Layout, run: Run) -> float:
+    """What one layer keeps in host memory per local token: remat `offload`'s projections."""
+    return _projections(_widths(shape, lay), run.e) if lay.remat == "offload" else 0.0
+
+
+def update_bytes(shape: Shape, lay: Layout, run: Run) -> float:
+    """Device bytes of the update under offload: it streams (meshpar.offload.update), so the largest of one
+    layer's share of a stacked tensor's offloaded states, or a whole unstacked tensor's, brought in."""
+    pb, gb, ob = PRECISIONS[run.precision]
+    kinds = {"none": {}, "optimizer": {"optimizer": ob},
+             "optimizer+params": {"params": pb, "grads": gb, "optimizer": ob}}[lay.parallel.offload]
+    layers_here = shape.layers / lay.mesh.stage  # the stacked layers one device holds
+    per_tensor = zip(*(local_tensors(shape, lay, kind) for kind in kinds), (names for _, names in shape.elements()))
+    return max((sum(nbytes * n for nbytes, n in zip(kinds.values(), ns[:-1]))
+                / (layers_here if "layers" in ns[-1] else 1) for ns in per_tensor), default=0.0)
+
+
+def activations_1f1b(shape: Shape, lay: Layout, run: Run) -> float:
+    """What the 1F1B schedule (meshpar.pipeline.one_f_one_b) keeps per device beyond one layer's working set,
+    whatever M: its stash of 2(P − 1) stage inputs and the two microbatches in flight (activations and
+    cotangents), and one stage's layers, as the remat policy saves them, while its backward recomputes them."""
+    b, t, *_ = local_dims(shape, lay, run)
+    stage_inputs = schedule.stash_size(lay.mesh.stage) + 2
+    stage = shape.layers / lay.mesh.stage * layer_bytes_per_token(shape, lay, run)
+    return (stage_inputs * run.e * shape.d_model + stage) * b * t
+
+
+def memory(shape: Shape, lay: Layout, run: Run) -> Memory:
+    pb, gb, ob = PRECISIONS[run.precision]
+    params = pb * local_elements(shape, lay, "params")
+    optimizer = ob * local_elements(shape, lay, "optimizer")
+    grads = gb * local_elements(shape, lay, "grads")
+    b, t, _, _, _, V = local_dims(shape, lay, run)
+    tokens = b * t  # one microbatch on this device
+    per_layer = layer_bytes_per_token(shape, lay, run)
+    working = layer_bytes_per_token(shape, lay, run, saved=False) * tokens
+    if lay.mesh.stage > 1 and lay.parallel.pipeline_schedule == "1f1b":
+        saved = activations_1f1b(shape, lay, run)
+    elif lay.mesh.stage > 1:
+        # Every schedule iteration keeps what its stage step's remat saves: the stage input (full, offload)
+        # or every layer's (dots, none); the backward pass then recomputes one stage, keeping per layer.
+        P, M, R = lay.mesh.stage, lay.M, lay.R
+        layers = shape.layers / (P * R)
+        per_iteration = run.e * shape.d_model if lay.remat in ("full", "offload") else layers * per_layer
+        saved = (schedule.iterations(P, M, R) * per_iteration + layers * per_layer) * tokens
+    else:
+        saved = shape.layers * per_layer * tokens
+    rows = run.global_batch / lay.batch_ways
+    other = HEAD_BYTES * shape.d_model * V + 4 * rows * (run.seq_len + 1)  # the head; the int32 token batch
+    if lay.mesh.stage > 1:
+        per_weight = PIPELINE_BYTES + (PIPELINE_GATHER_BYTES if lay.mesh.fsdp > 1 else 0) - PIPELINE_SAVED_BYTES
+        other += per_weight * local_elements(shape, lay, "activations", only_layers=True)
+    if lay.grad_accum > 1:
+        other += gb * local_elements(shape, lay, "grads")  # the accumulator, in the gradients' layout
+    # remat offload: every layer application of one accumulation step keeps its projections
+    kept = layer_applications(shape, lay) / lay.grad_accum
+    host_states, host_temp = 0.0, host_layer_bytes_per_token(shape, lay, run) * kept * tokens
+    if lay.parallel.offload != "none":
+        host_states, optimizer = optimizer, 0.0
+    if lay.parallel.offload == "optimizer+params":
+        host_states += params
+        host_temp += grads
+        per_layer_share = lay.mesh.stage / shape.layers  # one layer's fetched weights and gradient on the way out
+        other += per_layer_share * (pb * local_elements(shape, lay, "params", only_layers=True)
+                                    + gb * local_elements(shape, lay, "grads", only_layers=True))
+        params = grads = 0.0
+    return Memory(params, grads, optimizer, saved + working, other, update_bytes(shape, lay, run),
+                  host_states, host_temp)

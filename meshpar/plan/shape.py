@@ -1,0 +1,99 @@
+"""A model as the planner sees it: each parameter's shape and logical axes, read from the model itself.
+
+The planner never restates the model: `Shape.of_model` builds it abstractly (nothing is allocated) and
+keeps, per parameter, its shape and the logical names it declares (`embed`, `heads`, `kv_heads`,
+`head_dim`, `mlp`, `vocab`, `layers`). The dimensions the formulas need are the sizes of those names:
+D = embed, N = heads, K = kv_heads, H = head_dim, F = mlp, V = vocab, L = layers. Which device holds which
+part of a tensor then follows from the same rules the training step uses (`meshpar.plan.layout`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+from flax import nnx
+
+from meshpar import sharding
+from meshpar.mfu import palm_flops_per_token
+
+Tensor = tuple[str, tuple[int, ...], tuple[str | None, ...]]  # (path, shape, logical axes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    tensors: tuple[Tensor, ...]
+
+    @classmethod
+    def of(cls, abstract_params: nnx.State) -> Shape:
+        """From a (possibly abstract) state of parameters that declare their logical axes."""
+        return cls(tuple((sharding.path_name(path), tuple(v.shape), sharding.logical_axes(v, path))
+                         for path, v in nnx.to_flat_state(nnx.state(abstract_params, nnx.Param))))
+
+    @classmethod
+    def of_model(cls, make_model: Callable[[nnx.Rngs], nnx.Module]) -> Shape:
+        """From a model factory (`rngs → model`), built abstractly: nothing is allocated."""
+        with nnx.use_eager_sharding(False):  # meshpar, not Flax, resolves logical names
+            return cls.of(nnx.state(nnx.eval_shape(lambda: make_model(nnx.Rngs(0))), nnx.Param))
+
+    def size(self, logical: str) -> int:
+        """The size of the logical axis `logical` (1 if no parameter names it)."""
+        return next((dim for _, shape, names in self.tensors for dim, name in zip(shape, names) if name == logical), 1)
+
+    @property
+    def vocab(self) -> int:
+        return self.size("vocab")
+
+    @property
+    def d_model(self) -> int:
+        return self.size("embed")
+
+    @property
+    def layers(self) -> int:
+        return self.size("layers")
+
+    @property
+    def heads(self) -> int:
+        return self.size("heads")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.size("kv_heads")
+
+    @property
+    def head_dim(self) -> int:
+        return self.size("head_dim")
+
+    @property
+    def d_ff(self) -> int:
+        return self.size("mlp")
+
+    def elements(self) -> list[tuple[int, tuple[str | None, ...]]]:
+        """(elements, logical axes) of every parameter, stacked layer tensors whole."""
+        return [(math.prod(shape), names) for _, shape, names in self.tensors]
+
+    @property
+    def params(self) -> int:
+        return sum(n for n, _ in self.elements())
+
+    @property
+    def layer_params(self) -> int:
+        return sum(n for n, names in self.elements() if "layers" in names) // self.layers
+
+    def is_matmul(self, names: tuple[str | None, ...]) -> bool:
+        """Whether a parameter with these logical axes takes part in a matmul: it maps `embed` to another
+        axis (a projection, the output head); not a norm scale, and not the embedding table unless it is
+        the output head too (tied)."""
+        if names == ("vocab", "embed"):
+            return not any(other == ("embed", "vocab") for *_, other in self.tensors)
+        return "embed" in names and len([n for n in names if n not in (None, "layers")]) > 1
+
+    @property
+    def matmul_params(self) -> int:
+        """Parameters that take part in a matmul (`is_matmul`): PaLM's N."""
+        return sum(n for n, names in self.elements() if self.is_matmul(names))
+
+    def model_flops_per_token(self, seq_len: int) -> float:
+        """PaLM's 6Ψ + 12·L·N·H·T (`meshpar.mfu`)."""
+        return palm_flops_per_token(self.matmul_params, self.layers, self.heads, self.head_dim, seq_len)
