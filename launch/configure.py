@@ -67,13 +67,17 @@ def planned_layouts(cfg: configs.Config, hardware: str, top: int) -> list[tuple[
 
 def compile_check(cfg: configs.Config) -> dict:
     """The compile-only report of `cfg`'s step on its mesh (nothing allocated), with the planner's
-    prediction for the same layout beside it (`predicted_peak_bytes`, `predicted_host_bytes`)."""
+    prediction for the same layout beside it: `predicted_peak_bytes` and `predicted_host_bytes` (device and
+    host memory), and `predicted_cpu_peak_bytes`, the form this CPU compile takes (`plan.memory(cpu=True)`:
+    what XLA:CPU, having no host memory of its own, keeps on the device), which the compiled peak checks."""
     mesh = mesh_lib.build(cfg.mesh)
     report = fit.compile_step(cfg.model_factory(), cfg.train, mesh, rules_lib.make(cfg.parallel))
     lay = plan.Layout.of_run(cfg.mesh.resolve(mesh.size), cfg.parallel, cfg.train, "cpu")
-    predicted = plan.memory(shape(cfg), lay, plan.Run.of(cfg.train, "cpu"))
+    model, run = shape(cfg), plan.Run.of(cfg.train, "cpu")
+    predicted, on_cpu = plan.memory(model, lay, run), plan.memory(model, lay, run, cpu=True)
     return {"config": cfg.name, "mesh": dict(mesh.shape), "devices": mesh.size, "layout": lay.describe(),
-            **report, "predicted_peak_bytes": predicted.total, "predicted_host_bytes": predicted.host}
+            **report, "predicted_peak_bytes": predicted.total, "predicted_host_bytes": predicted.host,
+            "predicted_cpu_peak_bytes": on_cpu.total}
 
 
 def auto_layout(cfg: configs.Config, hardware: str, top: int = 5) -> configs.Config:

@@ -25,6 +25,7 @@ import argparse
 import dataclasses
 import json
 import sys
+import time
 
 from meshpar.errors import InputError
 
@@ -135,10 +136,12 @@ def run(args: argparse.Namespace) -> None:
                                          f"GB usable{host}")
         result = None
     else:
+        started = time.perf_counter()
         result = plan.search(shape, devices=args.devices, devices_per_host=args.devices_per_host, hardware=hw,
                              global_batch=t.global_batch, seq_len=t.seq_len, compute_dtype=t.compute_dtype,
                              precision=args.precision, top=args.top, mem_fraction=args.mem_fraction,
                              efficiency=runp.efficiency, flash_attention=runp.flash_attention)
+        search_s = time.perf_counter() - started
         estimates = result.ranked
         summary = report.why(estimates, shape, runp)
     if args.plot:
@@ -153,7 +156,7 @@ def run(args: argparse.Namespace) -> None:
                "layouts": report.as_json(estimates), "summary": summary}
         if result:
             out["search"] = {"considered": result.considered, "evaluated": result.evaluated,
-                             "fitting": result.fitting, "pruned": result.pruned}
+                             "fitting": result.fitting, "pruned": result.pruned, "seconds": search_s}
         print(json.dumps(out, indent=2))
         return
     print(head)
@@ -164,7 +167,8 @@ def run(args: argparse.Namespace) -> None:
         print(f"searched {result.considered:,} layouts (mesh × settings) that build: visited "
               f"{result.considered - result.pruned:,} in order of their compute time and sized {result.evaluated:,} "
               f"remat/accumulation variants, {result.fitting:,} fit; the rest cannot beat #{len(estimates)} or "
-              f"do not fit. One row per layout up to its data × fsdp split (the fastest split shown).")
+              f"do not fit, in {search_s:.1f} s. One row per layout up to its data × fsdp split (the fastest split "
+              f"shown).")
         print(summary)
     else:
         print(f"{args.mesh}: {summary}")

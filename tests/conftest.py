@@ -25,3 +25,8 @@ def require_devices(n: int) -> None:
     """Skip the calling test when fewer than `n` devices exist."""
     if jax.device_count() < n:
         pytest.skip(f"needs {n} devices, {jax.device_count()} present")
+
+
+# The README's tables of compiler figures were measured with the main CI leg's JAX (0.10.2): other versions
+# compile other temp bytes, so there the tests hold what the tables show (linear, flat, ...), not their numbers.
+README_FIGURES_APPLY = jax.__version_info__[:2] == (0, 10)

@@ -1,20 +1,22 @@
 """The blockwise ("flash") attention kernel against dense attention written here: output, log-sum-exp and
 gradients (float32, relative 1e-5) for GQA, several lengths and block sizes, contiguous and zigzag
-positions; the tiles it skips; and its memory from the compiler, linear in T."""
+positions; the tiles it skips; and its memory from the compiler, linear in T (the README's table)."""
 
 import functools
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import require_devices
+from conftest import README_FIGURES_APPLY, require_devices
 from meshpar import mesh as mesh_lib
 from meshpar.attention import context_parallel, flash, kernels, zigzag
 from meshpar.divisors import largest_divisor
 
 H = 8
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def dense_reference(q_BTNH, k_BSKH, v_BSKH, q_pos, k_pos):
@@ -173,12 +175,27 @@ def _layer_temp_bytes(T: int, kernel: str) -> int:
     return compiled.memory_analysis().temp_size_in_bytes
 
 
+def readme_temp_table() -> dict[tuple[str, int], float]:
+    """(kernel, T) → MiB, from the README's table of one attention's temp bytes ("–": not given)."""
+    section = (ROOT / "README.md").read_text().split("Temp bytes of one `llama_8b` attention", 1)[1]
+    header, _, *rows = section.split("\n\n", 2)[1].splitlines()
+    cells = lambda line: [cell.strip().strip("`").replace(",", "") for cell in line.strip("|").split("|")]
+    lengths = [int(T) for T in cells(header)[1:]]
+    return {(kernel, T): float(mib.split()[0]) for kernel, *values in map(cells, rows)
+            for T, mib in zip(lengths, values) if mib != "–"}
+
+
 def test_memory_grows_linearly_in_T():
     """T = 2k, 4k, 8k, 16k: the blockwise kernel's temp bytes per token stay within 25% of each other
-    (linear in T: the [T, S] scores never exist), where the dense kernel's quadruple with each doubling."""
-    blockwise = {T: _layer_temp_bytes(T, "blockwise") for T in (2048, 4096, 8192, 16384)}
+    (linear in T: the [T, S] scores never exist), where the dense kernel's quadruple with each doubling;
+    and the README's table of them holds to 5%."""
+    measured = {(kernel, T): _layer_temp_bytes(T, kernel) / 2**20 for kernel, T in readme_temp_table()}
+    blockwise = {T: mib for (kernel, T), mib in measured.items() if kernel == "blockwise"}
+    dense = {T: mib for (kernel, T), mib in measured.items() if kernel == "dense"}
+    assert sorted(blockwise) == [2048, 4096, 8192, 16384] and {2048, 4096} <= dense.keys()
     per_token = [blockwise[T] / T for T in blockwise]
     assert max(per_token) < 1.25 * min(per_token), blockwise
-    dense = {T: _layer_temp_bytes(T, "dense") for T in (2048, 4096)}
     assert dense[4096] > 3.5 * dense[2048], dense
     assert blockwise[16384] < dense[2048], (blockwise, dense)
+    for cell, mib in readme_temp_table().items():
+        assert measured[cell] == pytest.approx(mib, rel=0.05) or not README_FIGURES_APPLY, (cell, measured[cell])

@@ -431,6 +431,20 @@ def test_search_of_4096_devices_prunes():
     assert result.pruned > result.considered / 4, (result.pruned, result.considered)
 
 
+def test_the_readmes_picks():
+    """The planner's picks the README quotes: llama_8b on 64 H100s and llama_70b on 512 (batch × 8192)."""
+    section = (Path(__file__).parents[1] / "README.md").read_text().split("## Planning a layout")[1].split("\n## ")[0]
+    section = " ".join(section.split())
+    picks = {config: plan.search(shape_of(configs.load(config).model), devices=devices, devices_per_host=8,
+                                 hardware="h100", global_batch=batch, seq_len=8192, top=1).ranked[0]
+             for config, devices, batch in (("llama_8b", 64, 512), ("llama_70b", 512, 1024))}
+    for pick in picks.values():
+        assert f"`{mesh_lib.describe(pick.layout.mesh)}`" in section, mesh_lib.describe(pick.layout.mesh)
+        assert f"{pick.layout.grad_accum} accumulation steps" in section and f"MFU {pick.mfu:.1%}" in section
+    eight = picks["llama_8b"]
+    assert f"{eight.step_s:.2f} s per step, {eight.tokens_per_s:,.0f} tokens/s" in section
+
+
 def test_best_layout_gives_a_mesh_and_valid_overrides():
     from meshpar import config as config_lib
 

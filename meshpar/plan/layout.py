@@ -33,7 +33,9 @@ EFFICIENCY = 0.6  # achieved / peak matmul FLOP/s: a stated default, not fitted 
 
 @dataclasses.dataclass(frozen=True)
 class Layout:
-    """A mesh, the parallel settings, the remat policy and the accumulation steps."""
+    """A mesh, the parallel settings, the remat policy and the accumulation steps; and what follows from
+    them: `sizes` (the mesh's), `batch_ways` (how many ways the batch is split), M and R (the pipeline's
+    microbatches and repeats, 1 without a pipeline)."""
 
     mesh: MeshConfig
     parallel: ParallelConfig = ParallelConfig()
@@ -49,33 +51,21 @@ class Layout:
     def __post_init__(self):
         if self.grad_accum < 1:
             raise InputError(f"grad_accum = {self.grad_accum} must be >= 1")
-
-    @functools.cached_property
-    def sizes(self) -> dict[str, int]:
-        return self.mesh.sizes()
+        # Derived once: the planner's search asks for them hundreds of thousands of times.
+        sizes, stage = self.mesh.sizes(), self.mesh.stage
+        object.__setattr__(self, "sizes", sizes)
+        object.__setattr__(self, "batch_ways", math.prod(sizes[axis] for axis in BATCH_AXES))  # the batch's split
+        object.__setattr__(self, "M", 1 if stage == 1 else schedule.microbatches(self.parallel.microbatches, stage))
+        object.__setattr__(self, "R", 1 if stage == 1 else self.parallel.pipeline_repeats)
 
     @property
     def devices(self) -> int:
         return math.prod(self.sizes.values())
 
-    @functools.cached_property
-    def M(self) -> int:
-        """Pipeline microbatches (1 without a pipeline)."""
-        stage = self.mesh.stage
-        return 1 if stage == 1 else schedule.microbatches(self.parallel.microbatches, stage)
-
-    @property
-    def R(self) -> int:
-        return 1 if self.mesh.stage == 1 else self.parallel.pipeline_repeats
-
-    @functools.cached_property
-    def batch_ways(self) -> int:
-        """The ways the batch is split (`rules.BATCH_AXES`)."""
-        return math.prod(self.sizes[axis] for axis in BATCH_AXES)
-
     def replace(self, *, remat: str | None = None, grad_accum: int | None = None, **parallel) -> Layout:
         """The same layout with other settings (`parallel` fields by name)."""
-        return Layout(self.mesh, dataclasses.replace(self.parallel, **parallel) if parallel else self.parallel,
+        changed = {name: value for name, value in parallel.items() if getattr(self.parallel, name) != value}
+        return Layout(self.mesh, dataclasses.replace(self.parallel, **changed) if changed else self.parallel,
                       self.remat if remat is None else remat, self.grad_accum if grad_accum is None else grad_accum)
 
     def describe(self) -> str:

@@ -17,7 +17,7 @@ peak to 10% on the layouts it was fitted on and, apart, on layouts it was not):
   layers while it recomputes them; 1F1B (`pipeline_schedule`) its stash and the two in flight whatever M
   (`activations_1f1b`).
 - other: the output head's whole float32 gradient and gathered compute copy (`HEAD_BYTES` per element),
-  the int32 token batch, the pipeline's stage weights held for the step (`PIPELINE_BYTES`, more with
+  the int32 token batch, the pipeline's stage weights held for the step (`PIPELINE`, more with
   fsdp), and the accumulation buffer (A > 1), in the gradients' own layout: its fsdp/model/stage shard.
 - host offload (`meshpar.offload`), per device: `optimizer` moves the Adam moments (8 bytes per element of
   the optimizer table) to host memory (`host_states`); `optimizer+params` the float32 weights too, and
@@ -36,6 +36,7 @@ residual stream), F (d_ff / model), Q (N·H / model) and KV (K·H / model).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 
@@ -43,13 +44,29 @@ from meshpar.pipeline import schedule
 from meshpar.plan.layout import PRECISIONS, Layout, Run, layer_applications, local_dims, local_elements, local_tensors
 from meshpar.plan.shape import Shape
 
-# Per element of a pipeline stage's weights (`meshpar.pipeline.gpipe` holds them for the step, gathered over
-# fsdp): each shard's float32 gradient and a compute copy (6 bytes); with fsdp the gathered float32 copy and
-# the float32 copy of the chunk the layer loop reads too (9 more). Fitted as SAVED_NONE. The XLA of jax
-# 0.12 holds 4 bytes fewer per element (measured: 4.0-4.2 at llama_8b stage=2 with and without fsdp,
-# llama_70b stage=4,fsdp=16).
-PIPELINE_BYTES, PIPELINE_GATHER_BYTES = 6, 9
-PIPELINE_SAVED_BYTES = 4 if jax.__version_info__ >= (0, 12) else 0
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineBytes:
+    """What a pipeline holds per element of a device's stage weights beyond the model states (the schedules
+    hold them for the step, gathered over fsdp). Fitted to llama_8b's GPipe and 1F1B steps on 8 devices
+    (P = 2, 4; R = 1, 2, 4; with and without fsdp and model) and llama_70b's stage=4,fsdp=16, per JAX
+    version: XLA's buffer assignment differs between them by up to 4 bytes per element."""
+
+    held: float  # each shard's float32 gradient and a compute copy
+    chunk: float  # with fsdp: the float32 copy of the chunk of stage weights the layer loop reads
+    chunk_per_repeat: bool  # ... of one repeat at a time (÷ R) rather than of all R
+    one_f_one_b_fsdp: float  # 1F1B with fsdp: its gathered stage weights, held across the slot loop
+    one_f_one_b_p2: float  # 1F1B at P = 2: its one-slot phases run outside the slot loop, each with a copy
+
+
+PIPELINE = (PipelineBytes(held=3, chunk=8, chunk_per_repeat=False, one_f_one_b_fsdp=4, one_f_one_b_p2=0)
+            if jax.__version_info__ >= (0, 12) else
+            PipelineBytes(held=7, chunk=8, chunk_per_repeat=True, one_f_one_b_fsdp=4, one_f_one_b_p2=4))
+# GPipe's other buffers, per element of one microbatch's activations [b, t, D]: the input/output buffer of
+# every microbatch, its cotangent and the input's gradient (3 × M of them, in the compute dtype) and, per
+# schedule iteration, the two bubble masks the backward pass reads (1 byte each).
+PIPELINE_IO, PIPELINE_MASK_BYTES = 3, 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,8 +105,12 @@ HEAD_BYTES = 6  # per element of the output head: its whole float32 gradient and
 
 
 def _widths(shape: Shape, lay: Layout) -> dict[str, float]:
-    m = lay.mesh.model
-    return {"D": shape.d_model, "Dsp": shape.d_model / (m if lay.parallel.sequence_parallel else 1),
+    return _widths_of(shape, lay.mesh.model, lay.parallel.sequence_parallel)
+
+
+@functools.lru_cache(maxsize=4096)
+def _widths_of(shape: Shape, m: int, sequence_parallel: bool) -> dict[str, float]:
+    return {"D": shape.d_model, "Dsp": shape.d_model / (m if sequence_parallel else 1),
             "F": shape.d_ff / m, "Q": shape.heads * shape.head_dim / m, "KV": shape.kv_heads * shape.head_dim / m}
 
 
@@ -139,8 +160,10 @@ def host_layer_bytes_per_token(shape: Shape, lay: Layout, run: Run) -> float:
 def update_bytes(shape: Shape, lay: Layout, run: Run) -> float:
     """Device bytes of the update under offload: it streams (meshpar.offload.update), so the largest of one
     layer's share of a stacked tensor's offloaded states, or a whole unstacked tensor's, brought in."""
+    if lay.parallel.offload == "none":
+        return 0.0
     pb, gb, ob = PRECISIONS[run.precision]
-    kinds = {"none": {}, "optimizer": {"optimizer": ob},
+    kinds = {"optimizer": {"optimizer": ob},
              "optimizer+params": {"params": pb, "grads": gb, "optimizer": ob}}[lay.parallel.offload]
     layers_here = shape.layers / lay.mesh.stage  # the stacked layers one device holds
     per_tensor = zip(*(local_tensors(shape, lay, kind) for kind in kinds), (names for _, names in shape.elements()))
@@ -158,31 +181,63 @@ def activations_1f1b(shape: Shape, lay: Layout, run: Run) -> float:
     return (stage_inputs * run.e * shape.d_model + stage) * b * t
 
 
-def memory(shape: Shape, lay: Layout, run: Run) -> Memory:
+def _saved(shape: Shape, lay: Layout, run: Run, tokens: float) -> float:
+    """What the backward pass keeps of the activations, per device: every layer's as the remat policy saves
+    it, or a pipeline schedule's stash and one stage's layers while its backward recomputes them."""
+    per_layer = layer_bytes_per_token(shape, lay, run)
+    if lay.mesh.stage == 1:
+        return shape.layers * per_layer * tokens
+    if lay.parallel.pipeline_schedule == "1f1b":
+        return activations_1f1b(shape, lay, run)
+    # Every schedule iteration keeps what its stage step's remat saves: the stage input (full, offload) or
+    # every layer's (dots, none), and its bubble masks; the backward pass then recomputes one stage.
+    P, M, R, D = lay.mesh.stage, lay.M, lay.R, shape.d_model
+    layers = shape.layers / (P * R)
+    per_iteration = run.e * D if lay.remat in ("full", "offload") else layers * per_layer
+    iterations = schedule.iterations(P, M, R)
+    io = PIPELINE_IO * M * run.e * D
+    return (iterations * (per_iteration + PIPELINE_MASK_BYTES * D) + layers * per_layer + io) * tokens
+
+
+def _stage_weights(shape: Shape, lay: Layout) -> float:
+    """What a pipeline holds per device for its stage weights beyond the model states (`PIPELINE`)."""
+    if lay.mesh.stage == 1:
+        return 0.0
+    per_element, one_f_one_b = PIPELINE.held, lay.parallel.pipeline_schedule == "1f1b"
+    if lay.mesh.fsdp > 1:
+        per_element += PIPELINE.chunk / (lay.R if PIPELINE.chunk_per_repeat else 1)
+        per_element += PIPELINE.one_f_one_b_fsdp if one_f_one_b else 0
+    if one_f_one_b and lay.mesh.stage == 2:
+        per_element += PIPELINE.one_f_one_b_p2
+    return per_element * local_elements(shape, lay, "activations", only_layers=True)
+
+
+def _update_cpu(shape: Shape, lay: Layout, run: Run) -> float:
+    """XLA:CPU's form of the streamed update's device bytes: the new moments of the stacked layers are
+    temporaries there (a GPU writes them to host memory), beside the largest tensor's moments in flight.
+    The weights and gradients of `optimizer+params` add nothing there: XLA:CPU compiles the same temp bytes
+    as for `optimizer` (measured: equal to the byte, llama_8b on fsdp=8)."""
+    _, _, ob = PRECISIONS[run.precision]
+    moments_only = lay.replace(offload="optimizer")
+    return ob * local_elements(shape, lay, "optimizer", only_layers=True) + update_bytes(shape, moments_only, run)
+
+
+def memory(shape: Shape, lay: Layout, run: Run, *, cpu: bool = False) -> Memory:
+    """Per-device memory of `lay` (module docstring). `cpu=True`: the form XLA's CPU backend compiles, where
+    host memory is device memory for temporaries: remat `offload` is `dots` there, offloaded gradients are
+    device temporaries, and the update holds the offloaded stacks' new values (`_update_cpu`)."""
+    if cpu and lay.remat == "offload":
+        lay = lay.replace(remat="dots")
     pb, gb, ob = PRECISIONS[run.precision]
     params = pb * local_elements(shape, lay, "params")
     optimizer = ob * local_elements(shape, lay, "optimizer")
     grads = gb * local_elements(shape, lay, "grads")
     b, t, _, _, _, V = local_dims(shape, lay, run)
     tokens = b * t  # one microbatch on this device
-    per_layer = layer_bytes_per_token(shape, lay, run)
-    working = layer_bytes_per_token(shape, lay, run, saved=False) * tokens
-    if lay.mesh.stage > 1 and lay.parallel.pipeline_schedule == "1f1b":
-        saved = activations_1f1b(shape, lay, run)
-    elif lay.mesh.stage > 1:
-        # Every schedule iteration keeps what its stage step's remat saves: the stage input (full, offload)
-        # or every layer's (dots, none); the backward pass then recomputes one stage, keeping per layer.
-        P, M, R = lay.mesh.stage, lay.M, lay.R
-        layers = shape.layers / (P * R)
-        per_iteration = run.e * shape.d_model if lay.remat in ("full", "offload") else layers * per_layer
-        saved = (schedule.iterations(P, M, R) * per_iteration + layers * per_layer) * tokens
-    else:
-        saved = shape.layers * per_layer * tokens
+    activations = _saved(shape, lay, run, tokens) + layer_bytes_per_token(shape, lay, run, saved=False) * tokens
     rows = run.global_batch / lay.batch_ways
     other = HEAD_BYTES * shape.d_model * V + 4 * rows * (run.seq_len + 1)  # the head; the int32 token batch
-    if lay.mesh.stage > 1:
-        per_weight = PIPELINE_BYTES + (PIPELINE_GATHER_BYTES if lay.mesh.fsdp > 1 else 0) - PIPELINE_SAVED_BYTES
-        other += per_weight * local_elements(shape, lay, "activations", only_layers=True)
+    other += _stage_weights(shape, lay)
     if lay.grad_accum > 1:
         other += gb * local_elements(shape, lay, "grads")  # the accumulator, in the gradients' layout
     # remat offload: every layer application of one accumulation step keeps its projections
@@ -192,10 +247,10 @@ def memory(shape: Shape, lay: Layout, run: Run) -> Memory:
         host_states, optimizer = optimizer, 0.0
     if lay.parallel.offload == "optimizer+params":
         host_states += params
-        host_temp += grads
+        host_temp += 0.0 if cpu else grads
         per_layer_share = lay.mesh.stage / shape.layers  # one layer's fetched weights and gradient on the way out
         other += per_layer_share * (pb * local_elements(shape, lay, "params", only_layers=True)
                                     + gb * local_elements(shape, lay, "grads", only_layers=True))
-        params = grads = 0.0
-    return Memory(params, grads, optimizer, saved + working, other, update_bytes(shape, lay, run),
-                  host_states, host_temp)
+        params, grads = 0.0, grads if cpu else 0.0
+    update = _update_cpu(shape, lay, run) if cpu and lay.parallel.offload != "none" else update_bytes(shape, lay, run)
+    return Memory(params, grads, optimizer, activations, other, update, host_states, host_temp)

@@ -37,9 +37,18 @@ class Shape:
         with nnx.use_eager_sharding(False):  # meshpar, not Flax, resolves logical names
             return cls.of(nnx.state(nnx.eval_shape(lambda: make_model(nnx.Rngs(0))), nnx.Param))
 
+    def __post_init__(self):
+        # Derived once: the planner's search asks for them hundreds of thousands of times.
+        sizes: dict[str, int] = {}
+        for _, shape, names in self.tensors:
+            for dim, name in zip(shape, names):
+                sizes.setdefault(name, dim)
+        object.__setattr__(self, "_sizes", sizes)
+        object.__setattr__(self, "_elements", tuple((math.prod(shape), names) for _, shape, names in self.tensors))
+
     def size(self, logical: str) -> int:
         """The size of the logical axis `logical` (1 if no parameter names it)."""
-        return next((dim for _, shape, names in self.tensors for dim, name in zip(shape, names) if name == logical), 1)
+        return self._sizes.get(logical, 1)
 
     @property
     def vocab(self) -> int:
@@ -69,9 +78,9 @@ class Shape:
     def d_ff(self) -> int:
         return self.size("mlp")
 
-    def elements(self) -> list[tuple[int, tuple[str | None, ...]]]:
+    def elements(self) -> tuple[tuple[int, tuple[str | None, ...]], ...]:
         """(elements, logical axes) of every parameter, stacked layer tensors whole."""
-        return [(math.prod(shape), names) for _, shape, names in self.tensors]
+        return self._elements
 
     @property
     def params(self) -> int:
