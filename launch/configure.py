@@ -34,7 +34,7 @@ def configure(name: str, mesh_text: str | None, overrides: list[str], hardware: 
 
         if changed := [o for o in overrides if o.startswith("model.")]:
             raise InputError(f"--init-from {init_from} sets the model; {', '.join(changed)} cannot change it")
-        cfg = dataclasses.replace(cfg, model=TransformerConfig(**weights.saved_config(init_from)[0]["model"]))
+        cfg = dataclasses.replace(cfg, model=TransformerConfig.from_dict(weights.saved_config(init_from)[0]["model"]))
     if mesh_text == "auto":
         cfg = auto_layout(cfg, hardware)
     return cfg, mesh_lib.build(cfg.mesh), rules_lib.make(cfg.parallel), cfg.model_factory()

@@ -1,15 +1,17 @@
-"""Convert between Hugging Face Llama checkpoints and meshpar parameters.
+"""Convert between Hugging Face checkpoints (Llama, Mistral, Qwen 2, Qwen 3) and meshpar parameters.
 
     python -m launch.convert from-hf --hf-dir llama-3.2-1b --out runs/llama-1b --cpu-devices 8
-    python -m launch.convert from-hf --hf-dir llama-3.2-1b --out runs/llama-1b --mesh fsdp=2,model=4
-    python -m launch.convert to-hf --checkpoint runs/ckpt --out runs/hf --cpu-devices 8
+    python -m launch.convert from-hf --hf-dir qwen3-0.6b --out runs/qwen3 --mesh fsdp=2,model=4
+    python -m launch.convert to-hf --checkpoint runs/ckpt --out runs/hf --cpu-devices 8 [--family mistral]
 
 `from-hf` reads `config.json` and the safetensors weights (float32, bfloat16 or float16; one file or
 shards with an index), each device reading only its own block, and writes a parameters directory
 (`meshpar.checkpoint.export_params`) that `launch.train --init-from` and `launch.generate` read. `to-hf`
 takes such a directory or a training checkpoint (`launch.train --checkpoint-dir`) and writes a directory
-that `transformers.AutoModelForCausalLM.from_pretrained` loads: config.json and float32 safetensors.
-The mesh (default: fsdp over all devices) only decides where the parameters live while converting.
+that `transformers.AutoModelForCausalLM.from_pretrained` loads: config.json and float32 safetensors, of
+the family `--family` names, else the one the parameters were imported from, else the one the model's
+options name (`models.hf.families.family_of`). The mesh (default: fsdp over all devices) only decides
+where the parameters live while converting.
 
 Errors found by meshpar's own checks (an unsupported config option, a missing tensor, a wrong shape)
 print as one line and exit 1.
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import resource
 import sys
 import time
@@ -30,7 +33,7 @@ from meshpar.errors import InputError
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m launch.convert", description=__doc__.split("\n")[0])
     commands = p.add_subparsers(dest="command", required=True)
-    from_hf = commands.add_parser("from-hf", help="a Hugging Face Llama directory → a meshpar parameters directory")
+    from_hf = commands.add_parser("from-hf", help="a Hugging Face directory → a meshpar parameters directory")
     from_hf.add_argument("--hf-dir", required=True, help="holds config.json and model.safetensors (or shards "
                                                          "and model.safetensors.index.json)")
     from_hf.add_argument("--out", required=True, help="the parameters directory to write")
@@ -38,6 +41,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                               "directory")
     to_hf.add_argument("--checkpoint", required=True, help="a parameters directory or a training checkpoint directory")
     to_hf.add_argument("--out", required=True, help="the Hugging Face directory to write")
+    to_hf.add_argument("--family", help="the model_type to write: llama, mistral, qwen2 or qwen3 (default: the "
+                                        "family imported from, else the one the model's options name)")
     for command in (from_hf, to_hf):
         command.add_argument("--mesh", help="axis sizes while converting, e.g. fsdp=2,model=4 (default: fsdp over "
                                             "all devices)")
@@ -79,24 +84,26 @@ def main(argv: list[str] | None = None) -> None:
 def from_hf(args: argparse.Namespace, mesh, rules):
     """--hf-dir's config and weights → a parameters directory at --out; (config, parameter count)."""
     from meshpar import checkpoint
-    from models import hf_llama as hf
+    from models import hf
     from meshpar.run import param_count
 
     cfg = hf.load_config(args.hf_dir)
     params = hf.import_params(args.hf_dir, cfg, mesh, rules)
-    checkpoint.export_params(args.out, params, config={"model": dataclasses.asdict(cfg),
-                                                       "source": {"hf_dir": str(Path(args.hf_dir).absolute())}})
+    source = {"hf_dir": str(Path(args.hf_dir).absolute()),  # to-hf writes the family back
+              "model_type": json.loads((Path(args.hf_dir) / "config.json").read_text())["model_type"]}
+    checkpoint.export_params(args.out, params, config={"model": dataclasses.asdict(cfg), "source": source})
     return cfg, param_count(params)
 
 
 def to_hf(args: argparse.Namespace, mesh, rules):
     """--checkpoint's parameters → a Hugging Face directory at --out; (config, parameter count)."""
     from launch import weights
-    from models import hf_llama as hf
+    from models import hf
     from meshpar.run import param_count
 
     cfg, params = weights.load(args.checkpoint, mesh, rules)
-    hf.export(params, cfg, args.out)
+    imported_from = weights.saved_config(args.checkpoint)[0].get("source", {}).get("model_type")
+    hf.export(params, cfg, args.out, model_type=args.family or imported_from)
     return cfg, param_count(params)
 
 

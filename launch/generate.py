@@ -5,7 +5,11 @@
         --temperature 0.8 --top-k 50 --top-p 0.95 --seed 1 --mesh fsdp=2,model=4 --cpu-devices 8 --json
 
 Greedy unless --temperature > 0. Without --tokenizer, text is bytes (the built-in corpus's tokens: ids
-0..255 are the UTF-8 bytes). `--json` prints {"ids": [...], "text": ...} (the new tokens only).
+0..255 are the UTF-8 bytes). With --tokenizer (a model directory's tokenizer.json, `launch.tokenizer`), the
+prompt is encoded as transformers' tokenizer encodes it (with the family's BOS, if it has one), generation
+stops at the first EOS (an id of generation_config.json's eos_token_id, else the tokenizer's EOS:
+tokenizer_config.json's eos_token) and the text is printed without special tokens. `--json` prints
+{"ids": [...], "text": ...}: the new tokens, the EOS included.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import argparse
 import json
 import sys
 
+from launch import tokenizer
 from meshpar.errors import InputError
 
 
@@ -28,8 +33,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens (0: all)")
     p.add_argument("--top-p", type=float, default=1.0, help="sample from the smallest set of probability >= p")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tokenizer", help="a Hugging Face tokenizer.json to encode the prompt and decode the output "
-                                       "(default: bytes)")
+    p.add_argument("--tokenizer", help="a Hugging Face tokenizer.json to encode the prompt and decode the output, "
+                                       "with the config files beside it (default: bytes)")
     p.add_argument("--mesh", help="axis sizes (data, fsdp, model), e.g. fsdp=2,model=4 (default: fsdp over all "
                                   "devices)")
     p.add_argument("--cpu-devices", type=int, help="run on this many fake CPU devices")
@@ -40,27 +45,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 class ByteCodec:
     """The built-in corpus's tokens: UTF-8 bytes."""
 
+    stop_ids = ()
+
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
     def decode(self, ids: list[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
-
-
-class TokenizerCodec:
-    def __init__(self, path: str):
-        import tokenizers
-
-        try:
-            self._tokenizer = tokenizers.Tokenizer.from_file(path)
-        except Exception as err:  # the library raises its own exception types for unreadable files
-            raise InputError(f"--tokenizer {path}: cannot read it as a tokenizer.json ({err})") from None
-
-    def encode(self, text: str) -> list[int]:
-        return self._tokenizer.encode(text).ids
-
-    def decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids)
 
 
 def prompt_ids(args: argparse.Namespace, codec) -> list[int]:
@@ -85,14 +76,15 @@ def main(argv: list[str] | None = None) -> None:
     from models.transformer import Transformer
 
     try:
-        codec = TokenizerCodec(args.tokenizer) if args.tokenizer else ByteCodec()
+        codec = tokenizer.load(args.tokenizer) if args.tokenizer else ByteCodec()
         ids = prompt_ids(args, codec)
         sampling = generate.Sampling(args.temperature, args.top_k, args.top_p, args.seed)
         mesh = mesh_lib.build(mesh_lib.parse(args.mesh) if args.mesh else mesh_lib.MeshConfig(fsdp=-1))
         rules = rules_lib.make()
         cfg, params = weights.load(args.checkpoint, mesh, rules)
         graphdef, _ = Transformer.abstract(cfg)
-        new = generate.generate(nnx.merge(graphdef, params), [ids], args.max_new_tokens, mesh, rules, sampling)
+        new = generate.generate(nnx.merge(graphdef, params), [ids], args.max_new_tokens, mesh, rules, sampling,
+                                codec.stop_ids)
     except InputError as err:
         sys.exit(f"error: {err}")
     new_ids = new[0].tolist()

@@ -39,7 +39,7 @@ def saved_config(directory: str | Path) -> tuple[dict, bool]:
 def load(directory: str | Path, mesh: Mesh, rules: Rules) -> tuple[TransformerConfig, nnx.State]:
     """The model config and its parameters (float32) from `directory`, sharded on `mesh` by `rules`."""
     config, whole_state = saved_config(directory)
-    cfg = TransformerConfig(**config["model"])
+    cfg = TransformerConfig.from_dict(config["model"])
     if whole_state:
         sharded = train.sharded_abstract(Transformer.factory(cfg), train.optimizer(train.TrainConfig()), mesh, rules)
         ckpt = checkpoint.Checkpointer(directory)

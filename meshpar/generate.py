@@ -2,8 +2,10 @@
 
 The model provides `init_cache(batch, length)` (key and value caches [L, B, S, K, H]) and
 `decode(tokens [B, T], positions [T], k, v) -> (logits [B, T, V], k, v)`, as meshpar's transformer does.
-One jitted program runs the prompt (prefill), then a `lax.scan` over the new tokens, each step attending
-over the cache (`attention.cached_attention`): T·S scores per step instead of recomputing the prefix.
+One jitted program runs the prompt (prefill), then a `lax.while_loop` of one new token per step, each step
+attending over the cache (`attention.cached_attention`): T·S scores per step instead of recomputing the
+prefix. With stop ids (a tokenizer's EOS ids) a row is finished at its first stop id, and the loop ends
+early, on the device, once every row is.
 
 Sharding: the parameters keep the layout they have (FSDP gathers each layer's weights in compute, TP keeps
 heads and the MLP split over `model`); the cache is split like attention's keys (rows over the batch
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -83,30 +86,43 @@ def _rules_for_batch(rules: Rules, mesh: Mesh, batch: int) -> Rules:
 @functools.lru_cache(maxsize=16)
 def _program(graphdef: nnx.GraphDef, batch: int, prompt_len: int, new_tokens: int, sampling: Sampling,
              compute: context.Compute):
-    def run(state: nnx.State, prompt_BT: jax.Array, key: jax.Array) -> jax.Array:
+    def run(state: nnx.State, prompt_BT: jax.Array, key: jax.Array, stops: jax.Array) -> jax.Array:
+        """The new tokens [B, new_tokens]; after early stopping, the columns no step reached hold 0."""
         with context.use(compute):
             model = nnx.merge(graphdef, state)
             k_LBSKH, v_LBSKH = model.init_cache(batch, prompt_len + new_tokens)
             logits_BTV, k_LBSKH, v_LBSKH = model.decode(prompt_BT, jnp.arange(prompt_len), k_LBSKH, v_LBSKH)
             key, first = jax.random.split(key)
             token_B = next_token(logits_BTV[:, -1], sampling, first)
+            tokens_BT = jnp.zeros((batch, new_tokens), jnp.int32).at[:, 0].set(token_B)
 
-            def step(carry, position):
-                token_B, k_LBSKH, v_LBSKH, key = carry
+            def going(carry):
+                made, _, stopped_B, *_ = carry
+                # Without stop ids the condition is the step count alone: a loop of known length for XLA.
+                return made < new_tokens if stops.size == 0 else (made < new_tokens) & ~jnp.all(stopped_B)
+
+            def step(carry):
+                made, token_B, stopped_B, tokens_BT, k_LBSKH, v_LBSKH, key = carry
+                position = prompt_len + made - 1  # of the last token made, which this step feeds in
                 logits_B1V, k_LBSKH, v_LBSKH = model.decode(token_B[:, None], position[None], k_LBSKH, v_LBSKH)
                 key, sub = jax.random.split(key)
-                return (next_token(logits_B1V[:, 0], sampling, sub), k_LBSKH, v_LBSKH, key), token_B
+                token_B = next_token(logits_B1V[:, 0], sampling, sub)
+                stopped_B |= jnp.isin(token_B, stops)
+                return made + 1, token_B, stopped_B, tokens_BT.at[:, made].set(token_B), k_LBSKH, v_LBSKH, key
 
-            positions = jnp.arange(prompt_len, prompt_len + new_tokens - 1)
-            (last_B, *_), tokens_TB = jax.lax.scan(step, (token_B, k_LBSKH, v_LBSKH, key), positions)
-            return jnp.concatenate([tokens_TB.T, last_B[:, None]], axis=1)
+            carry = (jnp.int32(1), token_B, jnp.isin(token_B, stops), tokens_BT, k_LBSKH, v_LBSKH, key)
+            return jax.lax.while_loop(going, step, carry)[3]
 
     return jax.jit(run)
 
 
 def generate(model: nnx.Module, prompt_BT: np.ndarray, new_tokens: int, mesh: Mesh, rules: Rules,
-             sampling: Sampling = Sampling()) -> np.ndarray:
+             sampling: Sampling = Sampling(), stop_ids: Sequence[int] = ()) -> np.ndarray | list[np.ndarray]:
     """`new_tokens` tokens [B, new_tokens] continuing each row of `prompt_BT` (int token ids, one length).
+
+    With `stop_ids` (e.g. a tokenizer's EOS ids), a list of B rows instead: each row's tokens up to and
+    including its first stop id, all `new_tokens` where it meets none; generation ends as soon as every row
+    has stopped. The tokens are the same as without stop ids, cut.
 
     `model`'s parameters may live on `mesh` in any layout (a training state's, or `launch.weights.load`'s).
     """
@@ -119,6 +135,9 @@ def generate(model: nnx.Module, prompt_BT: np.ndarray, new_tokens: int, mesh: Me
     if prompt_BT.min() < 0 or prompt_BT.max() >= vocab:
         raise InputError(f"prompt token ids must be in [0, {vocab}) (the model's vocabulary); got "
                          f"{prompt_BT.min()}..{prompt_BT.max()}")
+    stops = np.asarray(stop_ids, np.int64)
+    if stops.size and (stops.min() < 0 or stops.max() >= vocab):
+        raise InputError(f"stop ids {list(stop_ids)} must be in [0, {vocab}) (the model's vocabulary)")
     _check_mesh(mesh)
     (B, T_prompt), S = prompt_BT.shape, prompt_BT.shape[1] + new_tokens
     if S > model.cfg.max_seq_len:
@@ -126,6 +145,12 @@ def generate(model: nnx.Module, prompt_BT: np.ndarray, new_tokens: int, mesh: Me
                          f"max_seq_len = {model.cfg.max_seq_len}")
     compute = context.Compute(mesh, _rules_for_batch(rules, mesh, B), "none", "dense")
     graphdef, state = nnx.split(model)
-    prompt = jax.device_put(prompt_BT.astype(np.int32), NamedSharding(mesh, P()))
-    tokens = _program(graphdef, B, T_prompt, new_tokens, sampling, compute)(state, prompt, jax.random.key(sampling.seed))
-    return np.asarray(jax.device_get(tokens))
+    replicated = lambda ids: jax.device_put(ids.astype(np.int32), NamedSharding(mesh, P()))
+    program = _program(graphdef, B, T_prompt, new_tokens, sampling, compute)
+    tokens_BT = np.asarray(jax.device_get(program(state, replicated(prompt_BT), jax.random.key(sampling.seed),
+                                                  replicated(stops))))
+    if not stops.size:
+        return tokens_BT
+    hit_BT = np.isin(tokens_BT, stops)
+    ends_B = np.where(hit_BT.any(axis=1), hit_BT.argmax(axis=1) + 1, new_tokens)
+    return [row[:end] for row, end in zip(tokens_BT, ends_B)]

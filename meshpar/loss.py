@@ -37,7 +37,7 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from meshpar import context, sharding
-from meshpar.attention import zigzag
+from meshpar.attention import sequence_order
 from meshpar.divisors import largest_divisor
 
 # Per-device bytes of one chunk's float32 logits under `loss_chunk = 0` (auto): 256 MiB, a few percent
@@ -230,16 +230,11 @@ def takes_positions(model) -> bool:
 
 
 def next_token_inputs(tokens_BT: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(inputs [B, T], targets [B, T], positions [T]) of tokens [B, T + 1], in zigzag order when the sequence
-    is split over `sequence` with `load_balance` on (see `next_token_loss`)."""
+    """(inputs [B, T], targets [B, T], positions [T]) of tokens [B, T + 1], in the step's sequence order
+    (zigzag when the sequence is split over `sequence` with `load_balance` on: `attention.sequence_order`)."""
     inputs_BT, targets_BT = tokens_BT[:, :-1], tokens_BT[:, 1:]
-    positions_T = jnp.arange(inputs_BT.shape[1])
-    compute = context.active()
-    if compute is not None and compute.mesh.shape["sequence"] > 1 and compute.rules.parallel.load_balance:
-        n = compute.mesh.shape["sequence"]
-        inputs_BT, targets_BT = zigzag.zigzag(inputs_BT, n), zigzag.zigzag(targets_BT, n)
-        positions_T = zigzag.positions(inputs_BT.shape[1], n)
-    return inputs_BT, targets_BT, positions_T
+    reorder, positions_T, _ = sequence_order(inputs_BT.shape[1])
+    return reorder(inputs_BT), reorder(targets_BT), positions_T
 
 
 def next_token_loss(model, tokens_BT: jax.Array, chunk: int = 0) -> jax.Array:

@@ -189,12 +189,9 @@ def _start(make_model: ModelFactory, tx: optax.GradientTransformation, sharded: 
         batches.load_state_dict(meta["data"])
         say(f"resumed from {checkpoints.directory} at step {meta['step']}")
         return pipeline.to_rest(state, sharded.mesh, repeats), meta["step"]  # checkpoints hold the layers in order
-    state = init_state(make_model, tx, sharded, train.seed)
     if init_params is not None:
-        nnx.replace_by_pure_dict(state["model"],
-                                 nnx.to_pure_dict(pipeline.to_rest(init_params, sharded.mesh, repeats)))
         say("parameters from the given weights; optimizer state fresh")
-    return state, 0
+    return init_state(make_model, tx, sharded, train.seed, init_params), 0
 
 
 def device_memory_limit() -> int | None:

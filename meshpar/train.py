@@ -124,11 +124,13 @@ def clip_by_global_norm(max_norm: float) -> optax.GradientTransformation:
 
 
 def optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-    """Clip by global norm, then AdamW on `schedule(cfg)`; no weight decay on norm scales."""
+    """Clip by global norm, then AdamW on `schedule(cfg)`; no weight decay on norm scales and biases (the
+    parameters whose path names a norm or a bias)."""
 
-    def decayed(params: nnx.State) -> Any:  # no weight decay on norm scales
+    def decayed(params: nnx.State) -> Any:
         return jax.tree_util.tree_map_with_path(
-            lambda path, _: not any("norm" in str(getattr(k, "key", "")) for k in path), params)
+            lambda path, _: not any(word in str(getattr(k, "key", "")) for k in path for word in ("norm", "bias")),
+            params)
 
     return optax.chain(clip_by_global_norm(cfg.clip_norm),
                        optax.adamw(schedule(cfg), b1=0.9, b2=0.95, weight_decay=cfg.weight_decay, mask=decayed))
@@ -169,16 +171,22 @@ def sharded_abstract(make_model: ModelFactory, tx: optax.GradientTransformation,
     return Sharded(graphdef, abstract, sharding.state_shardings(abstract, mesh, rules), mesh, rules)
 
 
-def init_state(make_model: ModelFactory, tx: optax.GradientTransformation, sharded: Sharded,
-               seed: int = 0) -> nnx.State:
+def init_state(make_model: ModelFactory, tx: optax.GradientTransformation, sharded: Sharded, seed: int = 0,
+               params: nnx.State | None = None) -> nnx.State:
     """Create the state directly in its shardings (the same values on every mesh for one seed), the stacked
-    layers in the pipeline's order at rest (`pipeline.to_rest`)."""
+    layers in the pipeline's order at rest (`pipeline.to_rest`). With `params` (the model's parameters in
+    layer order, laid out on the mesh by the rules: imported weights, a parameters directory) the model
+    holds them and the optimizer state is fresh; no random weights are made (XLA drops the unused
+    initialisation), so a fine-tuned model's memory is taken once."""
 
-    def create() -> nnx.State:
+    def create(params: nnx.State | None) -> nnx.State:
         with nnx.use_eager_sharding(False):
-            return nnx.state(TrainState(make_model(nnx.Rngs(seed)), tx))
+            model = make_model(nnx.Rngs(seed))
+            if params is not None:
+                nnx.update(model, params)
+            return nnx.state(TrainState(model, tx))
 
-    return pipeline.to_rest(jax.jit(create, out_shardings=sharded.shardings)(), sharded.mesh,
+    return pipeline.to_rest(jax.jit(create, out_shardings=sharded.shardings)(params), sharded.mesh,
                             sharded.rules.parallel.pipeline_repeats)
 
 

@@ -1,7 +1,10 @@
 """A decoder-only Llama-style transformer in Flax NNX.
 
 Token embedding, pre-norm blocks (RMSNorm → grouped-query causal attention with rotary positions →
-RMSNorm → SwiGLU MLP), a final RMSNorm and an output head, tied to the embedding or not. The blocks are
+RMSNorm → SwiGLU MLP), a final RMSNorm and an output head, tied to the embedding or not. The options of
+the open families are config fields, not other models: biases on q, k and v (Qwen 2), an RMSNorm of each
+query and key head before the rotation (Qwen 3), a head dim of its own (Qwen 3), scaled rotary positions
+(Llama 3.1: `models/rope.py`), tied embeddings, each family's RoPE base and norm epsilon. The blocks are
 stacked along a leading `layers` axis and run with `lax.scan`, so compile time does not grow with depth
 and the pipeline can split that axis into stages. Its forward pass also comes in the parts the 1F1B
 schedule takes (`embed`, `blocks`, `final_norm`, `output_head`: `meshpar.pipeline.one_f_one_b`).
@@ -10,7 +13,8 @@ The model names LOGICAL axes only (`embed`, `heads`, `kv_heads`, `head_dim`, `ml
 for parameters; `batch`, `seq` for activations); meshpar's rules decide where they live. Parameters are
 float32; `dtype` is the compute dtype, to which parameters are cast where they are used.
 
-Shape letters: B batch, T sequence, D d_model, N query heads, K kv heads, H head dim, F d_ff, V vocab.
+Shape letters: B batch, T sequence, D d_model, N query heads, K kv heads, H head dim, F d_ff, V vocab, X
+query or kv heads.
 """
 
 from __future__ import annotations
@@ -24,10 +28,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from meshpar import layers
-from meshpar.attention import attend, cached_attention
+from meshpar.attention import attend, cached_attention, sequence_order
 from meshpar.errors import InputError
 from meshpar.loss import logits
 from meshpar.sharding import constrain, gathered, project, relayout
+from models import rope
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,23 +46,36 @@ class TransformerConfig:
     max_seq_len: int = 1024
     tie_embeddings: bool = False
     rope_theta: float = 10_000.0
+    rope_scaling: rope.RopeScaling = rope.RopeScaling()
     norm_eps: float = 1e-5
+    head_dim: int = 0  # 0: d_model / n_heads (the size used is `head_size`)
+    qkv_bias: bool = False  # biases on the q, k and v projections (Qwen 2)
+    qk_norm: bool = False  # an RMSNorm of each query and key head before the rotation (Qwen 3)
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len"):
             if getattr(self, name) < 1:
                 raise InputError(f"model.{name} = {getattr(self, name)} must be >= 1")
-        if self.d_model % self.n_heads:
-            raise InputError(f"model.d_model = {self.d_model} is not divisible by model.n_heads = {self.n_heads}")
+        if self.head_dim < 0:
+            raise InputError(f"model.head_dim = {self.head_dim} must be >= 0 (0: d_model / n_heads)")
+        if not self.head_dim and self.d_model % self.n_heads:
+            raise InputError(f"model.d_model = {self.d_model} is not divisible by model.n_heads = {self.n_heads} "
+                             f"(or set model.head_dim)")
         if self.n_heads % self.n_kv_heads:
             raise InputError(f"model.n_heads = {self.n_heads} is not divisible by "
                              f"model.n_kv_heads = {self.n_kv_heads} (grouped-query attention)")
-        if self.head_dim % 2:
-            raise InputError(f"head dim d_model / n_heads = {self.head_dim} must be even for rotary positions")
+        if self.head_size % 2:
+            raise InputError(f"head dim {self.head_size} must be even for rotary positions")
 
     @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+    def head_size(self) -> int:
+        """H: `head_dim`, or d_model / n_heads where it is 0."""
+        return self.head_dim or self.d_model // self.n_heads
+
+    @classmethod
+    def from_dict(cls, fields: dict) -> TransformerConfig:
+        """The config `dataclasses.asdict` wrote (a saved run's); fields it lacks keep their defaults."""
+        return cls(**{**fields, "rope_scaling": rope.RopeScaling(**fields.get("rope_scaling", {}))})
 
 
 # The residual stream: its sequence dimension is `resid_seq`, which Megatron SP splits over `model` too.
@@ -73,37 +91,34 @@ def _param(rngs: nnx.Rngs, shape: tuple[int, ...], logical: tuple[str, ...], std
 
 
 class RMSNorm(nnx.Module):
-    def __init__(self, cfg: TransformerConfig, dtype: jnp.dtype):
-        self.scale = nnx.Param(jnp.ones((cfg.d_model,), jnp.float32), out_sharding=("embed",))
+    """x / rms(x) · scale over the last axis: the residual stream's `embed` (D), or a head's `head_dim` (H)."""
+
+    def __init__(self, cfg: TransformerConfig, dtype: jnp.dtype, axis: str = "embed"):
+        size = cfg.d_model if axis == "embed" else cfg.head_size
+        self.scale = nnx.Param(jnp.ones((size,), jnp.float32), out_sharding=(axis,))
         self.eps, self.dtype = cfg.norm_eps, dtype
 
-    def __call__(self, x_BTD: jax.Array) -> jax.Array:
-        x_BTD = x_BTD.astype(jnp.float32)  # the statistics in float32 whatever the compute dtype
-        # x·x, not x**2: the power's derivative 2x would be one more [B, T, D] kept for the backward pass
-        normed_BTD = x_BTD * jax.lax.rsqrt(jnp.mean(x_BTD * x_BTD, axis=-1, keepdims=True) + self.eps)
-        return (normed_BTD * gathered(self.scale, jnp.float32)).astype(self.dtype)
-
-
-def rotary(x_BTNH: jax.Array, positions_T: jax.Array, theta: float) -> jax.Array:
-    """Rotate pairs (i, i + H/2) of each head by angles set by each token's global position."""
-    H = x_BTNH.shape[3]
-    inv_freq_h = theta ** (-jnp.arange(0, H // 2, dtype=jnp.float32) / (H // 2))
-    angles_Th = positions_T.astype(jnp.float32)[:, None] * inv_freq_h[None, :]
-    cos_T1h, sin_T1h = jnp.cos(angles_Th)[:, None, :], jnp.sin(angles_Th)[:, None, :]
-    x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)
-    rotated = jnp.concatenate([x1 * cos_T1h - x2 * sin_T1h, x2 * cos_T1h + x1 * sin_T1h], axis=-1)
-    return rotated.astype(x_BTNH.dtype)
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = x.astype(jnp.float32)  # the statistics in float32 whatever the compute dtype
+        # x·x, not x**2: the power's derivative 2x would be one more copy of x kept for the backward pass
+        normed = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
+        return (normed * gathered(self.scale, jnp.float32)).astype(self.dtype)
 
 
 class Attention(nnx.Module):
     def __init__(self, cfg: TransformerConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
-        D, N, K, H = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        D, N, K, H = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_size
         std, out_std = D**-0.5, (N * H) ** -0.5 / math.sqrt(2 * cfg.n_layers)
         self.wq_DNH = _param(rngs, (D, N, H), ("embed", "heads", "head_dim"), std)
         self.wk_DKH = _param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), std)
         self.wv_DKH = _param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), std)
         self.wo_NHD = _param(rngs, (N, H, D), ("heads", "head_dim", "embed"), out_std)
-        self.theta, self.dtype = cfg.rope_theta, dtype
+        if cfg.qkv_bias:
+            zeros = lambda X, heads: nnx.Param(jnp.zeros((X, H), jnp.float32), out_sharding=(heads, "head_dim"))
+            self.q_bias_NH, self.k_bias_KH, self.v_bias_KH = zeros(N, "heads"), zeros(K, "kv_heads"), zeros(K, "kv_heads")
+        if cfg.qk_norm:
+            self.q_norm, self.k_norm = RMSNorm(cfg, dtype, "head_dim"), RMSNorm(cfg, dtype, "head_dim")
+        self.cfg, self.dtype = cfg, dtype
 
     def __call__(self, x_BTD: jax.Array, positions_T: jax.Array) -> jax.Array:
         q_BTNH, k_BTKH, v_BTKH = self._project(x_BTD, positions_T)
@@ -121,12 +136,18 @@ class Attention(nnx.Module):
         return self._output(cached_attention(q_BTNH, k_BSKH, v_BSKH, positions_T)), k_BSKH, v_BSKH
 
     def _project(self, x_BTD: jax.Array, positions_T: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Queries and keys rotated to their positions, and values."""
-        cast = lambda w: gathered(w, self.dtype)
+        """Queries and keys rotated to their positions (normed per head first, with `qk_norm`), and values."""
+        cfg, cast = self.cfg, lambda w: gathered(w, self.dtype)
         x_BTD = relayout(x_BTD, RESIDUAL, REGION_INPUT)
         q_BTNH, k_BTKH, v_BTKH = project(x_BTD, [cast(self.wq_DNH), cast(self.wk_DKH), cast(self.wv_DKH)],
                                          [("batch", "seq", "heads", None)] + [("batch", "seq", "kv_heads", None)] * 2)
-        return rotary(q_BTNH, positions_T, self.theta), rotary(k_BTKH, positions_T, self.theta), v_BTKH
+        if cfg.qkv_bias:
+            q_BTNH, k_BTKH, v_BTKH = (x_BTXH + cast(b_XH) for x_BTXH, b_XH in
+                                      ((q_BTNH, self.q_bias_NH), (k_BTKH, self.k_bias_KH), (v_BTKH, self.v_bias_KH)))
+        if cfg.qk_norm:
+            q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
+        rotate = lambda x_BTXH: rope.rotate(x_BTXH, positions_T, cfg.rope_theta, cfg.rope_scaling)
+        return rotate(q_BTNH), rotate(k_BTKH), v_BTKH
 
     def _output(self, out_BTNH: jax.Array) -> jax.Array:
         return jnp.einsum("btnh,nhd->btd", out_BTNH, gathered(self.wo_NHD, self.dtype))
@@ -194,9 +215,13 @@ class Transformer(nnx.Module):
             return nnx.split(nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(0))), nnx.Param)
 
     def __call__(self, tokens_BT: jax.Array, positions_T: jax.Array | None = None) -> jax.Array:
-        """Logits `[B, T, V]` in float32 for int tokens `[B, T]` at global `positions_T` (default 0..T-1;
-        a load-balanced context-parallel step passes the tokens and their positions reordered)."""
-        return logits(self.hidden_states(tokens_BT, positions_T), self.output_head())
+        """Logits `[B, T, V]` in float32 for int tokens `[B, T]`: of a sequence in its order (reordered for
+        the step and back, `meshpar.attention.sequence_order`), or of tokens already in the step's order at
+        their global `positions_T` (a load-balanced context-parallel step's)."""
+        if positions_T is not None:
+            return logits(self.hidden_states(tokens_BT, positions_T), self.output_head())
+        reorder, positions_T, restore = sequence_order(tokens_BT.shape[1])
+        return restore(logits(self.hidden_states(reorder(tokens_BT), positions_T), self.output_head()))
 
     def hidden_states(self, tokens_BT: jax.Array, positions_T: jax.Array | None = None) -> jax.Array:
         """The final norm's output `[B, T, D]`, which the output head turns into logits."""
@@ -211,7 +236,7 @@ class Transformer(nnx.Module):
     def init_cache(self, batch: int, length: int) -> tuple[jax.Array, jax.Array]:
         """Empty key and value caches [L, B, S, K, H] of `length` positions, in the compute dtype."""
         cfg = self.cfg
-        zeros = jnp.zeros((cfg.n_layers, batch, length, cfg.n_kv_heads, cfg.head_dim), self.dtype)
+        zeros = jnp.zeros((cfg.n_layers, batch, length, cfg.n_kv_heads, cfg.head_size), self.dtype)
         return constrain(zeros, ("layers", *CACHE)), constrain(zeros, ("layers", *CACHE))
 
     def decode(self, tokens_BT: jax.Array, positions_T: jax.Array, k_LBSKH: jax.Array,

@@ -8,8 +8,10 @@ call: arguments as JSON, the result as JSON with arrays as lists.
     python tests/hf_reference.py FUNCTION ARGS_JSON      # what `call` runs in the other interpreter
 """
 
+import contextlib
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -18,26 +20,47 @@ import numpy as np
 
 HERE = importlib.util.find_spec("torch") is not None and importlib.util.find_spec("transformers") is not None
 
+# The small random model of each family the tests check (transformers config fields): GQA (4 query, 2 kv
+# heads), rope_theta and the norm epsilon off their defaults, and each family's options on. Heads, kv heads,
+# d_ff and vocab divide by model=2, layers by stage=2. Fields left out take transformers' defaults, which
+# are full-size ones: qwen3's head_dim is 128 and mistral's sliding_window 4096 unless given.
+SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64, rope_theta=5000.0, rms_norm_eps=1e-5 / 3)
+FAMILIES = {
+    # Llama 3.1's RoPE scaling, over an original context of 16 so that T = 16..32 spans every band
+    "llama": {**SMALL, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 16,
+                                        "low_freq_factor": 1.0, "high_freq_factor": 4.0}},
+    "mistral": {**SMALL, "sliding_window": None, "head_dim": 32},  # a head dim other than hidden / heads
+    # q, k, v biases; tied embeddings, as the small Qwen 2.5 models have; YaRN
+    "qwen2": {**SMALL, "tie_word_embeddings": True,
+              "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}},
+    # q/k norms, a head dim of its own, linear scaling
+    "qwen3": {**SMALL, "head_dim": 32, "rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+}
 
-def llama_config(fields: dict) -> dict:
-    """A LlamaConfig's `config.json` dict, transformers' defaults for what `fields` leaves out."""
+
+def hf_config(model_type: str, fields: dict) -> dict:
+    """The `config.json` dict of a `model_type` family (llama, qwen2, mistral, ...), from transformers' own
+    config class for it: its defaults for what `fields` leaves out."""
     import transformers
 
-    return transformers.LlamaConfig(**fields).to_dict()
+    return transformers.AutoConfig.for_model(model_type, **fields).to_dict()
 
 
-def save_random_llama(directory: str, config: dict, seed: int, dtype: str = "float32",
-                      max_shard_size: str | None = None) -> None:
-    """A LlamaForCausalLM with weights far from transformers' init (std 0.2 matrices, std 1 embeddings,
-    norm scales in [0.5, 1.5]), so that attention, rotary positions and norm scales all shape the logits;
-    saved as safetensors (sharded with an index when `max_shard_size` asks for it)."""
+def save_random(directory: str, model_type: str, fields: dict, seed: int, dtype: str = "float32",
+                max_shard_size: str | None = None) -> None:
+    """A `model_type` causal LM (`AutoModelForCausalLM.from_config`) with weights far from transformers'
+    init, so that attention, rotary positions, norm scales and biases all shape the logits: every parameter
+    with "norm" in its name uniform in [0.5, 1.5], embeddings std 1, every other matrix and bias std 0.2;
+    saved as safetensors in `dtype` (sharded with an index when `max_shard_size` asks for it)."""
     import torch
     import transformers
 
     torch.manual_seed(seed)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config)).eval()
+    config = transformers.AutoConfig.for_model(model_type, **fields)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for name, p in model.named_parameters():  # a tied embedding is one parameter, listed once
             if "norm" in name:
                 p.uniform_(0.5, 1.5)
             else:
@@ -77,14 +100,78 @@ def describe(directory: str) -> dict:
     return {"class": type(model).__name__, "tied": bool(model.config.tie_word_embeddings)}
 
 
-FUNCTIONS = {f.__name__: f for f in (llama_config, save_random_llama, logits, greedy, describe)}
+def learning_rate(step: int, settings: dict) -> float:
+    """The learning rate of update `step` (0 first): linear warmup from lr / (warmup + 1) to lr over
+    `warmup_steps`, then a cosine from lr to lr / 10 that ends at max(decay_steps or steps, warmup + 1)."""
+    peak, warmup = settings["lr"], settings["warmup_steps"]
+    first, end = peak / (warmup + 1), peak / 10
+    total = max(settings["decay_steps"] or settings["steps"], warmup + 1)
+    if step < warmup:
+        return first + (peak - first) * step / warmup
+    done = min(step - warmup, total - warmup) / (total - warmup)
+    return end + (peak - end) * 0.5 * (1 + math.cos(math.pi * done))
+
+
+def train_losses(directory: str, batches: list, settings: dict) -> list:
+    """The loss of each step (before its update) of a plain PyTorch loop training the model in `directory`
+    in float32 on `batches` (int tokens [steps][B, T + 1]): the mean cross-entropy of tokens[:, 1:] given
+    tokens[:, :-1], from the logits; clipping by the global norm as one multiply by min(1, clip_norm / norm);
+    `torch.optim.AdamW` (betas 0.9, 0.95, eps 1e-8) at `learning_rate(step, settings)`, with weight decay on
+    every parameter but those with "norm" or "bias" in their name. `settings`: lr, warmup_steps, steps,
+    decay_steps, weight_decay, clip_norm."""
+    import torch
+
+    model = _load(directory).train()
+    named = list(model.named_parameters())  # a tied embedding is one parameter
+    params = [p for _, p in named]
+    plain = [p for n, p in named if "norm" in n or "bias" in n]
+    decayed = [p for n, p in named if not ("norm" in n or "bias" in n)]
+    opt = torch.optim.AdamW([{"params": decayed, "weight_decay": settings["weight_decay"]},
+                             {"params": plain, "weight_decay": 0.0}], lr=settings["lr"], betas=(0.9, 0.95), eps=1e-8)
+    losses = []
+    for step, batch in enumerate(batches):
+        tokens = torch.tensor(batch)
+        logits = model(input_ids=tokens[:, :-1]).logits.float()
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        with torch.no_grad():
+            grads = [p.grad for p in params if p.grad is not None]
+            norm = torch.sqrt(sum((g * g).sum() for g in grads))
+            scale = torch.clamp(settings["clip_norm"] / norm, max=1.0)
+            for g in grads:
+                g.mul_(scale)
+        for group in opt.param_groups:
+            group["lr"] = learning_rate(step, settings)
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+FUNCTIONS = {f.__name__: f for f in (hf_config, save_random, train_losses, logits, greedy, describe)}
+
+
+@contextlib.contextmanager
+def _one_thread():
+    """torch on one thread while a reference function runs. These models are tiny, and beside JAX's threads
+    and a second test worker torch's pool mostly waits: 20 training steps of the test model took 0.7-8.6 s on
+    2 busy cores with 2 threads, 0.15 s with one."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def call(function: str, *args):
     """`FUNCTIONS[function](*args)`, here or in MESHPAR_TORCH_PYTHON (module docstring); lists come back as
     numpy arrays."""
     if HERE:
-        result = FUNCTIONS[function](*args)
+        with _one_thread():
+            result = FUNCTIONS[function](*args)
     else:
         python = os.environ.get("MESHPAR_TORCH_PYTHON")
         if not python:
@@ -99,4 +186,5 @@ def call(function: str, *args):
 
 
 if __name__ == "__main__":
-    print(json.dumps(FUNCTIONS[sys.argv[1]](*json.loads(sys.argv[2]))))
+    with _one_thread():
+        print(json.dumps(FUNCTIONS[sys.argv[1]](*json.loads(sys.argv[2]))))

@@ -153,9 +153,10 @@ def abstract_param_count(cfg: TransformerConfig) -> int:
 
 
 def formula_param_count(cfg: TransformerConfig) -> int:
-    D, N, K, H, F, V, L = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff, cfg.vocab_size,
+    D, N, K, H, F, V, L = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_size, cfg.d_ff, cfg.vocab_size,
                            cfg.n_layers)
     per_layer = D * N * H + 2 * D * K * H + N * H * D + 3 * D * F + 2 * D
+    per_layer += (N + 2 * K) * H * cfg.qkv_bias + 2 * H * cfg.qk_norm  # Qwen 2's biases, Qwen 3's q/k norm scales
     return V * D * (1 if cfg.tie_embeddings else 2) + L * per_layer + D
 
 
@@ -169,6 +170,8 @@ def test_param_count_matches_the_formula(name):
     ("small", 124e6, 0.02),
     ("llama_8b", 8.03e9, 0.01),
     ("llama_70b", 70.55e9, 0.01),
+    # the open families' published sizes, their biases and q/k norms included
+    ("llama3_8b", 8.03e9, 0.001), ("qwen2_5_7b", 7.62e9, 0.001), ("qwen3_8b", 8.19e9, 0.001), ("mistral_7b", 7.25e9, 0.001),
 ])
 def test_param_count_of_the_named_shapes(name, expected, rel):
     assert abstract_param_count(configs.load(name).model) == pytest.approx(expected, rel=rel)

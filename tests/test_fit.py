@@ -65,6 +65,9 @@ HELD_OUT = {
                                                              "parallel.offload=optimizer+params"]),
     "8b remat offload": ("llama_8b", 8, "fsdp=8", ["train.global_batch=8", "train.remat=offload"]),
     "70b fsdp×model, dots": ("llama_70b", 64, "fsdp=16,model=4", ["train.global_batch=16", "train.remat=dots"]),
+    # the open families' presets (README): biases, q/k norms, head dims of their own, scaled RoPE
+    **{f"{name} fsdp, full remat": (name, 8, "fsdp=8", ["train.global_batch=8", "train.remat=full"])
+       for name in ("llama3_8b", "qwen2_5_7b", "qwen3_8b", "mistral_7b")},
 }
 LAYOUTS = {**FITTED, **HELD_OUT}
 
@@ -158,13 +161,13 @@ def test_launch_compile_prints_the_report_contract(tmp_path):
     (64, ["model.n_layers=8", "model.n_kv_heads=4", "train.global_batch=64", "train.grad_accum=1"]),
 ])
 def test_every_layout_the_planner_ranks_compiles(devices, overrides):
-    """The planner's top 6 layouts for small dims on 16, 32 and 64 devices, each compiled (not only
+    """The planner's top 3 layouts for small dims on 16, 32 and 64 devices, each compiled (not only
     checked for divisibility): no layout it proposes fails inside JAX or XLA."""
     args = [a for o in overrides for a in ("--set", o)]
     proc = subprocess.run([sys.executable, "-m", "launch.compile", "--config", "tiny", "--devices", str(devices),
-                           "--mesh", "auto", "--top", "6", "--json", *args], cwd=ROOT, capture_output=True, text=True,
+                           "--mesh", "auto", "--top", "3", "--json", *args], cwd=ROOT, capture_output=True, text=True,
                           timeout=600, env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     reports = json.loads(proc.stdout)
-    assert len(reports) == 6 and all(r["fits"] for r in reports)
-    assert [r["planner_rank"] for r in reports] == list(range(1, 7))
+    assert len(reports) == 3 and all(r["fits"] for r in reports)
+    assert [r["planner_rank"] for r in reports] == [1, 2, 3]

@@ -1,6 +1,8 @@
 """Generation with a KV cache: the same tokens as recomputing the whole prefix each step, on one device and
-on data, fsdp and model meshes; sampling settings; the CLI; samples during training; --init-from."""
+on data, fsdp and model meshes; sampling settings; stopping at stop ids; the CLI, with a model family's
+tokenizer files; samples during training; --init-from."""
 
+import dataclasses
 import json
 
 import jax
@@ -78,6 +80,20 @@ def test_sampling(model):
     assert not np.array_equal(hot, greedy)
 
 
+def test_each_row_stops_at_its_first_stop_id(model, recomputed):
+    """With stop ids each row is cut after its first one (the tokens unchanged before it); rows that meet none
+    keep all their tokens."""
+    run = lambda stop_ids: generate.generate(model, PROMPT, NEW, one_device(), rules_lib.make(), stop_ids=stop_ids)
+    stop_ids = [int(recomputed[0, 2]), int(recomputed[1, 5])]
+    for row, whole in zip(run(stop_ids), recomputed):
+        end = next((i + 1 for i, token in enumerate(whole) if token in stop_ids), NEW)
+        assert row.tolist() == whole[:end].tolist()
+    assert len(run(stop_ids)[0]) <= 3
+    assert [row.tolist() for row in run(recomputed[:, 0].tolist())] == [[t] for t in recomputed[:, 0]]
+    never = [i for i in range(CFG.vocab_size) if i not in recomputed][:2]
+    assert [row.tolist() for row in run(never)] == recomputed.tolist()
+
+
 def test_next_token_keeps_only_the_top_k_and_top_p():
     logits_BV = jnp.log(jnp.array([[0.5, 0.3, 0.15, 0.05]]))
     draws = lambda s: {int(generate.next_token(logits_BV, s, jax.random.key(i))[0]) for i in range(200)}
@@ -95,6 +111,8 @@ def test_bad_requests_are_refused(model):
         generate.generate(model, [[1, 300]], NEW, one_device(), rules)
     with pytest.raises(InputError, match="exceeds the model's max_seq_len = 64"):
         generate.generate(model, PROMPT, 60, one_device(), rules)
+    with pytest.raises(InputError, match=r"stop ids \[1, 256\] must be in \[0, 256\)"):
+        generate.generate(model, PROMPT, NEW, one_device(), rules, stop_ids=[1, 256])
     with pytest.raises(InputError, match="top-p 0 must be in"):
         generate.Sampling(top_p=0)
 
@@ -102,7 +120,7 @@ def test_bad_requests_are_refused(model):
 def test_the_command_line(model, tmp_path, capsys):
     from launch.generate import main
 
-    checkpoint.export_params(tmp_path / "params", nnx.state(model, nnx.Param), {"model": CFG.__dict__})
+    checkpoint.export_params(tmp_path / "params", nnx.state(model, nnx.Param), {"model": dataclasses.asdict(CFG)})
     main(["--checkpoint", str(tmp_path / "params"), "--prompt-ids", "1,2,3,4,5", "--max-new-tokens", str(NEW),
           "--mesh", "fsdp=8", "--json"])
     printed = json.loads(capsys.readouterr().out)
@@ -123,10 +141,43 @@ def test_the_command_line_with_a_tokenizer(model, tmp_path, capsys):
     tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="w0"))
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer.save(str(tmp_path / "tokenizer.json"))
-    checkpoint.export_params(tmp_path / "params", nnx.state(model, nnx.Param), {"model": CFG.__dict__})
+    checkpoint.export_params(tmp_path / "params", nnx.state(model, nnx.Param), {"model": dataclasses.asdict(CFG)})
     main(["--checkpoint", str(tmp_path / "params"), "--tokenizer", str(tmp_path / "tokenizer.json"),
           "--prompt", "w1 w2 w3 w4 w5", "--max-new-tokens", str(NEW), "--json"])
     printed = json.loads(capsys.readouterr().out)
     expected = generate.generate(model, PROMPT[:1], NEW, one_device(), rules_lib.make())[0].tolist()
     assert printed["ids"] == expected
     assert printed["text"] == " ".join(words[i] for i in expected)
+
+
+def test_the_command_line_with_a_family_s_tokenizer_stops_at_its_eos(model, tmp_path, capsys):
+    """A Llama 3 instruct directory: the prompt gets <|begin_of_text|>, generation stops at the first id of
+    generation_config.json's eos_token_id, and the text leaves the special tokens out. Its special tokens
+    fill the ids after the BPE's, as Llama 3's do; <|eot_id|> is given an id the model generates."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    from launch.generate import main
+
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer, backend.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    backend.train_from_iterator(["the cat sat on the mat", "a dog sat on a log"], trainers.BpeTrainer(vocab_size=60))
+    bos = backend.get_vocab_size()  # <|begin_of_text|>: the first special token
+    prompt = [bos] + backend.encode("the cat sat").ids
+    whole = generate.generate(model, [prompt], NEW, one_device(), rules_lib.make())[0].tolist()
+    eot = next(t for t in whole[:-1] if t > bos)  # the one the model stops at
+    end_of_text = next(i for i in range(bos + 1, CFG.vocab_size) if i not in whole)  # one it never generates
+    names = {bos: "<|begin_of_text|>", end_of_text: "<|end_of_text|>", eot: "<|eot_id|>"}
+    backend.add_special_tokens([names.get(i, f"<|reserved_special_token_{i}|>") for i in range(bos, CFG.vocab_size)])
+    backend.post_processor = processors.TemplateProcessing(single="<|begin_of_text|> $A",
+                                                           special_tokens=[("<|begin_of_text|>", bos)])
+    backend.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<|begin_of_text|>",
+                                                                "eos_token": "<|eot_id|>"}))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [end_of_text, eot]}))
+    checkpoint.export_params(tmp_path / "params", nnx.state(model, nnx.Param), {"model": dataclasses.asdict(CFG)})
+    main(["--checkpoint", str(tmp_path / "params"), "--tokenizer", str(tmp_path / "tokenizer.json"),
+          "--prompt", "the cat sat", "--max-new-tokens", str(NEW), "--json"])
+    printed = json.loads(capsys.readouterr().out)
+    expected = whole[:whole.index(eot) + 1]
+    assert printed["ids"] == expected and len(expected) < NEW
+    assert printed["text"] == backend.decode(expected) and "<|" not in printed["text"]

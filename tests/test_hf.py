@@ -1,10 +1,14 @@
-"""Hugging Face Llama ↔ meshpar: imported weights give transformers' logits on one device and on TP and
-FSDP meshes (sharded and bfloat16 checkpoints too), exported ones load back into transformers with the
-same logits, unsupported configs and mismatched weights are refused, and `launch.convert` end to end.
+"""Hugging Face ↔ meshpar, for every family meshpar converts (`hf_reference.FAMILIES`: llama with Llama 3.1's
+RoPE scaling, mistral with a head dim of its own, qwen2 with q/k/v biases, tied embeddings and YaRN, qwen3
+with q/k norms, a head dim of its own and linear scaling; GQA in all): imported weights give transformers'
+logits on one device and on TP, FSDP and ring context-parallel meshes (float32, relative 1e-5), greedy
+generation gives transformers' tokens, and an export loads back into transformers as the same family with
+the same logits. Llama checkpoints in several shards, from bfloat16 and tied; each device reads only its
+block; unsupported configs and mismatched weights are refused by name; `launch.convert` end to end.
+Training step for step against PyTorch: test_hf_training.py.
 
-Measured here (max |meshpar − transformers| / max |transformers|, float32): 1.3e-6 on one device, 2.0e-6
-on model=2, 1.9e-6 on fsdp=4, 1.1e-6 tied from bfloat16 on fsdp=2,model=2; round trips and the CLI 0 (the
-same float32 weights come back)."""
+Measured here (max |meshpar − transformers| / max |transformers|): 8.8e-7 to 2.2e-6 over the families and
+meshes; exports give transformers' logits exactly (0.0)."""
 
 import dataclasses
 import functools
@@ -18,30 +22,32 @@ from flax import nnx
 from safetensors import safe_open
 
 from conftest import require_devices
-from hf_reference import call
+from hf_reference import FAMILIES, SMALL, call
 from launch import convert
 from meshpar import context, mesh as mesh_lib, rules as rules_lib, sharding
-from models import hf_llama as hf
-from models.transformer import Transformer
 from meshpar.errors import InputError
+from models import hf
+from models.hf import checkpoint
+from models.rope import RopeScaling
+from models.transformer import Transformer
 
 RULES = rules_lib.default()
-# GQA (4 query heads, 2 kv heads), rope_theta and rms_norm_eps off their defaults; dims split by 8 devices
-SMALL = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=64, rope_theta=5000.0, rms_norm_eps=1e-5 / 3)
 TOKENS_BT = np.random.default_rng(0).integers(0, SMALL["vocab_size"], (4, 16))
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                 "qwen3": "Qwen3ForCausalLM"}
 
 
-def hf_model(directory, tie: bool, seed: int = 0, **saving) -> str:
-    """A random Llama (`hf_reference.save_random_llama`) of the SMALL shape saved in `directory`."""
-    call("save_random_llama", str(directory), {**SMALL, "tie_word_embeddings": tie}, seed, *saving.values())
+def hf_model(directory, model_type: str = "llama", seed: int = 0, fields: dict | None = None, **saving) -> str:
+    """A random `model_type` model (`hf_reference.save_random`) of its FAMILIES shape saved in `directory`."""
+    call("save_random", str(directory), model_type, {**FAMILIES[model_type], **(fields or {})}, seed,
+         *saving.values())
     return str(directory)
 
 
 @functools.cache
-def small_config() -> dict:
-    """transformers' `config.json` of the SMALL Llama."""
-    return call("llama_config", SMALL)
+def family_config(model_type: str) -> dict:
+    """transformers' `config.json` of the small `model_type` model."""
+    return call("hf_config", model_type, FAMILIES[model_type])
 
 
 def hf_logits(directory) -> np.ndarray:
@@ -62,71 +68,130 @@ def _forward(graphdef, compute, params, tokens_BT):
         return nnx.merge(graphdef, params)(tokens_BT)
 
 
-def meshpar_logits(params: nnx.State, cfg, mesh) -> np.ndarray:
-    """The logits of meshpar's Transformer with `params`, run on `mesh` as a training step runs it."""
+def meshpar_logits(params: nnx.State, cfg, mesh, kernel: str = "auto") -> np.ndarray:
+    """The logits of meshpar's Transformer with `params`, run on `mesh` as a training step runs it (with the
+    attention kernel `kernel`: `auto` is the dense one at these lengths on CPU)."""
     graphdef, _ = Transformer.abstract(cfg)
     tokens_BT = jax.device_put(TOKENS_BT, sharding.batch_sharding(mesh, RULES, TOKENS_BT.shape))
-    return np.asarray(_forward(graphdef, context.Compute(mesh, RULES), params, tokens_BT))
+    compute = context.Compute(mesh, RULES, attention_kernel=kernel)
+    return np.asarray(_forward(graphdef, compute, params, tokens_BT))
 
 
 def relative_error(a: np.ndarray, reference: np.ndarray) -> float:
     return float(np.max(np.abs(a - reference)) / np.max(np.abs(reference)))
 
 
-@pytest.fixture(scope="module")
-def untied(tmp_path_factory):
-    """An untied model saved in several safetensors shards with an index, and its logits."""
-    directory = tmp_path_factory.mktemp("untied")
-    hf_model(directory, tie=False, dtype="float32", max_shard_size="100KB")
-    assert (directory / hf.INDEX_FILE).is_file() and not (directory / hf.SINGLE_FILE).exists()
-    return directory, hf_logits(directory)
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory):
+    """(model_type, checkpoint directory, transformers' logits) of each family's small random model."""
+    directory = hf_model(tmp_path_factory.mktemp(request.param), request.param)
+    return request.param, directory, hf_logits(directory)
 
 
-@pytest.mark.parametrize("spec", ["", "model=2", "fsdp=4"], ids=["one-device", "tp", "fsdp"])
-def test_imported_logits_match_transformers(untied, spec):
-    directory, reference = untied
+@pytest.mark.parametrize(("spec", "kernel"), [("", "auto"), ("", "blockwise"), ("model=2", "auto"), ("fsdp=4", "auto"),
+                                            ("sequence=2", "auto")],
+                         ids=["one-device", "blockwise-kernel", "tp", "fsdp", "ring-cp"])
+def test_imported_logits_match_transformers(family, spec, kernel):
+    model_type, directory, reference = family
     mesh = build_mesh(spec)
     cfg = hf.load_config(directory)
     params = hf.import_params(directory, cfg, mesh, RULES)
     shardings = sharding.state_shardings(Transformer.abstract(cfg)[1], mesh, RULES)
     assert params["blocks"]["attn"]["wq_DNH"][...].sharding == shardings["blocks"]["attn"]["wq_DNH"].get_value()
-    error = relative_error(meshpar_logits(params, cfg, mesh), reference)
-    print(f"{spec or 'one device'}: max relative logits difference {error:.2e}")
-    assert error < 1e-4
+    error = relative_error(meshpar_logits(params, cfg, mesh, kernel), reference)
+    print(f"{model_type} on {spec or 'one device'} ({kernel} kernel): max relative logits difference {error:.2e}")
+    assert error < 1e-5
 
 
-@pytest.mark.parametrize("spec", ["", "fsdp=2,model=2"], ids=["one-device", "fsdp+tp"])
-def test_greedy_generation_matches_transformers(untied, spec):
-    """meshpar's KV-cache generation continues prompts token for token as transformers' greedy generate."""
+def test_the_options_shape_the_logits(family):
+    """Each family's small model has its options on (not a Llama by another name): its config has them, and
+    without its RoPE scaling meshpar's logits would be far from transformers'."""
+    model_type, directory, reference = family
+    cfg = hf.load_config(directory)
+    options = {"llama": ("llama3", 0, False, False), "mistral": ("none", 32, False, False),
+               "qwen2": ("yarn", 0, True, False), "qwen3": ("linear", 32, False, True)}[model_type]
+    assert (cfg.rope_scaling.kind, cfg.head_dim, cfg.qkv_bias, cfg.qk_norm) == options
+    assert cfg.tie_embeddings == (model_type == "qwen2") and cfg.n_kv_heads < cfg.n_heads
+    if cfg.rope_scaling.kind != "none":
+        mesh = build_mesh("")
+        unscaled = dataclasses.replace(cfg, rope_scaling=RopeScaling())
+        assert relative_error(meshpar_logits(hf.import_params(directory, cfg, mesh, RULES), unscaled, mesh),
+                              reference) > 1e-3
+
+
+def test_greedy_generation_matches_transformers(family):
+    """meshpar's KV-cache generation on fsdp=2 × model=2 continues prompts token for token as transformers'
+    greedy generate."""
     from meshpar import generate
 
-    directory, _ = untied
-    mesh = build_mesh(spec)
+    model_type, directory, _ = family
+    mesh = build_mesh("fsdp=2,model=2")
     cfg = hf.load_config(directory)
     graphdef, _ = Transformer.abstract(cfg)
     model = nnx.merge(graphdef, hf.import_params(directory, cfg, mesh, RULES))
     prompt_BT = TOKENS_BT[:2, :6]
-    expected = call("greedy", str(directory), prompt_BT.tolist(), 12)
+    expected = call("greedy", directory, prompt_BT.tolist(), 12)
     np.testing.assert_array_equal(generate.generate(model, prompt_BT, 12, mesh, RULES), expected)
 
 
-def test_each_device_reads_only_its_block(untied, monkeypatch):
+def test_export_loads_in_transformers_as_the_same_family(family, tmp_path):
+    model_type, directory, reference = family
+    mesh = build_mesh("fsdp=2,model=2")
+    cfg = hf.load_config(directory)
+    params = hf.import_params(directory, cfg, mesh, RULES)
+    # small shards, so the export writes an index as transformers does for large models
+    written = hf.export(params, cfg, tmp_path / "out", max_shard_bytes=60_000, model_type=model_type)
+    assert (tmp_path / "out" / hf.INDEX_FILE) in written and len(written) > 3
+    assert call("describe", str(tmp_path / "out")) == {"class": ARCHITECTURES[model_type],
+                                                       "tied": cfg.tie_embeddings}
+    error = relative_error(hf_logits(tmp_path / "out"), reference)
+    print(f"{model_type} round trip: max relative logits difference {error:.2e}")
+    assert error == 0.0  # the same float32 weights
+    assert hf.config_from_hf(json.loads((tmp_path / "out" / "config.json").read_text())) == cfg
+
+
+def test_the_family_written_is_the_models_unless_asked():
+    """Without a family named, the model's options choose it (qwen3: q/k norms, qwen2: biases, else llama);
+    a family that cannot hold the model is refused, naming the option."""
+    configs = {t: hf.config_from_hf(family_config(t)) for t in FAMILIES}
+    assert {t: hf.family_of(cfg).model_type for t, cfg in configs.items()} == {
+        "llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+    assert hf.family_of(configs["mistral"], "mistral").model_type == "mistral"
+    with pytest.raises(InputError, match=r"model.qkv_bias = true: a llama checkpoint cannot hold it"):
+        hf.config_to_hf(configs["qwen2"], "llama")
+    with pytest.raises(InputError, match=r"model.qk_norm = false: a qwen3 checkpoint cannot hold it"):
+        hf.config_to_hf(configs["llama"], "qwen3")
+    with pytest.raises(InputError, match="--family gemma: not one of llama, mistral, qwen2, qwen3"):
+        hf.family_of(configs["llama"], "gemma")
+
+
+@pytest.fixture(scope="module")
+def sharded_llama(tmp_path_factory):
+    """An untied Llama saved in several safetensors shards with an index."""
+    directory = tmp_path_factory.mktemp("sharded")
+    hf_model(directory, dtype="float32", max_shard_size="100KB")
+    assert (directory / hf.INDEX_FILE).is_file() and not (directory / hf.SINGLE_FILE).exists()
+    return directory
+
+
+def test_each_device_reads_only_its_block(sharded_llama, monkeypatch):
     """On fsdp=2 × model=2 every matrix splits four ways, and each read from the files is one quarter of a
     layer's tensor: no whole tensor is assembled on the host on its way to the devices."""
-    directory, _ = untied
     reads = []
-    read = hf._from_hf
-    monkeypatch.setattr(hf, "_from_hf", lambda kind, part, box, shape: reads.append((box, shape))
+    read = checkpoint._from_hf
+    monkeypatch.setattr(checkpoint, "_from_hf", lambda kind, part, box, shape: reads.append((box, shape))
                         or read(kind, part, box, shape))
-    hf.import_params(directory, hf.load_config(directory), build_mesh("fsdp=2,model=2"), RULES)
+    cfg = hf.load_config(sharded_llama)
+    params = hf.import_params(sharded_llama, cfg, build_mesh("fsdp=2,model=2"), RULES)
     matrices = [(box, shape) for box, shape in reads if len(shape) > 1]
     assert len(matrices) == 4 * (2 + 7 * SMALL["num_hidden_layers"])  # per device: embed, head, 7 per layer
     assert all(4 * math.prod(b - a for a, b in box) == math.prod(shape) for box, shape in matrices)
+    assert relative_error(meshpar_logits(params, cfg, build_mesh("fsdp=2,model=2")), hf_logits(sharded_llama)) < 1e-5
 
 
 def test_tied_bfloat16_checkpoint(tmp_path):
     """A bfloat16 file of a tied model: meshpar reads it into float32 as transformers does."""
-    hf_model(tmp_path, tie=True, seed=1, dtype="bfloat16")
+    hf_model(tmp_path, seed=1, fields={"tie_word_embeddings": True}, dtype="bfloat16")
     with safe_open(tmp_path / hf.SINGLE_FILE, framework="np") as f:
         assert f.get_slice("model.embed_tokens.weight").get_dtype() == "BF16"
         assert "lm_head.weight" not in f.keys()
@@ -136,69 +201,70 @@ def test_tied_bfloat16_checkpoint(tmp_path):
     mesh = build_mesh("fsdp=2,model=2")
     error = relative_error(meshpar_logits(hf.import_params(tmp_path, cfg, mesh, RULES), cfg, mesh), reference)
     print(f"tied, bfloat16 file, fsdp=2,model=2: max relative logits difference {error:.2e}")
-    assert error < 1e-4
+    assert error < 1e-5
 
 
-@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
-def test_export_loads_in_transformers_with_the_same_logits(tmp_path, tie):
-    hf_model(tmp_path / "in", tie=tie)
-    mesh = build_mesh("fsdp=2,model=2")
-    cfg = hf.load_config(tmp_path / "in")
-    params = hf.import_params(tmp_path / "in", cfg, mesh, RULES)
-    # small shards, so the export writes an index as transformers does for large models
-    written = hf.export(params, cfg, tmp_path / "out", max_shard_bytes=60_000)
-    assert (tmp_path / "out" / hf.INDEX_FILE) in written and len(written) > 3
-    assert call("describe", str(tmp_path / "out")) == {"class": "LlamaForCausalLM", "tied": tie}
-    error = relative_error(hf_logits(tmp_path / "out"), hf_logits(tmp_path / "in"))
-    print(f"round trip ({'tied' if tie else 'untied'}): max relative logits difference {error:.2e}")
-    assert error < 1e-4
-    assert hf.config_from_hf(json.loads((tmp_path / "out" / "config.json").read_text())) == cfg
-
-
-@pytest.mark.parametrize(("change", "culprit"), [
-    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling"),
-    ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}, "rope_parameters"),
-    ({"attention_bias": True}, "attention_bias"),
-    ({"mlp_bias": True}, "mlp_bias"),
-    ({"hidden_act": "gelu"}, "hidden_act"),
-    ({"head_dim": 32}, "head_dim"),
-    ({"model_type": "mistral"}, "model_type"),
+@pytest.mark.parametrize(("model_type", "change", "culprit"), [
+    ("llama", {"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_type 'dynamic' is not implemented"),
+    ("llama", {"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}}, "rope_type 'longrope'"),
+    ("llama", {"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                                "mscale": 0.7}}, "rope_scaling.mscale is not implemented"),
+    ("llama", {"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+    ("llama", {"attention_bias": True}, "attention_bias = true is not implemented"),
+    ("llama", {"mlp_bias": True}, "mlp_bias"),
+    ("llama", {"hidden_act": "gelu"}, "hidden_act"),
+    ("llama", {"model_type": "gemma"}, "model_type = 'gemma' is not one meshpar can convert"),
+    ("llama", {"architectures": ["LlamaForSequenceClassification"]}, "only LlamaForCausalLM"),
+    ("mistral", {"sliding_window": 4096}, "sliding_window = 4096 is not implemented"),
+    ("qwen2", {"use_sliding_window": True}, "use_sliding_window = true is not implemented"),
+    ("qwen2", {"layer_types": ["full_attention", "sliding_attention"]}, "layer_types has 'sliding_attention'"),
+    ("qwen3", {"attention_bias": True}, "attention_bias"),
+    ("qwen3", {"attention_dropout": 0.1}, "attention_dropout"),
 ])
-def test_unsupported_configs_are_refused(change, culprit):
-    d = {**small_config(), "architectures": ["LlamaForCausalLM"], **change}
+def test_unsupported_configs_are_refused(model_type, change, culprit):
+    config = family_config(model_type)
+    if "rope_scaling" in change:  # as transformers 4.x writes it: no rope_parameters
+        config = {k: v for k, v in config.items() if k != "rope_parameters"}
     with pytest.raises(InputError, match=culprit):
-        hf.config_from_hf(d)
+        hf.config_from_hf({**config, **change})
 
 
-def test_config_round_trip():
-    cfg = hf.config_from_hf(call("llama_config", {**SMALL, "tie_word_embeddings": True}))
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+def test_config_round_trip(model_type):
+    cfg = hf.config_from_hf(family_config(model_type))
     assert (cfg.n_heads, cfg.n_kv_heads, cfg.rope_theta, cfg.norm_eps) == (4, 2, 5000.0, SMALL["rms_norm_eps"])
-    assert hf.config_from_hf(hf.config_to_hf(cfg)) == cfg
+    assert hf.config_from_hf(hf.config_to_hf(cfg, model_type)) == cfg
 
 
 @pytest.mark.parametrize(("change", "culprit"), [
     ({"n_layers": 3}, "tensor model.layers.2.input_layernorm.weight is missing"),
     ({"n_layers": 1}, "unexpected tensor model.layers.1."),
     ({"d_ff": 96}, r"tensor model.layers.0.mlp.gate_proj.weight has shape \(128, 64\)"),
+    ({"qkv_bias": True}, r"tensor model.layers.0.self_attn.k_proj.bias is missing \(6 missing in all"),
 ])
-def test_weights_that_do_not_fit_the_config_are_refused(untied, change, culprit):
-    directory, _ = untied
-    cfg = dataclasses.replace(hf.load_config(directory), **change)
+def test_weights_that_do_not_fit_the_config_are_refused(sharded_llama, change, culprit):
+    cfg = dataclasses.replace(hf.load_config(sharded_llama), **change)
     with pytest.raises(InputError, match=culprit):
-        hf.import_params(directory, cfg, build_mesh(""), RULES)
+        hf.import_params(sharded_llama, cfg, build_mesh(""), RULES)
 
 
-def test_convert_cli_from_hf_then_to_hf(tmp_path, capsys):
+def test_convert_cli_from_hf_then_to_hf_keeps_the_family(tmp_path, capsys):
+    """A Mistral checkpoint (which meshpar's options alone would write as Llama) goes in and comes back out as
+    Mistral, with transformers' logits."""
     require_devices(8)
-    hf_model(tmp_path / "hf", tie=False)
+    hf_model(tmp_path / "hf", "mistral")
     convert.main(["from-hf", "--hf-dir", str(tmp_path / "hf"), "--out", str(tmp_path / "params")])
     assert "peak host RSS" in capsys.readouterr().out
     convert.main(["to-hf", "--checkpoint", str(tmp_path / "params"), "--out", str(tmp_path / "back"),
                   "--mesh", "fsdp=4,model=2"])
+    assert call("describe", str(tmp_path / "back"))["class"] == "MistralForCausalLM"
     error = relative_error(hf_logits(tmp_path / "back"), hf_logits(tmp_path / "hf"))
     print(f"CLI from-hf → to-hf: max relative logits difference {error:.2e}")
-    assert error < 1e-4
+    assert error == 0.0
     (tmp_path / "bare").mkdir()
     (tmp_path / "bare" / "config.json").write_text((tmp_path / "hf" / "config.json").read_text())
     with pytest.raises(SystemExit, match=r"^error: .*neither model.safetensors nor"):
         convert.main(["from-hf", "--hf-dir", str(tmp_path / "bare"), "--out", str(tmp_path / "none")])
+    with pytest.raises(SystemExit, match=r"^error: model.qkv_bias = false: a qwen2 checkpoint cannot hold it"):
+        convert.main(["to-hf", "--checkpoint", str(tmp_path / "params"), "--out", str(tmp_path / "qwen"),
+                      "--family", "qwen2"])

@@ -50,7 +50,7 @@ def tp8():
 def test_tensor_parallel_splits_heads_mlp_and_vocab(tp8):
     params = tp8[False].state["model"]
     shard = lambda p: p[...].sharding.shard_shape(p[...].shape)
-    D, N, H, F, V = MODEL.d_model, MODEL.n_heads, MODEL.head_dim, MODEL.d_ff, MODEL.vocab_size
+    D, N, H, F, V = MODEL.d_model, MODEL.n_heads, MODEL.head_size, MODEL.d_ff, MODEL.vocab_size
     assert shard(params["blocks"]["attn"]["wq_DNH"]) == (2, D, N // 8, H)  # heads split: column parallel
     assert shard(params["blocks"]["attn"]["wo_NHD"]) == (2, N // 8, H, D)  # row parallel
     assert shard(params["blocks"]["mlp"]["w_up_DF"]) == (2, D, F // 8)

@@ -52,8 +52,8 @@ def test_the_planner_reads_the_models_dimensions(name):
     cfg = configs.load(name).model
     shape = shape_of(cfg)
     assert (shape.vocab, shape.d_model, shape.layers, shape.heads, shape.kv_heads, shape.head_dim, shape.d_ff) == (
-        cfg.vocab_size, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff)
-    D, N, K, H, F = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.d_ff
+        cfg.vocab_size, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_size, cfg.d_ff)
+    D, N, K, H, F = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_size, cfg.d_ff
     assert shape.matmul_params == cfg.n_layers * (2 * D * N * H + 2 * D * K * H + 3 * D * F) + D * cfg.vocab_size
 
 
@@ -374,7 +374,7 @@ def assert_builds(model_cfg, est: plan.Estimate, global_batch: int, seq_len: int
         pipeline_stages.check(model_cfg.n_layers, rows, mesh.shape, stages=lay.mesh.stage, microbatches=lay.M,
                               repeats=lay.R)
         rows //= lay.M
-    D, N, K, H = model_cfg.d_model, model_cfg.n_heads, model_cfg.n_kv_heads, model_cfg.head_dim
+    D, N, K, H = model_cfg.d_model, model_cfg.n_heads, model_cfg.n_kv_heads, model_cfg.head_size
     for logical, shape in [(("batch", "resid_seq", "embed"), (rows, seq_len, D)),
                            (("batch", "seq", "embed"), (rows, seq_len, D)),
                            (("batch", "seq", "heads", None), (rows, seq_len, N, H)),

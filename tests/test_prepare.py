@@ -1,11 +1,16 @@
 """`python -m launch.prepare`: a file or a directory becomes the tokenizer's ids, documents separated by its
-EOS, in the flat uint16 / uint32 file that training's `data.source=bin` memory-maps."""
+EOS, in the flat uint16 / uint32 file that training's `data.source=bin` memory-maps; with a model family's
+tokenizer files, one BOS per document where the family has one and the EOS its tokenizer_config.json names."""
+
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
-from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+from test_tokenizer import write_family
+from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
 
-from launch import prepare
+from launch import prepare, tokenizer
 from meshpar.data import bin_tokens
 from meshpar.errors import InputError
 
@@ -21,6 +26,13 @@ def tokenizer_file(tmp_path_factory):
     path = tmp_path_factory.mktemp("tokenizer") / "tokenizer.json"
     tokenizer.save(str(path))
     return path
+
+
+def two_documents(directory: Path) -> Path:
+    directory.mkdir()
+    for name, line in zip(["a.txt", "b.txt"], LINES):
+        (directory / name).write_text(line)
+    return directory
 
 
 def ids(tokenizer_file, text: str) -> list[int]:
@@ -82,6 +94,45 @@ def test_the_eos_named_by_tokenizer_config_json(tokenizer_file, tmp_path):
     """A Hugging Face model directory names its EOS in tokenizer_config.json; that one wins."""
     (tmp_path / "tokenizer.json").write_text(tokenizer_file.read_text())
     (tmp_path / "tokenizer_config.json").write_text('{"eos_token": {"content": "[UNK]"}}')
-    tokenizer = prepare.load_tokenizer(str(tmp_path / "tokenizer.json"))
-    assert prepare.eos_id(tokenizer, str(tmp_path / "tokenizer.json"), None) == tokenizer.token_to_id("[UNK]")
-    assert prepare.eos_id(tokenizer, str(tokenizer_file), None) == tokenizer.token_to_id("</s>")
+    backend = Tokenizer.from_file(str(tokenizer_file))
+    assert tokenizer.load(str(tmp_path / "tokenizer.json")).eos_id == backend.token_to_id("[UNK]")
+    assert tokenizer.load(str(tokenizer_file)).eos_id == backend.token_to_id("</s>")  # a well-known EOS
+
+
+@pytest.mark.parametrize(("family", "bos", "eos"), [
+    ("llama3", "<|begin_of_text|>", "<|end_of_text|>"),
+    ("llama3-instruct", "<|begin_of_text|>", "<|eot_id|>"),
+    ("qwen-instruct", None, "<|im_end|>"),
+    ("mistral", "<s>", "</s>"),
+])
+def test_a_family_s_bos_starts_each_document_and_its_eos_separates_them(family, bos, eos, tmp_path, capsys):
+    path, corpus = write_family(tmp_path / "model", family), two_documents(tmp_path / "corpus")
+    prepare.main(["--tokenizer", str(path), "--input", str(corpus), "--out", str(tmp_path / "c.bin")])
+    backend = Tokenizer.from_file(str(path))
+    bos_ids = [backend.token_to_id(bos)] if bos else []
+    document = lambda text: bos_ids + backend.encode(text, add_special_tokens=False).ids
+    expected = document(LINES[0]) + [backend.token_to_id(eos)] + document(LINES[1])
+    assert np.fromfile(tmp_path / "c.bin", np.uint16).tolist() == expected
+    assert f"each document gets {bos or 'no special token'} from the tokenizer; documents are separated by " \
+           f"{eos!r}" in capsys.readouterr().out
+
+
+def test_one_eos_between_documents_where_the_tokenizer_ends_each_with_it(tmp_path):
+    path = write_family(tmp_path / "model", "mistral")
+    backend = Tokenizer.from_file(str(path))
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A </s>", special_tokens=[
+        ("<s>", backend.token_to_id("<s>")), ("</s>", backend.token_to_id("</s>"))])
+    backend.save(str(path))
+    prepare.main(["--tokenizer", str(path), "--input", str(two_documents(tmp_path / "corpus")),
+                  "--out", str(tmp_path / "c.bin")])
+    expected = backend.encode(LINES[0]).ids + backend.encode(LINES[1]).ids  # <s> a </s> <s> b </s>
+    assert np.fromfile(tmp_path / "c.bin", np.uint16).tolist() == expected
+
+
+def test_a_bad_tokenizer_config_json_is_one_error_line(tmp_path):
+    path = write_family(tmp_path, "llama3")
+    (tmp_path / "tokenizer_config.json").write_text('{"eos_token": "<|nope|>"}')
+    (tmp_path / "x.txt").write_text("the cat")
+    message = f"error: {tmp_path / 'tokenizer_config.json'}: eos_token '<|nope|>' is not a token of {path}"
+    with pytest.raises(SystemExit, match=f"^{re.escape(message)}$"):
+        prepare.main(["--tokenizer", str(path), "--input", str(tmp_path / "x.txt"), "--out", str(tmp_path / "x.bin")])

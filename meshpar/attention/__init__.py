@@ -8,14 +8,31 @@ and Ulysses attention over a split sequence).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import jax
+import jax.numpy as jnp
 
 from meshpar import context, sharding
+from meshpar.attention import zigzag
 from meshpar.attention.context_parallel import context_attention
 from meshpar.attention.kernels import cached_attention, causal_attention, platform_of
 from meshpar.errors import InputError
 
-__all__ = ["attend", "cached_attention", "causal_attention"]
+__all__ = ["attend", "cached_attention", "causal_attention", "sequence_order"]
+
+Reorder = Callable[[jax.Array], jax.Array]
+
+
+def sequence_order(T: int) -> tuple[Reorder, jax.Array, Reorder]:
+    """(reorder, positions, restore) of a sequence of T tokens for the active step: under load-balanced
+    context parallelism the zigzag order `attend` expects and its global positions, else the order as it
+    is and 0..T−1. `reorder` and `restore` act on axis 1 ([B, T, ...])."""
+    compute = context.active()
+    n = compute.mesh.shape.get("sequence", 1) if compute is not None else 1
+    if n > 1 and compute.rules.parallel.load_balance:
+        return lambda x: zigzag.zigzag(x, n), zigzag.positions(T, n), lambda x: zigzag.unzigzag(x, n)
+    return (lambda x: x), jnp.arange(T), (lambda x: x)
 
 
 def attend(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array) -> jax.Array:

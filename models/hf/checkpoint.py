@@ -1,23 +1,8 @@
-"""Hugging Face Llama checkpoints ↔ meshpar's transformer parameters.
+"""Hugging Face checkpoint directories ↔ meshpar's transformer parameters: lazy sharded import, export.
 
-A Hugging Face Llama directory holds `config.json` and its weights as safetensors: `model.safetensors`,
-or shards listed by `model.safetensors.index.json`. Its tensors are torch `nn.Linear` weights, [out, in],
-one per layer; meshpar's are [in, out] with the heads split out and the layers stacked on a leading L axis:
-
-| Hugging Face (layer l)                  | meshpar                            | how                    |
-|-----------------------------------------|------------------------------------|------------------------|
-| model.embed_tokens.weight [V, D]        | embed_VD [V, D]                    | as is                  |
-| lm_head.weight [V, D] (absent if tied)  | head_DV [D, V]                     | transposed             |
-| model.norm.weight [D]                   | final_norm.scale [D]               | as is                  |
-| input_layernorm.weight [D]              | blocks.attn_norm.scale [L, D]      | as is, stacked         |
-| post_attention_layernorm.weight [D]     | blocks.mlp_norm.scale [L, D]       | as is, stacked         |
-| self_attn.q_proj.weight [N·H, D]        | blocks.attn.wq_DNH [L, D, N, H]    | W.T.reshape(D, N, H)   |
-| self_attn.k_proj, v_proj [K·H, D]       | blocks.attn.wk_DKH, wv_DKH         | W.T.reshape(D, K, H)   |
-| self_attn.o_proj.weight [D, N·H]        | blocks.attn.wo_NHD [L, N, H, D]    | W.T.reshape(N, H, D)   |
-| mlp.gate_proj, up_proj [F, D]           | blocks.mlp.w_gate_DF, w_up_DF      | transposed             |
-| mlp.down_proj [D, F]                    | blocks.mlp.w_down_FD [L, F, D]     | transposed             |
-
-Both use rotary positions on the pairs (i, i + H/2) ("rotate half"), so q/k need no permutation.
+A Hugging Face directory holds `config.json` and its weights as safetensors: `model.safetensors`, or
+shards listed by `model.safetensors.index.json`. Which tensors it holds and how each maps to a meshpar
+parameter is its family's (`models.hf.families`).
 
 Import is lazy: every parameter is made with `jax.make_array_from_callback`, whose callback reads from
 the memory-mapped files only the block one device owns (layer by layer for the stacked arrays), so a
@@ -28,7 +13,6 @@ sharded parameter is never whole on one device nor on the host. Export goes the 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import json
 import math
@@ -45,110 +29,21 @@ from safetensors.numpy import save_file
 from meshpar.errors import InputError
 from meshpar.rules import Rules
 from meshpar.sharding import state_shardings
+from models.hf.families import Tensor, config_from_hf, config_to_hf, tensors
 from models.transformer import Transformer, TransformerConfig
 
 SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
 # Export shards: transformers' own default is larger; 2 GB keeps one shard's host buffer small.
 MAX_SHARD_BYTES = 2 * 10**9
 _READABLE_DTYPES = ("F32", "F16", "BF16", "F64")
-# Old Llama checkpoints store the rotary frequencies as a buffer; they follow from rope_theta.
+# Old Llama checkpoints store the rotary frequencies as a buffer; they follow from the config.
 _DERIVED_SUFFIX = ".rotary_emb.inv_freq"
-
-
-@dataclasses.dataclass(frozen=True)
-class _Tensor:
-    """One meshpar parameter and its Hugging Face tensor; `{l}` in the name marks a per-layer tensor,
-    stacked on meshpar's leading L axis. `kind` is how the layouts relate (module docstring):
-    `same`, `transpose`, `heads_in` ([X·H, D] → [D, X, H]) or `heads_out` ([D, N·H] → [N, H, D])."""
-
-    path: tuple[str, ...]
-    name: str
-    kind: str
-
-    @property
-    def stacked(self) -> bool:
-        return "{l}" in self.name
-
-
-_LAYER = "model.layers.{l}."
-TENSORS = (
-    _Tensor(("embed_VD",), "model.embed_tokens.weight", "same"),
-    _Tensor(("blocks", "attn_norm", "scale"), _LAYER + "input_layernorm.weight", "same"),
-    _Tensor(("blocks", "attn", "wq_DNH"), _LAYER + "self_attn.q_proj.weight", "heads_in"),
-    _Tensor(("blocks", "attn", "wk_DKH"), _LAYER + "self_attn.k_proj.weight", "heads_in"),
-    _Tensor(("blocks", "attn", "wv_DKH"), _LAYER + "self_attn.v_proj.weight", "heads_in"),
-    _Tensor(("blocks", "attn", "wo_NHD"), _LAYER + "self_attn.o_proj.weight", "heads_out"),
-    _Tensor(("blocks", "mlp_norm", "scale"), _LAYER + "post_attention_layernorm.weight", "same"),
-    _Tensor(("blocks", "mlp", "w_gate_DF"), _LAYER + "mlp.gate_proj.weight", "transpose"),
-    _Tensor(("blocks", "mlp", "w_up_DF"), _LAYER + "mlp.up_proj.weight", "transpose"),
-    _Tensor(("blocks", "mlp", "w_down_FD"), _LAYER + "mlp.down_proj.weight", "transpose"),
-    _Tensor(("final_norm", "scale"), "model.norm.weight", "same"),
-    _Tensor(("head_DV",), "lm_head.weight", "transpose"),
-)
 
 
 # ---------------------------------------------------------------------------------------------- config
 
-def config_from_hf(d: dict) -> TransformerConfig:
-    """The TransformerConfig of a Llama `config.json`; anything meshpar's model does not implement is
-    refused with the option that asks for it."""
-    if d.get("model_type") != "llama":
-        raise InputError(f"config.json: model_type = {d.get('model_type')!r}: only 'llama' (LlamaForCausalLM) "
-                         f"checkpoints can be converted")
-    if "LlamaForCausalLM" not in (d.get("architectures") or ["LlamaForCausalLM"]):
-        raise InputError(f"config.json: architectures = {d['architectures']}: only LlamaForCausalLM (a language "
-                         f"model head) can be converted")
-    if d.get("hidden_act", "silu") != "silu":
-        raise InputError(f"config.json: hidden_act = {d['hidden_act']!r} is not implemented: meshpar's MLP is "
-                         f"SwiGLU (silu)")
-    for key in ("attention_bias", "mlp_bias"):
-        if d.get(key):
-            raise InputError(f"config.json: {key} = true is not implemented: meshpar's projections have no bias")
-    missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                           "num_attention_heads") if k not in d]
-    if missing:
-        raise InputError(f"config.json lacks {', '.join(missing)}")
-    heads, hidden = d["num_attention_heads"], d["hidden_size"]
-    if d.get("head_dim") not in (None, hidden // heads):
-        raise InputError(f"config.json: head_dim = {d['head_dim']} is not implemented: meshpar's head dim is "
-                         f"hidden_size / num_attention_heads = {hidden // heads}")
-    # Defaults are LlamaConfig's, for keys an older config.json leaves out.
-    return TransformerConfig(
-        vocab_size=d["vocab_size"], d_model=hidden, n_layers=d["num_hidden_layers"], n_heads=heads,
-        n_kv_heads=d.get("num_key_value_heads") or heads, d_ff=d["intermediate_size"],
-        max_seq_len=d.get("max_position_embeddings", 2048), tie_embeddings=bool(d.get("tie_word_embeddings", False)),
-        rope_theta=float(_rope_theta(d)), norm_eps=float(d.get("rms_norm_eps", 1e-6)))
-
-
-def _rope_theta(d: dict) -> float:
-    """transformers ≥ 5 writes `rope_parameters` {rope_type, rope_theta}; 4.x `rope_theta` and `rope_scaling`."""
-    for key in ("rope_parameters", "rope_scaling"):
-        rope = d.get(key) or {}
-        kind = rope.get("rope_type", rope.get("type", "default"))
-        if kind != "default":
-            raise InputError(f"config.json: {key} = {json.dumps(rope)} is not implemented: meshpar's rotary "
-                             f"positions are unscaled (rope_type 'default')")
-    return (d.get("rope_parameters") or {}).get("rope_theta", d.get("rope_theta", 10_000.0))
-
-
-def config_to_hf(cfg: TransformerConfig) -> dict:
-    """A `config.json` that transformers loads as LlamaForCausalLM computing what meshpar's model computes."""
-    return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff,
-        "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
-        "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_dim,
-        "max_position_embeddings": cfg.max_seq_len, "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps,
-        "tie_word_embeddings": cfg.tie_embeddings, "attention_bias": False, "mlp_bias": False,
-        # transformers ≥ 5 reads rope_parameters and dtype; 4.x reads rope_theta, rope_scaling and torch_dtype
-        "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-        "rope_theta": cfg.rope_theta, "rope_scaling": None,
-        "dtype": "float32", "torch_dtype": "float32",
-    }
-
-
 def load_config(hf_dir: str | Path) -> TransformerConfig:
-    """The TransformerConfig of a Hugging Face model directory's `config.json`."""
+    """The TransformerConfig of a Hugging Face model directory's `config.json` (`families.config_from_hf`)."""
     path = Path(hf_dir) / "config.json"
     try:
         return config_from_hf(json.loads(path.read_text()))
@@ -160,10 +55,6 @@ def load_config(hf_dir: str | Path) -> TransformerConfig:
 
 # ---------------------------------------------------------------------------------------------- layouts
 
-def _tensors(cfg: TransformerConfig) -> list[_Tensor]:
-    return [t for t in TENSORS if not (cfg.tie_embeddings and t.path == ("head_DV",))]
-
-
 def _hf_shape(kind: str, shape: tuple[int, ...]) -> tuple[int, ...]:
     """The Hugging Face shape of one layer of a meshpar parameter of (per-layer) `shape`."""
     if kind == "same":
@@ -173,6 +64,9 @@ def _hf_shape(kind: str, shape: tuple[int, ...]) -> tuple[int, ...]:
     if kind == "heads_in":
         D, X, H = shape
         return X * H, D
+    if kind == "heads_bias":
+        X, H = shape
+        return (X * H,)
     N, H, D = shape
     return D, N * H
 
@@ -189,6 +83,10 @@ def _from_hf(kind: str, part, box: list[tuple[int, int]], shape: tuple[int, ...]
         (d0, d1), (x0, x1), _ = box
         H = shape[2]
         out = part[x0 * H:x1 * H, s[0]].T.reshape(d1 - d0, x1 - x0, H)[:, :, s[2]]
+    elif kind == "heads_bias":  # entries x·H + h of b [X·H]
+        (x0, x1), _ = box
+        H = shape[1]
+        out = part[x0 * H:x1 * H].reshape(x1 - x0, H)[:, s[1]]
     else:  # heads_out: columns n·H + h of W [D, N·H]
         (n0, n1), _, (d0, d1) = box
         H = shape[1]
@@ -204,6 +102,8 @@ def _to_hf(kind: str, w: np.ndarray) -> np.ndarray:
         return np.ascontiguousarray(w.T)
     if kind == "heads_in":  # [D, X, H] → [X·H, D]
         return np.ascontiguousarray(w.reshape(w.shape[0], -1).T)
+    if kind == "heads_bias":  # [X, H] → [X·H]
+        return w.reshape(-1)
     return np.ascontiguousarray(w.reshape(-1, w.shape[-1]).T)  # heads_out: [N, H, D] → [D, N·H]
 
 
@@ -235,12 +135,12 @@ def _weight_map(hf_dir: Path) -> dict[str, Path]:
                      f"re-save them with transformers' save_pretrained, which writes safetensors)")
 
 
-def _names_of(tensor: _Tensor, n_layers: int) -> list[str]:
+def _names_of(tensor: Tensor, n_layers: int) -> list[str]:
     return [tensor.name.format(l=l) for l in range(n_layers)] if tensor.stacked else [tensor.name]
 
 
 def import_params(hf_dir: str | Path, cfg: TransformerConfig, mesh: Mesh, rules: Rules) -> nnx.State:
-    """The parameters of a Hugging Face Llama checkpoint, laid out on `mesh` by `rules`, in float32.
+    """The parameters of a Hugging Face checkpoint of the model `cfg`, laid out on `mesh` by `rules`, in float32.
 
     Each device reads only its own block of each tensor (float32, bfloat16 and float16 files alike).
     Missing or unexpected tensors and wrong shapes are refused, naming the tensor.
@@ -249,8 +149,8 @@ def import_params(hf_dir: str | Path, cfg: TransformerConfig, mesh: Mesh, rules:
     weight_map = _weight_map(hf_dir)
     _, abstract = Transformer.abstract(cfg)
     shardings = dict(nnx.to_flat_state(state_shardings(abstract, mesh, rules)))
-    tensors = _tensors(cfg)
-    expected = {name for t in tensors for name in _names_of(t, cfg.n_layers)}
+    rows = tensors(cfg)
+    expected = {name for t in rows for name in _names_of(t, cfg.n_layers)}
     missing = sorted(expected - set(weight_map))
     ignored = {"lm_head.weight"} if cfg.tie_embeddings else set()  # tied: the embedding is the head
     unexpected = sorted(n for n in set(weight_map) - expected - ignored if not n.endswith(_DERIVED_SUFFIX))
@@ -260,11 +160,11 @@ def import_params(hf_dir: str | Path, cfg: TransformerConfig, mesh: Mesh, rules:
                          f"the one of these weights?")
     if unexpected:
         raise InputError(f"{hf_dir}: unexpected tensor {unexpected[0]} ({len(unexpected)} in all), which "
-                         f"meshpar's Llama has no parameter for")
+                         f"meshpar's model of config.json has no parameter for")
     flat = dict(nnx.to_flat_state(abstract))
     with contextlib.ExitStack() as stack:
         files = {f: stack.enter_context(_open(f)) for f in set(weight_map.values())}
-        for t in tensors:
+        for t in rows:
             layer_shape = flat[t.path].shape[1:] if t.stacked else flat[t.path].shape
             for name in _names_of(t, cfg.n_layers):
                 part = files[weight_map[name]].get_slice(name)
@@ -274,7 +174,7 @@ def import_params(hf_dir: str | Path, cfg: TransformerConfig, mesh: Mesh, rules:
                 if part.get_dtype() not in _READABLE_DTYPES:
                     raise InputError(f"{hf_dir}: tensor {name} is {part.get_dtype()}; readable are "
                                      f"{', '.join(_READABLE_DTYPES)} (a quantised checkpoint?)")
-        for t in tensors:
+        for t in rows:
             variable = flat[t.path]
             read = functools.partial(_read_block, files, weight_map, t, tuple(variable.shape))
             flat[t.path] = variable.replace(
@@ -282,7 +182,7 @@ def import_params(hf_dir: str | Path, cfg: TransformerConfig, mesh: Mesh, rules:
     return nnx.from_flat_state(flat)
 
 
-def _read_block(files: dict, weight_map: dict[str, Path], t: _Tensor, shape: tuple[int, ...],
+def _read_block(files: dict, weight_map: dict[str, Path], t: Tensor, shape: tuple[int, ...],
                 index: tuple[slice, ...]) -> np.ndarray:
     """The block `index` of a meshpar parameter of `shape`: what one device holds."""
     box = [s.indices(n)[:2] for s, n in zip(index, shape)]
@@ -309,17 +209,19 @@ def _on_host(x: jax.Array, layer: int | None) -> np.ndarray:
     return np.asarray(whole.addressable_data(0), dtype=np.float32)
 
 
-def export(params: nnx.State, cfg: TransformerConfig, out_dir: str | Path,
-           max_shard_bytes: int = MAX_SHARD_BYTES) -> list[Path]:
-    """Write `params` as a Hugging Face Llama directory: config.json and float32 safetensors, split into
-    shards of at most `max_shard_bytes` with an index when larger (as transformers does). Tensors come to
-    the host one at a time and stay there until their shard is written, by process 0; every process must
-    call this. Returns the files written."""
+def export(params: nnx.State, cfg: TransformerConfig, out_dir: str | Path, max_shard_bytes: int = MAX_SHARD_BYTES,
+           model_type: str | None = None) -> list[Path]:
+    """Write `params` as a Hugging Face directory of the family `model_type` (default: the one the model's
+    options name, `families.family_of`): config.json and float32 safetensors, split into shards of at most
+    `max_shard_bytes` with an index when larger (as transformers does). Tensors come to the host one at a
+    time and stay there until their shard is written, by process 0; every process must call this. Returns
+    the files written."""
     out_dir = Path(out_dir)
+    hf_config = config_to_hf(cfg, model_type)  # refuses a family that cannot hold the model before writing
     flat = {path: v.get_value() for path, v in nnx.to_flat_state(params)}
-    tensors = _tensors(cfg)
-    whole = [(t.name, t, None) for t in tensors if not t.stacked]
-    per_layer = [(t.name.format(l=l), t, l) for l in range(cfg.n_layers) for t in tensors if t.stacked]
+    rows = tensors(cfg)
+    whole = [(t.name, t, None) for t in rows if not t.stacked]
+    per_layer = [(t.name.format(l=l), t, l) for l in range(cfg.n_layers) for t in rows if t.stacked]
     entries = whole[:1] + per_layer + whole[1:]  # transformers' order: embedding, layer by layer, norm, head
     sizes = {name: 4 * math.prod(flat[t.path].shape) // (cfg.n_layers if t.stacked else 1) for name, t, _ in entries}
     shards, room = [], 0
@@ -334,7 +236,7 @@ def export(params: nnx.State, cfg: TransformerConfig, out_dir: str | Path,
     writer = jax.process_index() == 0
     if writer:
         out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "config.json").write_text(json.dumps(config_to_hf(cfg), indent=2) + "\n")
+        (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     for file, shard in zip(files, shards):
         host = {}  # one shard's tensors: at most max_shard_bytes
         for name, t, l in shard:

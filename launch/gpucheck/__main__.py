@@ -1,0 +1,5 @@
+"""`python -m launch.gpucheck`."""
+
+from launch.gpucheck import main
+
+main()

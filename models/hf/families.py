@@ -1,0 +1,221 @@
+"""The Hugging Face model families meshpar's transformer computes, each as its `config.json` and its tensors.
+
+| model_type | architecture      | its options (TransformerConfig)                  | tensors beyond Llama's           |
+|------------|-------------------|--------------------------------------------------|----------------------------------|
+| llama      | LlamaForCausalLM  | rope scaling (linear, llama3, yarn), head_dim    | –                                |
+| mistral    | MistralForCausalLM| as llama; `sliding_window` must be null          | –                                |
+| qwen2      | Qwen2ForCausalLM  | `qkv_bias` (always on)                           | self_attn.{q,k,v}_proj.bias      |
+| qwen3      | Qwen3ForCausalLM  | `qk_norm` (always on), head_dim                  | self_attn.{q,k}_norm.weight      |
+
+Every family shares Llama's names and layouts (`LLAMA`) and adds its own rows. Hugging Face tensors are
+torch `nn.Linear` weights, [out, in], one per layer; meshpar's are [in, out] with the heads split out and
+the layers stacked on a leading L axis:
+
+| Hugging Face (layer l)                  | meshpar                            | kind (how)                       |
+|-----------------------------------------|------------------------------------|----------------------------------|
+| model.embed_tokens.weight [V, D]        | embed_VD [V, D]                    | same                             |
+| lm_head.weight [V, D] (absent if tied)  | head_DV [D, V]                     | transpose                        |
+| model.norm.weight [D]                   | final_norm.scale [D]               | same                             |
+| input_layernorm.weight [D]              | blocks.attn_norm.scale [L, D]      | same, stacked                    |
+| post_attention_layernorm.weight [D]     | blocks.mlp_norm.scale [L, D]       | same, stacked                    |
+| self_attn.q_proj.weight [N·H, D]        | blocks.attn.wq_DNH [L, D, N, H]    | heads_in: W.T.reshape(D, N, H)   |
+| self_attn.k_proj, v_proj [K·H, D]       | blocks.attn.wk_DKH, wv_DKH         | heads_in: W.T.reshape(D, K, H)   |
+| self_attn.o_proj.weight [D, N·H]        | blocks.attn.wo_NHD [L, N, H, D]    | heads_out: W.T.reshape(N, H, D)  |
+| mlp.gate_proj, up_proj [F, D]           | blocks.mlp.w_gate_DF, w_up_DF      | transpose                        |
+| mlp.down_proj [D, F]                    | blocks.mlp.w_down_FD [L, F, D]     | transpose                        |
+| self_attn.q_proj.bias [N·H] (qwen2)     | blocks.attn.q_bias_NH [L, N, H]    | heads_bias: b.reshape(N, H)      |
+| self_attn.k_proj, v_proj.bias [K·H]     | blocks.attn.k_bias_KH, v_bias_KH   | heads_bias: b.reshape(K, H)      |
+| self_attn.q_norm, k_norm.weight [H]     | blocks.attn.q_norm.scale, k_norm…  | same, stacked (qwen3)            |
+
+All rotate the pairs (i, i + H/2) ("rotate half"), as meshpar does, so q and k need no permutation.
+Anything a config.json sets that the model does not implement is refused, naming the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+from meshpar.errors import InputError
+from models.rope import RopeScaling
+from models.transformer import TransformerConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class Tensor:
+    """One meshpar parameter and its Hugging Face tensor; `{l}` in the name marks a per-layer tensor,
+    stacked on meshpar's leading L axis. `kind` says how the layouts relate (module docstring)."""
+
+    path: tuple[str, ...]
+    name: str
+    kind: str  # same, transpose, heads_in, heads_out, heads_bias
+
+    @property
+    def stacked(self) -> bool:
+        return "{l}" in self.name
+
+
+_LAYER = "model.layers.{l}."
+LLAMA = (
+    Tensor(("embed_VD",), "model.embed_tokens.weight", "same"),
+    Tensor(("blocks", "attn_norm", "scale"), _LAYER + "input_layernorm.weight", "same"),
+    Tensor(("blocks", "attn", "wq_DNH"), _LAYER + "self_attn.q_proj.weight", "heads_in"),
+    Tensor(("blocks", "attn", "wk_DKH"), _LAYER + "self_attn.k_proj.weight", "heads_in"),
+    Tensor(("blocks", "attn", "wv_DKH"), _LAYER + "self_attn.v_proj.weight", "heads_in"),
+    Tensor(("blocks", "attn", "wo_NHD"), _LAYER + "self_attn.o_proj.weight", "heads_out"),
+    Tensor(("blocks", "mlp_norm", "scale"), _LAYER + "post_attention_layernorm.weight", "same"),
+    Tensor(("blocks", "mlp", "w_gate_DF"), _LAYER + "mlp.gate_proj.weight", "transpose"),
+    Tensor(("blocks", "mlp", "w_up_DF"), _LAYER + "mlp.up_proj.weight", "transpose"),
+    Tensor(("blocks", "mlp", "w_down_FD"), _LAYER + "mlp.down_proj.weight", "transpose"),
+    Tensor(("final_norm", "scale"), "model.norm.weight", "same"),
+    Tensor(("head_DV",), "lm_head.weight", "transpose"),
+)
+QKV_BIASES = tuple(Tensor(("blocks", "attn", f"{x}_bias_{X}H"), _LAYER + f"self_attn.{x}_proj.bias", "heads_bias")
+                   for x, X in (("q", "N"), ("k", "K"), ("v", "K")))
+QK_NORMS = tuple(Tensor(("blocks", "attn", f"{x}_norm", "scale"), _LAYER + f"self_attn.{x}_norm.weight", "same")
+                 for x in ("q", "k"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    model_type: str
+    architecture: str
+    qkv_bias: bool = False  # its attention always has q, k and v biases
+    qk_norm: bool = False  # its attention always norms each query and key head
+    # config.json keys whose value must be what the model computes (e.g. no sliding window), and the
+    # values a checkpoint of this family written by meshpar carries for them
+    fixed: tuple[tuple[str, object], ...] = ()
+
+
+FAMILIES = {family.model_type: family for family in (
+    Family("llama", "LlamaForCausalLM", fixed=(("attention_bias", False), ("mlp_bias", False))),
+    Family("mistral", "MistralForCausalLM", fixed=(("sliding_window", None),)),
+    Family("qwen2", "Qwen2ForCausalLM", qkv_bias=True, fixed=(("use_sliding_window", False),)),
+    Family("qwen3", "Qwen3ForCausalLM", qk_norm=True, fixed=(("attention_bias", False), ("use_sliding_window", False))),
+)}
+
+
+def tensors(cfg: TransformerConfig) -> list[Tensor]:
+    """The tensors of a checkpoint of the model `cfg`: Llama's, and the rows of the options it has on."""
+    rows = [*LLAMA, *(QKV_BIASES if cfg.qkv_bias else ()), *(QK_NORMS if cfg.qk_norm else ())]
+    return [t for t in rows if not (cfg.tie_embeddings and t.path == ("head_DV",))]
+
+
+# ---------------------------------------------------------------------------------------------- reading
+
+def config_from_hf(d: dict) -> TransformerConfig:
+    """The TransformerConfig of a `config.json` of one of FAMILIES; anything meshpar's model does not
+    implement is refused with the key that asks for it."""
+    family = FAMILIES.get(d.get("model_type"))
+    if family is None:
+        raise InputError(f"config.json: model_type = {d.get('model_type')!r} is not one meshpar can convert: "
+                         f"{', '.join(FAMILIES)}")
+    if family.architecture not in (d.get("architectures") or [family.architecture]):
+        raise InputError(f"config.json: architectures = {d['architectures']}: only {family.architecture} (a language "
+                         f"model head) can be converted")
+    _refuse_what_is_not_implemented(d, family)
+    missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                           "num_attention_heads") if k not in d]
+    if missing:
+        raise InputError(f"config.json lacks {', '.join(missing)}")
+    theta, scaling = _rope(d)
+    heads, hidden = d["num_attention_heads"], d["hidden_size"]
+    # Defaults are transformers' config classes', for keys an older config.json leaves out.
+    return TransformerConfig(
+        vocab_size=d["vocab_size"], d_model=hidden, n_layers=d["num_hidden_layers"], n_heads=heads,
+        n_kv_heads=d.get("num_key_value_heads") or heads, d_ff=d["intermediate_size"],
+        max_seq_len=d.get("max_position_embeddings", 2048), tie_embeddings=bool(d.get("tie_word_embeddings", False)),
+        rope_theta=float(theta), rope_scaling=scaling, norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        head_dim=0 if d.get("head_dim") in (None, hidden // heads) else d["head_dim"],
+        qkv_bias=family.qkv_bias, qk_norm=family.qk_norm)
+
+
+def _refuse_what_is_not_implemented(d: dict, family: Family) -> None:
+    if d.get("hidden_act", "silu") != "silu":
+        raise InputError(f"config.json: hidden_act = {d['hidden_act']!r} is not implemented: meshpar's MLP is "
+                         f"SwiGLU (silu)")
+    for key, value in family.fixed:
+        if d.get(key, value) != value:
+            raise InputError(f"config.json: {key} = {json.dumps(d[key])} is not implemented: meshpar converts "
+                             f"{family.model_type} checkpoints with {key} = {json.dumps(value)}")
+    windowed = [kind for kind in d.get("layer_types") or () if kind != "full_attention"]
+    if windowed:
+        raise InputError(f"config.json: layer_types has {windowed[0]!r} layers, which are not implemented: meshpar's "
+                         f"attention is full (causal) in every layer")
+    if d.get("attention_dropout", 0.0):
+        raise InputError(f"config.json: attention_dropout = {d['attention_dropout']} is not implemented: meshpar's "
+                         f"attention has no dropout")
+
+
+_ROPE_KEYS = {"default": (), "linear": ("factor",),
+              "llama3": ("factor", "original_max_position_embeddings", "low_freq_factor", "high_freq_factor"),
+              "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor",
+                       "truncate")}
+
+
+def _rope(d: dict) -> tuple[float, RopeScaling]:
+    """(RoPE base, scaling) of a config.json: transformers ≥ 5 writes `rope_parameters` {rope_type, rope_theta,
+    …}; 4.x `rope_theta` and `rope_scaling` {type or rope_type, …}."""
+    key = "rope_parameters" if d.get("rope_parameters") else "rope_scaling"
+    rope = dict(d.get(key) or {})
+    kind = rope.pop("rope_type", rope.pop("type", "default"))
+    theta = rope.pop("rope_theta", d.get("rope_theta", 10_000.0))
+    if kind not in _ROPE_KEYS:
+        raise InputError(f"config.json: {key} = {json.dumps(d[key])}: rope_type '{kind}' is not implemented (meshpar "
+                         f"scales rotary positions by {', '.join(_ROPE_KEYS)})")
+    unknown = sorted(k for k, v in rope.items() if k not in _ROPE_KEYS[kind] and v is not None)
+    if unknown or rope.get("truncate", True) is not True or d.get("partial_rotary_factor", 1.0) != 1.0:
+        culprit = f"{key}.{unknown[0]}" if unknown else (f"{key}.truncate" if "truncate" in rope
+                                                         else "partial_rotary_factor")
+        raise InputError(f"config.json: {culprit} is not implemented for rope_type '{kind}'")
+    original = rope.get("original_max_position_embeddings") or 0
+    if kind == "default":
+        return theta, RopeScaling()
+    factor = rope.get("factor") or d.get("max_position_embeddings", 0) / max(original, 1)  # yarn may leave it out
+    return theta, RopeScaling(kind, float(factor), int(original), float(rope.get("low_freq_factor", 1.0)),
+                              float(rope.get("high_freq_factor", 4.0)), float(rope.get("beta_fast") or 32.0),
+                              float(rope.get("beta_slow") or 1.0), float(rope.get("attention_factor") or 0.0))
+
+
+# ---------------------------------------------------------------------------------------------- writing
+
+def family_of(cfg: TransformerConfig, model_type: str | None = None) -> Family:
+    """The family a checkpoint of `cfg` is written as: `model_type` if given, else the one its options
+    name (qkv_bias: qwen2, qk_norm: qwen3, neither: llama); refused where the family cannot hold them."""
+    if model_type is None:
+        model_type = "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "llama"
+    family = FAMILIES.get(model_type)
+    if family is None:
+        raise InputError(f"--family {model_type}: not one of {', '.join(FAMILIES)}")
+    for option in ("qkv_bias", "qk_norm"):
+        if getattr(cfg, option) != getattr(family, option):
+            raise InputError(f"model.{option} = {str(getattr(cfg, option)).lower()}: a {model_type} checkpoint "
+                             f"cannot hold it ({family.architecture} has {'' if getattr(family, option) else 'no '}"
+                             f"{option.replace('_', ' ')})")
+    return family
+
+
+def config_to_hf(cfg: TransformerConfig, model_type: str | None = None) -> dict:
+    """A `config.json` that transformers loads as `family_of(cfg, model_type)`, computing what meshpar's model
+    computes."""
+    family = family_of(cfg, model_type)
+    s = cfg.rope_scaling
+    scaling = {"linear": {"factor": s.factor},
+               "llama3": {"factor": s.factor, "original_max_position_embeddings": s.original_max_seq_len,
+                          "low_freq_factor": s.low_freq_factor, "high_freq_factor": s.high_freq_factor},
+               "yarn": {"factor": s.factor, "original_max_position_embeddings": s.original_max_seq_len,
+                        "beta_fast": s.beta_fast, "beta_slow": s.beta_slow,
+                        **({"attention_factor": s.attention_factor} if s.attention_factor else {})}}.get(s.kind)
+    rope_type = "default" if scaling is None else s.kind
+    return {
+        "architectures": [family.architecture], "model_type": family.model_type,
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff,
+        "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_size,
+        "max_position_embeddings": cfg.max_seq_len, "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps,
+        "tie_word_embeddings": cfg.tie_embeddings, **dict(family.fixed),
+        # transformers ≥ 5 reads rope_parameters and dtype; 4.x reads rope_theta, rope_scaling and torch_dtype
+        "rope_parameters": {"rope_type": rope_type, "rope_theta": cfg.rope_theta, **(scaling or {})},
+        "rope_theta": cfg.rope_theta, "rope_scaling": scaling and {"rope_type": rope_type, **scaling},
+        "dtype": "float32", "torch_dtype": "float32",
+    }

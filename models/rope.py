@@ -1,0 +1,85 @@
+"""Rotary positions (RoPE) and the ways open models stretch them to longer contexts.
+
+Each head's pairs (i, i + H/2) ("rotate half") turn by position × a frequency per pair: θ^(−2i/H). A
+scaling changes those frequencies once, at trace time, as the model family's config says:
+- `linear` (position interpolation): every frequency / factor;
+- `llama3` (Llama 3.1+): wavelengths shorter than original_max_seq_len / high_freq_factor keep their
+  frequency, longer than original_max_seq_len / low_freq_factor divide it by factor, and those between
+  blend the two smoothly;
+- `yarn` (Qwen 2.5 long context, DeepSeek): per pair, a ramp between the interpolated frequency (/ factor)
+  and the original one, set by how many turns the pair makes within original_max_seq_len (beta_fast and
+  beta_slow bound the ramp); cosines and sines are multiplied by an attention factor (0.1·ln(factor) + 1
+  unless given), which scales every attention score by its square.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from meshpar.errors import InputError
+
+SCALINGS = ("none", "linear", "llama3", "yarn")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+    kind: str = "none"  # SCALINGS
+    factor: float = 1.0  # linear, llama3, yarn: how much longer the context is than the one pre-trained for
+    original_max_seq_len: int = 0  # llama3, yarn: the context the model was pre-trained for
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    beta_fast: float = 32.0  # yarn: pairs turning more often than this within the original context keep their frequency
+    beta_slow: float = 1.0  # yarn: pairs turning less often than this are interpolated in full
+    attention_factor: float = 0.0  # yarn: what cosines and sines are multiplied by; 0: 0.1·ln(factor) + 1
+
+    def __post_init__(self):
+        if self.kind not in SCALINGS:
+            raise InputError(f"model.rope_scaling.kind = '{self.kind}' is not one of {', '.join(SCALINGS)}")
+        if self.kind != "none" and not self.factor > 0:
+            raise InputError(f"model.rope_scaling.factor = {self.factor} must be > 0")
+        if self.kind in ("llama3", "yarn") and self.original_max_seq_len < 1:
+            raise InputError(f"model.rope_scaling.kind = '{self.kind}' needs model.rope_scaling.original_max_seq_len "
+                             f"(the pre-training context), got {self.original_max_seq_len}")
+        if self.kind == "llama3" and not self.high_freq_factor > self.low_freq_factor:
+            raise InputError(f"model.rope_scaling.high_freq_factor = {self.high_freq_factor} must exceed "
+                             f"low_freq_factor = {self.low_freq_factor}")
+
+
+@functools.lru_cache(maxsize=64)
+def frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> tuple[tuple[float, ...], float]:
+    """(the frequency of each of the H/2 pairs, the factor cosines and sines are multiplied by)."""
+    inv_freq_h = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    s, scale = scaling, 1.0
+    if s.kind == "linear":
+        inv_freq_h = inv_freq_h / s.factor
+    elif s.kind == "llama3":
+        wavelen_h = 2 * math.pi / inv_freq_h
+        smooth_h = np.clip((s.original_max_seq_len / wavelen_h - s.low_freq_factor)
+                           / (s.high_freq_factor - s.low_freq_factor), 0.0, 1.0)  # 0: long waves, 1: short ones
+        inv_freq_h = (1 - smooth_h) * inv_freq_h / s.factor + smooth_h * inv_freq_h
+    elif s.kind == "yarn":
+        # the pair index at which a pair turns `turns` times within the original context
+        def pair(turns: float) -> float:
+            return head_dim * math.log(s.original_max_seq_len / (turns * 2 * math.pi)) / (2 * math.log(theta))
+
+        low, high = max(math.floor(pair(s.beta_fast)), 0), min(math.ceil(pair(s.beta_slow)), head_dim - 1)
+        ramp_h = np.clip((np.arange(head_dim // 2) - low) / max(high - low, 1e-3), 0.0, 1.0)  # 1: interpolate
+        inv_freq_h = inv_freq_h / s.factor * ramp_h + inv_freq_h * (1 - ramp_h)
+        scale = s.attention_factor or (0.1 * math.log(s.factor) + 1.0 if s.factor > 1 else 1.0)
+    return tuple(inv_freq_h.astype(np.float32).tolist()), scale
+
+
+def rotate(x_BTNH: jax.Array, positions_T: jax.Array, theta: float, scaling: RopeScaling) -> jax.Array:
+    """Rotate pairs (i, i + H/2) of each head by angles set by each token's global position."""
+    inv_freq, scale = frequencies(x_BTNH.shape[3], theta, scaling)
+    angles_Th = positions_T.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq, jnp.float32)[None, :]
+    cos_T1h, sin_T1h = (scale * jnp.cos(angles_Th))[:, None, :], (scale * jnp.sin(angles_Th))[:, None, :]
+    x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)
+    rotated = jnp.concatenate([x1 * cos_T1h - x2 * sin_T1h, x2 * cos_T1h + x1 * sin_T1h], axis=-1)
+    return rotated.astype(x_BTNH.dtype)
