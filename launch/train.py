@@ -8,7 +8,9 @@
         --profile-steps 5:6
 
 Errors found by meshpar's own checks (bad settings, files, checkpoints; a diverged run) print as one line
-and exit 1; anything else is a bug and keeps its traceback.
+and exit 1; anything else is a bug and keeps its traceback. SIGTERM or SIGINT (or --exit-after-s) stops the
+run after the step in flight with a checkpoint of it, and the process exits with code 75 (EX_TEMPFAIL: run
+the same command again to resume); a second signal ends it at once, the previous checkpoint intact.
 """
 
 from __future__ import annotations
@@ -18,6 +20,16 @@ import dataclasses
 import sys
 
 from meshpar.errors import InputError
+
+
+def _seconds(text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = 0.0
+    if not seconds > 0:
+        raise argparse.ArgumentTypeError(f"{text} is not a number of seconds > 0")
+    return seconds
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -46,6 +58,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="resume a checkpoint although train/data settings differ from the saved ones")
     p.add_argument("--checkpoint-dir", help="save checkpoints here; if it holds one, resume from the latest "
                                             "(on whatever mesh this run has)")
+    p.add_argument("--exit-after-s", type=_seconds, metavar="SECONDS",
+                   help="stop after this many seconds of training (compilation included) as on SIGTERM: save "
+                        "and exit with code 75, e.g. a little under the job's time limit")
     p.add_argument("--cpu-devices", type=int, help="run on this many fake CPU devices (per process)")
     p.add_argument("--coordinator", help="host:port of process 0 (or MESHPAR_COORDINATOR); with --num-processes "
                                          "and --process-id. Default: SLURM / Open MPI / Kubernetes if detected")
@@ -53,6 +68,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--process-id", type=int, help="this process's index (or MESHPAR_PROCESS_ID)")
     p.add_argument("--coordinator-timeout", type=float, default=300,
                    help="seconds to wait for the coordinator (default 300)")
+    p.add_argument("--heartbeat-timeout", type=_seconds, default=100, metavar="SECONDS",
+                   help="end the job when a process sends no heartbeat for this long (dead or stalled), naming "
+                        "it, instead of waiting in a collective forever (default 100, JAX's)")
     return p.parse_args(argv)
 
 
@@ -65,12 +83,13 @@ def main(argv: list[str] | None = None) -> None:
     from launch.configure import configure, shape
     from meshpar import distributed, metrics, mfu
     from meshpar.errors import TrainingStopped
+    from meshpar.preemption import EXIT_REQUEUE, Stopping
     from meshpar.run import Checkpoints, Outputs, Throughput, parse_profile_steps, run
 
     try:
         joined = distributed.initialize(distributed.from_environment(
             coordinator=args.coordinator, num_processes=args.num_processes, process_id=args.process_id),
-            args.coordinator_timeout)
+            args.coordinator_timeout, args.heartbeat_timeout)
         if joined:
             print(joined, flush=True)
         steps = [] if args.steps is None else [f"train.steps={args.steps}"]
@@ -90,10 +109,12 @@ def main(argv: list[str] | None = None) -> None:
         outputs = Outputs(args.metrics_file, args.report, args.tensorboard_dir, profile, args.profile_dir)
         checkpoints = Checkpoints(args.checkpoint_dir, cfg.checkpoint, dataclasses.asdict(cfg),
                                   args.allow_config_change)
-        run(make_model, cfg.train, cfg.data, mesh, rules, outputs=outputs, checkpoints=checkpoints,
-            throughput=throughput, init_params=init_params)
+        result = run(make_model, cfg.train, cfg.data, mesh, rules, outputs=outputs, checkpoints=checkpoints,
+                     throughput=throughput, init_params=init_params, stopping=Stopping(exit_after_s=args.exit_after_s))
     except (InputError, TrainingStopped) as err:  # meshpar's own checks: say what, without a traceback
         sys.exit(f"error: {err}")
+    if result.stopped:
+        sys.exit(EXIT_REQUEUE)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ or another process count.
 Saving is asynchronous: `save` waits only for the device-to-host copy, and the files are written in the
 background while training goes on. orbax writes each step into a temporary directory and renames it
 when complete, so a process killed mid-save leaves the previous checkpoints intact; the unfinished one
-is removed the next time the directory is opened.
+is removed the next time the directory is opened (where it was the first save, the run starts afresh:
+`Checkpointer.cut_off` names what was removed).
 """
 
 from __future__ import annotations
@@ -89,9 +90,7 @@ class Checkpointer:
         except OSError as err:
             raise InputError(f"checkpoint directory {self.directory} is not writable: {err.strerror}") from None
         finished, unfinished, other = _steps_on_disk(self.directory)
-        if not finished and unfinished:
-            raise InputError(f"{self.directory} has no finished checkpoint, only unfinished ones "
-                             f"({', '.join(unfinished)}); remove them or choose another directory")
+        self.cut_off = unfinished  # saves a killed process left unfinished; orbax removes them below
         if not finished and other:
             raise InputError(f"{self.directory} is not a checkpoint directory (it holds "
                              f"{', '.join(other[:5])}{' …' if len(other) > 5 else ''}) ")

@@ -10,6 +10,7 @@ not at all: a half-given setting is an error, not a silent single-process run.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import socket
 import time
@@ -96,16 +97,22 @@ def check_coordinator(coordinator: str, process_id: int, timeout_s: float) -> No
             time.sleep(0.5)
 
 
-def initialize(settings: Settings, timeout_s: float = 300) -> str:
+def initialize(settings: Settings, timeout_s: float = 300, heartbeat_timeout_s: float = 100) -> str:
     """Join the processes (or do nothing for one); returns how, for the log ("" for one process).
-    `timeout_s`: how long a process waits for the coordinator to answer."""
+    `timeout_s`: how long a process waits for the coordinator to answer. `heartbeat_timeout_s`: a process
+    that sends no heartbeat for this long (dead, or stalled: a paused host sends none) ends the job: JAX's
+    coordination service names it and stops every process, instead of leaving them waiting in a collective
+    forever."""
+    # SIGTERM is meshpar's (meshpar.preemption): JAX's preemption notifier would otherwise catch it first.
+    jax.config.update("jax_enable_preemption_service", False)
     if settings.explicit():
         check_coordinator(settings.coordinator, settings.process_id, timeout_s)
         jax.distributed.initialize(coordinator_address=settings.coordinator, num_processes=settings.num_processes,
-                                   process_id=settings.process_id, initialization_timeout=int(timeout_s))
+                                   process_id=settings.process_id, initialization_timeout=int(timeout_s),
+                                   heartbeat_timeout_seconds=math.ceil(heartbeat_timeout_s))
         how = f"explicit coordinator {settings.coordinator}"
     elif cluster := detected_cluster():
-        jax.distributed.initialize()
+        jax.distributed.initialize(heartbeat_timeout_seconds=math.ceil(heartbeat_timeout_s))
         how = f"{cluster} (detected)"
     else:
         return ""

@@ -9,7 +9,9 @@ The loop dispatches step s before it reads the metrics of step s - 1, so the hos
 device except to read numbers that are already done. A step's time is the wall time between two
 consecutive finished steps (less the time hooks take in between); its tokens/s is the global batch's
 tokens over that time. With a checkpoint directory the run saves every `checkpoint.every` steps and at the
-last one; `train.steps` counts from the start of training.
+last one; `train.steps` counts from the start of training. A stop request (SIGTERM, SIGINT, a time budget:
+`meshpar.preemption`) ends the loop after the step in flight, on every process at the same step, with a
+checkpoint of that step; the result says why it stopped.
 
 Guards. A step whose loss or gradient norm is not finite stops the run (`train.on_nonfinite = "stop"`,
 `TrainingStopped` names the step) or is skipped inside the step (`"skip"`: the state stays as it was).
@@ -44,6 +46,7 @@ from meshpar.data import Batches, DataConfig, load_tokens, split
 from meshpar.errors import InputError, TrainingStopped
 from meshpar.generate import generate
 from meshpar.mfu import mfu
+from meshpar.preemption import StopRequests, Stopping
 from meshpar.rules import Rules
 from meshpar.train import (Loss, ModelFactory, Sharded, TrainConfig, init_state, make_eval_step, make_step, optimizer,
                            schedule, sharded_abstract)
@@ -90,6 +93,7 @@ class RunResult:
     state: nnx.State  # the final state, the stacked layers in order (as checkpoints hold them)
     records: list[dict[str, Any]]
     report: dict[str, Any]
+    stopped: str | None = None  # why the run stopped before train.steps (a signal, the time budget)
 
 
 def param_count(abstract_state: nnx.State) -> int:
@@ -111,7 +115,8 @@ def parse_profile_steps(text: str) -> tuple[int, int]:
 def run(make_model: ModelFactory, train: TrainConfig, data: DataConfig | np.ndarray, mesh: Mesh, rules: Rules, *,
         outputs: Outputs = Outputs(), checkpoints: Checkpoints = Checkpoints(), loss: Loss | None = None,
         tx: optax.GradientTransformation | None = None, throughput: Throughput | None = None,
-        init_params: nnx.State | None = None, log: Callable[[str], None] = print) -> RunResult:
+        init_params: nnx.State | None = None, stopping: Stopping = Stopping(),
+        log: Callable[[str], None] = print) -> RunResult:
     """Train `make_model`'s model up to step `train.steps` on `mesh`; return the state and metrics.
 
     `data` is a source to load, or tokens already loaded (a benchmark reuses them across runs); either is
@@ -119,8 +124,9 @@ def run(make_model: ModelFactory, train: TrainConfig, data: DataConfig | np.ndar
     and `tx` to `train.optimizer(train)` (the metrics show the learning rate only for that one).
     `throughput` adds MFU to the metrics. `init_params` (the model's parameters, laid out on `mesh` by
     `rules`) start a new run from given weights (a fresh optimizer state); a run that resumes from a
-    checkpoint ignores them.
+    checkpoint ignores them. `stopping` says when to stop early (`meshpar.preemption`).
     """
+    requests = StopRequests(stopping)  # the time budget counts from here
     learning_rate = schedule(train) if tx is None else None  # the default optimizer's
     tx = tx or optimizer(train)
     sharded = sharded_abstract(make_model, tx, mesh, rules, train.seed)
@@ -152,8 +158,10 @@ def run(make_model: ModelFactory, train: TrainConfig, data: DataConfig | np.ndar
     ) if hook is not None]
     saving = _Saving(ckpt, batches, checkpoints.config, mesh, rules) if ckpt else None
     steplog = metrics.StepLog(train.steps, start, outputs.metrics_file, outputs.progress, outputs.tensorboard_dir)
-    loop = _Loop(step, train, batches, steplog, hooks, saving, say, learning_rate, throughput, mesh.size, ckpt)
+    loop = _Loop(step, train, batches, steplog, hooks, saving, say, learning_rate, throughput, mesh.size, ckpt,
+                 requests)
     try:
+        requests.listen()
         state = loop.run(state, batch, start)
     finally:
         for hook in hooks:
@@ -162,11 +170,18 @@ def run(make_model: ModelFactory, train: TrainConfig, data: DataConfig | np.ndar
         if ckpt:
             ckpt.wait()
             ckpt.close()
+        requests.close()
+    if loop.stopped:
+        number, why = loop.stopped
+        kept = (f"checkpoint of step {number} saved in {checkpoints.directory}: run again to resume" if ckpt
+                else "no checkpoint directory: nothing was saved")
+        say(f"stopped after step {number} ({why}); {kept}")
     report.update(_summary(steplog, saving, throughput))
     if outputs.report_file and metrics.is_logger():
         Path(outputs.report_file).parent.mkdir(parents=True, exist_ok=True)
         Path(outputs.report_file).write_text(json.dumps(metrics.strict(report), indent=2, allow_nan=False) + "\n")
-    return RunResult(pipeline.to_layers(state, mesh, rules.parallel.pipeline_repeats), steplog.records, report)
+    return RunResult(pipeline.to_layers(state, mesh, rules.parallel.pipeline_repeats), steplog.records, report,
+                     loop.stopped and loop.stopped[1])
 
 
 def _start(make_model: ModelFactory, tx: optax.GradientTransformation, sharded: Sharded, train: TrainConfig,
@@ -189,6 +204,9 @@ def _start(make_model: ModelFactory, tx: optax.GradientTransformation, sharded: 
         batches.load_state_dict(meta["data"])
         say(f"resumed from {checkpoints.directory} at step {meta['step']}")
         return pipeline.to_rest(state, sharded.mesh, repeats), meta["step"]  # checkpoints hold the layers in order
+    if ckpt and ckpt.cut_off:
+        say(f"{checkpoints.directory}: no finished checkpoint, only one cut off mid-save ({', '.join(ckpt.cut_off)}), "
+            f"removed; training starts afresh")
     if init_params is not None:
         say("parameters from the given weights; optimizer state fresh")
     return init_state(make_model, tx, sharded, train.seed, init_params), 0
@@ -321,14 +339,16 @@ class _Saving:
 class _Loop:
     """The steps, each dispatched before the previous one's metrics are read; at the steps where hooks are
     due, the step's metrics are read at once, the hooks add theirs (their time is not the next step's),
-    the record is published (a non-finite one stops the run here), and then a checkpoint is saved."""
+    the record is published (a non-finite one stops the run here), and then a checkpoint is saved. A stop
+    request agreed after a step makes it one where a checkpoint is due, and the last."""
 
     def __init__(self, step, train: TrainConfig, batches: Batches, steplog: metrics.StepLog, hooks: list[_Hook],
                  saving: _Saving | None, say: Callable[[str], None], learning_rate: optax.Schedule | None,
-                 throughput: Throughput | None, devices: int, ckpt: Checkpointer | None):
+                 throughput: Throughput | None, devices: int, ckpt: Checkpointer | None, requests: StopRequests):
         self.step, self.train, self.batches, self.steplog, self.hooks = step, train, batches, steplog, hooks
         self.saving, self.say, self.learning_rate, self.throughput = saving, say, learning_rate, throughput
-        self.devices, self.ckpt = devices, ckpt
+        self.devices, self.ckpt, self.requests = devices, ckpt, requests
+        self.stopped: tuple[int, str] | None = None  # (the last step, why) when a stop request ended the loop
         self.last_done = time.perf_counter()
 
     def run(self, state: nnx.State, batch: jax.Array, start: int) -> nnx.State:
@@ -337,11 +357,12 @@ class _Loop:
             for hook in self.hooks:
                 hook.begin(number)
             state, out = self.step(state, batch)
+            stop = self.requests.after(number)
             if pending is not None:
                 self._publish(self._record(*pending))
                 pending = None
             due = [hook for hook in self.hooks if hook.due(number)]
-            saving = self.saving is not None and self.ckpt.due(number, last)
+            saving = self.saving is not None and (self.ckpt.due(number, last) or stop is not None)
             if due or saving:
                 entry = self._record(number, out)
                 for hook in due:
@@ -353,6 +374,9 @@ class _Loop:
                     self.saving(number, state)
             else:
                 pending = (number, out)
+            if stop is not None and number < last:
+                self.stopped = number, stop
+                break
             if number < last:
                 batch = next(self.batches)
         if pending is not None:

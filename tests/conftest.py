@@ -14,6 +14,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:  # the first pytest process makes it, and removes it at exit
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="meshpar-tests-jax-cache-")
     atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+# every program, not only those that take over a second: the tests' subprocesses compile the same small steps
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import jax  # noqa: E402
 import pytest  # noqa: E402
@@ -30,3 +32,13 @@ def require_devices(n: int) -> None:
 # The README's tables of compiler figures were measured with the main CI leg's JAX (0.10.2): other versions
 # compile other temp bytes, so there the tests hold what the tables show (linear, flat, ...), not their numbers.
 README_FIGURES_APPLY = jax.__version_info__[:2] == (0, 10)
+
+
+# pytest-xdist (`--dist loadfile`) hands out whole files in collection order: the longest go first, so that
+# none is left running alone at the end while the other worker idles.
+LONGEST_FIRST = ("test_parallel.py", "test_fit.py", "test_readme.py", "test_faults.py", "test_hf_training.py")
+
+
+def pytest_collection_modifyitems(items):
+    items.sort(key=lambda item: LONGEST_FIRST.index(item.path.name) if item.path.name in LONGEST_FIRST
+               else len(LONGEST_FIRST))  # a stable sort: the rest keep their order

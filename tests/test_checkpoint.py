@@ -127,11 +127,13 @@ def test_a_directory_that_is_not_a_checkpoint_is_refused(tmp_path):
         checkpoint.Checkpointer(tmp_path / "file")
 
 
-def test_a_checkpoint_with_no_finished_step_is_refused(tmp_path):
+def test_a_directory_with_only_a_save_cut_off_starts_afresh(tmp_path):
+    """A process killed during its first save leaves only orbax's temporary directory: nothing to resume,
+    and a restarted job must not be refused for it (tests/test_faults.py kills one there)."""
     (tmp_path / "4.orbax-checkpoint-tmp-1732000000").mkdir()
-    with pytest.raises(ValueError, match=r"has no finished checkpoint, only unfinished ones "
-                                         r"\(4.orbax-checkpoint-tmp-1732000000\)"):
-        checkpoint.Checkpointer(tmp_path)
+    ckpt = checkpoint.Checkpointer(tmp_path)
+    assert ckpt.cut_off == ["4.orbax-checkpoint-tmp-1732000000"] and ckpt.latest_step() is None
+    ckpt.close()
 
 
 def test_exported_parameters_load_onto_any_mesh(tmp_path):

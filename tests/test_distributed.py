@@ -212,6 +212,21 @@ def test_sbatch_script_parses_and_its_dry_run_describes_every_process():
     assert "warning" not in out
 
 
+@pytest.mark.parametrize(("srun_exit", "requeued"), [(75, True), (0, False), (1, False)])
+def test_sbatch_script_requeues_a_run_that_stopped_on_a_signal(tmp_path, srun_exit, requeued):
+    """With srun and scontrol stubbed on PATH: exit 75 (saved on SIGTERM) requeues the job, others do not."""
+    for name, body in (("srun", f"echo srun \"$@\"; exit {srun_exit}"), ("scontrol", "echo scontrol \"$@\"")):
+        (tmp_path / name).write_text(f"#!/bin/bash\n{body}\n")
+        (tmp_path / name).chmod(0o755)
+    env = {**os.environ, "PATH": f"{tmp_path}:{os.environ['PATH']}", "SLURM_JOB_ID": "42", "SLURM_RESTART_COUNT": "2"}
+    proc = subprocess.run(["bash", str(ROOT / "launch/slurm/train.sbatch"), "--config", "tiny"], env=env,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == srun_exit
+    assert "-m launch.train --config tiny" in proc.stdout
+    assert ("scontrol requeue 42" in proc.stdout) == requeued
+    assert ("stopped on a signal and saved; requeued (restart 3)" in proc.stdout) == requeued
+
+
 def test_dry_run_warns_when_model_spans_nodes():
     from configs import load
     from launch.slurm.dryrun import describe

@@ -1,0 +1,97 @@
+"""A graceful stop: on SIGTERM or SIGINT, or when a wall-clock budget runs out, a run finishes the step in
+flight, saves a checkpoint, waits for it to commit and ends; `launch.train` then exits with `EXIT_REQUEUE`,
+the code a scheduler (or `launch.local`) can requeue on. A second signal ends the process at once, by that
+signal: the checkpoint before it stays intact, as orbax commits a save only when it is whole.
+
+A signal may reach only some processes, or reach them at different steps; all must stop after the same
+step, or the others would wait forever in the next step's collectives. So each process's request is
+combined over the processes by a collective (a max over one integer per process): dispatched after step s,
+read after step s + 1 has been dispatched, when the host waits for step s anyway. Every process reads the
+same value after the same step, and the check adds no wait. With one process the request is read at once.
+
+meshpar owns these signals: `meshpar.distributed` turns off JAX's own preemption notifier, which would take
+SIGTERM for itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import sys
+import threading
+import time
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+EXIT_REQUEUE = 75  # sysexits.h EX_TEMPFAIL: stopped on request with the work saved; run again to resume
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+@dataclasses.dataclass(frozen=True)
+class Stopping:
+    """When a run stops early: on SIGTERM / SIGINT (`signals`; from the first step on: before it, while the
+    run starts and compiles, there is no work to save and a signal ends the process as usual), and after
+    `exit_after_s` seconds of the run (counted from the start of `meshpar.run.run`, compilation included)."""
+
+    signals: bool = True
+    exit_after_s: float | None = None
+
+
+class StopRequests:
+    """The stop requests of this process (signals, the budget) and their agreement over all processes."""
+
+    def __init__(self, stopping: Stopping):
+        self.stopping = stopping
+        self.deadline = None if stopping.exit_after_s is None else time.monotonic() + stopping.exit_after_s
+        self.signal: str | None = None
+        self.previous: dict[int, object] = {}
+        self.pending = None
+        if jax.process_count() > 1:
+            first = [next(d for d in jax.devices() if d.process_index == p) for p in range(jax.process_count())]
+            mesh = Mesh(np.array(first), ("process",))
+            self.local = first[jax.process_index()]
+            self.per_process = NamedSharding(mesh, P("process"))
+            self.any = jax.jit(lambda flags_P: flags_P.max(), out_shardings=NamedSharding(mesh, P()))
+
+    def listen(self) -> None:
+        """Take SIGTERM and SIGINT until `close`. Python runs signal handlers in the main thread only, and only
+        it may install them: elsewhere only the budget stops the run."""
+        if self.stopping.signals and threading.current_thread() is threading.main_thread():
+            self.previous = {signum: signal.signal(signum, self._on_signal) for signum in SIGNALS}
+
+    def _on_signal(self, signum: int, frame) -> None:
+        if self.signal is None:
+            self.signal = signal.Signals(signum).name
+            print(f"{self.signal}: stopping after the step in flight, with a checkpoint of it (a second signal "
+                  f"ends the process at once)", file=sys.stderr, flush=True)
+            return
+        signal.signal(signum, signal.SIG_DFL)  # the second: end now, by this signal
+        os.kill(os.getpid(), signum)
+
+    def _local(self) -> str | None:
+        if self.signal:
+            return self.signal
+        if self.deadline is not None and time.monotonic() >= self.deadline:
+            return "time budget (--exit-after-s) spent"
+        return None
+
+    def after(self, number: int) -> str | None:
+        """Called once step `number` is dispatched: why every process stops after it, or None to go on."""
+        if jax.process_count() == 1:
+            return self._local()
+        previous = self.pending
+        flags = jax.device_put(np.array([self._local() is not None], np.int32), self.local)
+        self.pending = self.any(jax.make_array_from_single_device_arrays((jax.process_count(),), self.per_process,
+                                                                         [flags]))
+        if previous is None or not int(previous.addressable_data(0)):
+            return None
+        return self._local() or "another process was asked to stop"
+
+    def close(self) -> None:
+        """Give SIGTERM and SIGINT back to the handlers they had."""
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+        self.previous = {}

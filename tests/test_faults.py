@@ -1,0 +1,212 @@
+"""Faults with real signals and real processes (loopback), not mocks.
+
+Stop requests: SIGTERM at a random step of a 1- or 2-process run ends it after the step in flight with a
+checkpoint and exit code 75, and the resumed run ends where an uninterrupted one does, bit for bit; a
+signal that reaches one process of two stops both at the same step; a second signal (after SIGINT) ends
+the process at once; `--exit-after-s` stops like SIGTERM. Faults: a 2-process job under
+`launch.local --max-restarts` with a process killed (SIGKILL) three times, once mid-save, ends with the
+uninterrupted run's parameters; a paused process (SIGSTOP) ends the job within the heartbeat timeout,
+named."""
+
+import json
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import require_devices
+from meshpar import mesh as mesh_lib, rules
+from meshpar.preemption import EXIT_REQUEUE
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = 40
+TRAIN = ["-m", "launch.train", "--config", "tiny", "--set", "model.n_layers=1", "--set", "train.seq_len=64",
+         "--set", "checkpoint.every=1000", "--mesh", "fsdp=8", "--steps", str(STEPS)]
+
+
+def command(processes: int, workdir: Path, name: str, *launcher: str) -> list[str]:
+    """A run of TRAIN as `processes` × 8/processes devices, resuming from workdir/ckpt; `launcher`: more
+    flags for launch.local."""
+    train = [*TRAIN, "--checkpoint-dir", str(workdir / "ckpt"), "--metrics-file", str(workdir / f"{name}.jsonl")]
+    if processes == 1:
+        return [sys.executable, *train, "--cpu-devices", "8"]
+    return [sys.executable, "-m", "launch.local", "--processes", str(processes), "--devices-per-process",
+            str(8 // processes), *launcher, "--", sys.executable, *train]
+
+
+def start(argv: list[str], log: Path) -> subprocess.Popen:
+    """The command, its output going to `log` (a pipe nobody reads would fill and stop it)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MESHPAR_", "JAX_NUM_CPU"))}
+    proc = subprocess.Popen(argv, cwd=ROOT, env={**env, "JAX_PLATFORMS": "cpu"}, stdout=log.open("w"),
+                            stderr=subprocess.STDOUT, text=True)
+    proc.log = log
+    return proc
+
+
+def finish(proc: subprocess.Popen, code: int) -> str:
+    proc.wait(timeout=300)
+    out = proc.log.read_text()
+    assert proc.returncode == code, out[-3000:]
+    return out
+
+
+def losses(workdir: Path, *names: str) -> list[float]:
+    return [json.loads(line)["loss"] for name in names for line in (workdir / f"{name}.jsonl").read_text().splitlines()]
+
+
+def last_step(workdir: Path, name: str) -> int:
+    """The last step in the metrics file (a restarted job writes it anew from the step it resumed at)."""
+    lines = (workdir / f"{name}.jsonl").read_text().splitlines() if (workdir / f"{name}.jsonl").exists() else []
+    try:
+        return json.loads(lines[-1])["step"] if lines else 0
+    except json.JSONDecodeError:  # a line being written
+        return 0
+
+
+def wait_for_step(workdir: Path, name: str, step: int, proc: subprocess.Popen) -> None:
+    while last_step(workdir, name) < step:
+        assert proc.poll() is None, proc.log.read_text()[-3000:]
+        time.sleep(0.005)
+
+
+def trainer_pid(launcher: subprocess.Popen, process_id: int, not_in: set[int] = frozenset()) -> int:
+    """The pid of `launch.local`'s process `process_id`, other than `not_in` (a restarted job's)."""
+    for _ in range(6000):
+        for pid in map(int, Path(f"/proc/{launcher.pid}/task/{launcher.pid}/children").read_text().split()):
+            try:
+                if (pid not in not_in and f"MESHPAR_PROCESS_ID={process_id}".encode()
+                        in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")):
+                    return pid
+            except (FileNotFoundError, ProcessLookupError):
+                continue
+        assert launcher.poll() is None, launcher.log.read_text()[-3000:]
+        time.sleep(0.01)
+    raise AssertionError(f"no process {process_id} under launch.local")
+
+
+def final_params(workdir: Path) -> list[np.ndarray]:
+    from launch import weights
+
+    mesh = mesh_lib.build(mesh_lib.parse("fsdp=8"))
+    return [np.asarray(x) for x in jax.tree.leaves(weights.load(workdir / "ckpt", mesh, rules.default())[1])]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """processes → (losses, final parameters) of the run without a stop."""
+    out = {}
+    for processes in (1, 2):
+        workdir = tmp_path_factory.mktemp(f"uninterrupted{processes}")
+        finish(start(command(processes, workdir, "all"), workdir / "all.log"), 0)
+        out[processes] = losses(workdir, "all"), final_params(workdir)
+    return out
+
+
+@pytest.mark.parametrize(("processes", "signum"), [(1, signal.SIGTERM), (2, signal.SIGTERM)],
+                         ids=["1 process", "2 processes, SIGTERM to one"])
+def test_a_stopped_run_resumes_to_the_uninterrupted_one_bit_for_bit(uninterrupted, tmp_path, processes, signum):
+    require_devices(8)
+    at = random.Random().randint(8, 25)
+    proc = start(command(processes, tmp_path, "stopped"), tmp_path / "stopped.log")
+    wait_for_step(tmp_path, "stopped", at, proc)
+    # the signal reaches one process only: under launch.local, its process 1
+    began = time.monotonic()
+    os.kill(proc.pid if processes == 1 else trainer_pid(proc, 1), signum)
+    out = finish(proc, EXIT_REQUEUE)
+    print(f"stop requested at step >= {at}: exited {time.monotonic() - began:.2f} s after the signal")
+    stopped = len(losses(tmp_path, "stopped"))
+    assert at <= stopped < STEPS
+    # every process stopped after the same step, and said so
+    assert out.count(f"stopped after step {stopped} (") == 1, out[-3000:]  # the logger (process 0) says it
+    assert sorted(int(p.name) for p in (tmp_path / "ckpt").iterdir()) == [stopped]
+    finish(start(command(processes, tmp_path, "resumed"), tmp_path / "resumed.log"), 0)
+    reference, params = uninterrupted[processes]
+    assert losses(tmp_path, "stopped", "resumed") == reference
+    assert all(np.array_equal(a, b) for a, b in zip(final_params(tmp_path), params, strict=True))
+
+
+def test_a_second_signal_ends_the_process_at_once_and_keeps_the_checkpoint(tmp_path):
+    """The first signal (SIGINT, as Ctrl-C sends) asks for a stop; one more before the stop is done ends the
+    process by that signal. The checkpoint saved before stays the latest, whole, and the run resumes from
+    it; there `--exit-after-s` (its budget spent on its own time) stops it as SIGTERM would."""
+    argv = [*command(1, tmp_path, "a"), "--set", "checkpoint.every=4", "--set", "model.n_layers=2",
+            "--set", "train.seq_len=256"]  # steps long enough that the second signal lands before the stop is done
+    proc = start(argv, tmp_path / "a.log")
+    wait_for_step(tmp_path, "a", 6, proc)
+    proc.send_signal(signal.SIGINT)
+    while "SIGINT: stopping after the step in flight" not in proc.log.read_text():
+        assert proc.poll() is None
+        time.sleep(0.002)
+    proc.send_signal(signal.SIGTERM)
+    finish(proc, -signal.SIGTERM)
+    saved = sorted(int(p.name) for p in (tmp_path / "ckpt").iterdir() if p.name.isdigit())
+    assert saved and saved[-1] % 4 == 0  # the periodic ones only: the stop's own save never began
+    argv[argv.index("--steps") + 1] = "1000000"  # more than 3 s can train
+    out = finish(start([*argv, "--exit-after-s", "3"], tmp_path / "b.log"), EXIT_REQUEUE)
+    assert f"resumed from {tmp_path / 'ckpt'} at step {saved[-1]}" in out
+    stopped = json.loads((tmp_path / "a.jsonl").read_text().splitlines()[-1])["step"]
+    assert f"stopped after step {stopped} (time budget (--exit-after-s) spent)" in out
+    assert max(int(p.name) for p in (tmp_path / "ckpt").iterdir()) == stopped
+
+
+def test_a_budget_that_is_not_positive_is_refused(capsys):
+    from launch.train import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--exit-after-s", "0"])
+    assert "--exit-after-s: 0 is not a number of seconds > 0" in capsys.readouterr().err
+
+
+def test_a_job_killed_three_times_ends_with_the_uninterrupted_parameters(uninterrupted, tmp_path):
+    """The chaos run: 2 processes under `launch.local --max-restarts 5`, checkpoints every 5 steps; one of
+    them (chosen at random) killed with SIGKILL at a random step, then in the middle of a save (an orbax
+    temporary directory on disk), then at a random step again. Each time the launcher stops the other,
+    starts the job again, and it resumes from the latest whole checkpoint."""
+    require_devices(8)
+    rng = random.Random()
+    argv = command(2, tmp_path, "chaos", "--max-restarts", "5")
+    argv[argv.index("checkpoint.every=1000")] = "checkpoint.every=5"
+    proc = start(argv, tmp_path / "chaos.log")
+    killed_at, old = 0, set()
+    for moment in ("a step", "a save", "a step"):
+        job = [trainer_pid(proc, i, old) for i in (0, 1)]  # the job's next start
+        if moment == "a save":
+            wait_for_step(tmp_path, "chaos", killed_at + 1, proc)  # resumed: stale temporary directories are gone
+            while not any(".orbax-checkpoint-tmp" in name for name in os.listdir(tmp_path / "ckpt")):
+                assert proc.poll() is None, proc.log.read_text()[-3000:]
+                time.sleep(0.001)
+        else:
+            wait_for_step(tmp_path, "chaos", killed_at + rng.randint(3, 8), proc)
+        os.kill(rng.choice(job), signal.SIGKILL)
+        killed_at = last_step(tmp_path, "chaos")
+        print(f"killed in {moment}, after step {killed_at}")
+        old |= set(job)
+    out = finish(proc, 0)
+    assert [int(n) for n in re.findall(r"launch.local: restart (\d) of 5: process \d exited with code", out)] == [1, 2, 3]
+    assert all(np.array_equal(a, b) for a, b in zip(final_params(tmp_path), uninterrupted[2][1], strict=True))
+
+
+def test_a_paused_process_ends_the_job_within_the_heartbeat_timeout_named(tmp_path):
+    """Process 1 stopped with SIGSTOP (a stalled host) while process 0 waits for it in the step's
+    collectives: with `--heartbeat-timeout 10`, JAX's coordination service names process 1 and ends
+    process 0, and the launcher the rest, instead of the job waiting forever."""
+    argv = [*command(2, tmp_path, "a"), "--heartbeat-timeout", "10"]
+    argv[argv.index("--steps") + 1] = "1000000"
+    proc = start(argv, tmp_path / "a.log")
+    wait_for_step(tmp_path, "a", 5, proc)
+    os.kill(trainer_pid(proc, 1), signal.SIGSTOP)
+    paused = time.monotonic()
+    proc.wait(timeout=120)
+    print(f"the job ended {time.monotonic() - paused:.1f} s after process 1 was paused")
+    assert time.monotonic() - paused < 60
+    out = proc.log.read_text()
+    assert proc.returncode != 0
+    assert re.search(r"unhealthy \(stopped sending heartbeats\):\n\[p0\] 1\n", out), out[-3000:]
