@@ -112,13 +112,14 @@ def launch(command: list[str], processes: int, devices_per_process: int, max_res
 
     previous = {signum: signal.signal(signum, forward) for signum in (signal.SIGTERM, signal.SIGINT)}
     try:
-        for restart in range(max_restarts + 1):
+        restarts = 0
+        while True:
             job = _Job(command, processes, devices_per_process)
             code, why = job.wait()
-            if code == 0 or asked or restart == max_restarts:
+            if code == 0 or asked or restarts == max_restarts:
                 return code
-            print(f"launch.local: restart {restart + 1} of {max_restarts}: {why}", file=sys.stderr, flush=True)
-        return code
+            restarts += 1
+            print(f"launch.local: restart {restarts} of {max_restarts}: {why}", file=sys.stderr, flush=True)
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)

@@ -65,8 +65,8 @@ class StopRequests:
     def _on_signal(self, signum: int, frame) -> None:
         if self.signal is None:
             self.signal = signal.Signals(signum).name
-            print(f"{self.signal}: stopping after the step in flight, with a checkpoint of it (a second signal "
-                  f"ends the process at once)", file=sys.stderr, flush=True)
+            print(f"{self.signal}: stopping after the step in flight, saving it where the run has a checkpoint "
+                  f"directory (a second signal ends the process at once)", file=sys.stderr, flush=True)
             return
         signal.signal(signum, signal.SIG_DFL)  # the second: end now, by this signal
         os.kill(os.getpid(), signum)
