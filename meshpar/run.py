@@ -190,17 +190,18 @@ def _start(make_model: ModelFactory, tx: optax.GradientTransformation, sharded: 
     """(the state, the step it is at): resumed from the latest checkpoint (and the data position with it),
     else created, from `init_params` if given."""
     repeats = sharded.rules.parallel.pipeline_repeats  # the state's stacked layers are in the pipeline's order
-    if ckpt and ckpt.latest_step() is not None:
-        try:
-            if ckpt.latest_step() >= train.steps:
-                raise InputError(f"{checkpoints.directory} is at step {ckpt.latest_step()}, and train.steps = "
-                                 f"{train.steps} counts from the start of training: nothing to do; pass --steps > "
-                                 f"{ckpt.latest_step()} to train on")
-            state, meta = ckpt.restore(sharded.abstract, sharded.shardings, checkpoints.config,
+    try:
+        latest = ckpt.latest_intact() if ckpt else None
+        if latest is not None and latest >= train.steps:
+            raise InputError(f"{checkpoints.directory} is at step {latest}, and train.steps = {train.steps} counts "
+                             f"from the start of training: nothing to do; pass --steps > {latest} to train on")
+        if latest is not None:
+            state, meta = ckpt.restore(sharded.abstract, sharded.shardings, checkpoints.config, step=latest,
                                        allow_changes=checkpoints.allow_config_change, log=say)
-        except Exception:
-            ckpt.close()  # the checkpoints on disk stay as they were
-            raise
+    except Exception:
+        ckpt.close()  # the checkpoints on disk stay as they were
+        raise
+    if latest is not None:
         batches.load_state_dict(meta["data"])
         say(f"resumed from {checkpoints.directory} at step {meta['step']}")
         return pipeline.to_rest(state, sharded.mesh, repeats), meta["step"]  # checkpoints hold the layers in order

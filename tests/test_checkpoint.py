@@ -1,8 +1,11 @@
 """Checkpoints: exact resume on the same mesh, resume onto other meshes, crash safety, clear errors,
-exported parameters."""
+exported parameters; damaged steps (a file truncated, altered or missing, or no checksums) named and
+fallen back from, a full disk stopping the run with the previous step intact."""
 
+import contextlib
 import dataclasses
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -15,6 +18,7 @@ import pytest
 from conftest import require_devices
 from layouts import CORPUS, MODEL, TRAIN, MeshRun
 from meshpar import checkpoint, mesh as mesh_lib, rules
+from meshpar.errors import TrainingStopped
 from meshpar.run import Checkpoints, Outputs, run
 from models.transformer import Transformer
 
@@ -166,3 +170,113 @@ def test_resume_between_offloaded_and_device_state(uninterrupted, tmp_path):
     middle = train_to("data=2,model=4", 4, tmp_path)
     last = train_to("fsdp=8", 6, tmp_path, offload="optimizer+params")
     np.testing.assert_allclose([r["loss"] for r in first + middle + last], uninterrupted["fsdp=8"], rtol=1e-4)
+
+
+def random_state(step: int) -> dict:
+    """1 MiB of incompressible float32 values, different at each step."""
+    return {"w": np.random.default_rng(step).standard_normal((256, 1024)).astype(np.float32)}
+
+
+def restore_random(ckpt: checkpoint.Checkpointer, step: int | None = None) -> tuple[np.ndarray, int]:
+    from flax import nnx
+
+    abstract = nnx.State({"w": jax.ShapeDtypeStruct((256, 1024), np.float32)})
+    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    state, meta = ckpt.restore(abstract, jax.tree.map(lambda _: device, abstract), step=step)
+    return np.asarray(state["w"]), meta["step"]
+
+
+def save_random(directory: Path, steps: range) -> None:
+    from flax import nnx
+
+    ckpt = checkpoint.Checkpointer(directory, checkpoint.CheckpointConfig(every=1, keep=5))
+    for step in steps:
+        ckpt.save(step, nnx.State(random_state(step)), {"data": {}})
+    ckpt.wait()
+    ckpt.close()
+
+
+def spoil(step_dir: Path, how: str) -> str:
+    """Damage `step_dir` `how`; the name of the file damaged (its largest, an array file)."""
+    files = [p for p in (step_dir / "state").rglob("*") if p.is_file()]
+    largest = max(files, key=lambda p: p.stat().st_size)
+    data = largest.read_bytes()
+    if how == "truncated":
+        largest.write_bytes(data[: len(data) // 2])
+    elif how == "altered":  # same length: one byte flipped
+        largest.write_bytes(data[:1000] + bytes([data[1000] ^ 1]) + data[1001:])
+    elif how == "missing":
+        largest.unlink()
+    else:  # written without checksums, or they were lost
+        (step_dir / checkpoint.CHECKSUMS).unlink()
+        return checkpoint.CHECKSUMS
+    return str(largest.relative_to(step_dir))
+
+
+@pytest.mark.parametrize("how", ["truncated", "altered", "missing", "unsealed"])
+def test_a_damaged_step_is_named_and_resuming_falls_back_to_the_intact_one(tmp_path, capsys, how):
+    save_random(tmp_path, range(1, 3))
+    assert subprocess.run(["sha256sum", "--check", "--quiet", checkpoint.CHECKSUMS], cwd=tmp_path / "2").returncode == 0
+    name = spoil(tmp_path / "2", how)
+    kept = sorted(str(p.relative_to(tmp_path / "2")) for p in (tmp_path / "2").rglob("*"))
+    ckpt = checkpoint.Checkpointer(tmp_path)
+    with pytest.raises(ValueError, match=rf"step 2 is damaged: {re.escape(name)}"):
+        restore_random(ckpt, step=2)
+    assert ckpt.latest_intact() == 1
+    err = capsys.readouterr().err
+    assert f"step 2 is damaged: {name}" in err and "Moved aside to 2.damaged; trying the step before" in err, err
+    w, step = restore_random(ckpt)
+    assert step == 1 and np.array_equal(w, random_state(1)["w"])
+    ckpt.close()
+    # the damaged step is kept whole, aside, and the intact one untouched
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["1", "2.damaged"]
+    assert sorted(str(p.relative_to(tmp_path / "2.damaged")) for p in (tmp_path / "2.damaged").rglob("*")) == kept
+    assert checkpoint.damage(tmp_path / "1") == []
+
+
+def test_when_every_step_is_damaged_resuming_is_refused_and_all_are_kept(tmp_path):
+    save_random(tmp_path, range(1, 3))
+    spoil(tmp_path / "1", "altered")
+    spoil(tmp_path / "2", "missing")
+    ckpt = checkpoint.Checkpointer(tmp_path)
+    with pytest.raises(ValueError, match=r"no intact checkpoint: step 2 \(state/.* is missing\), step 1 \(state/.* is "
+                                         r"altered or truncated"):
+        ckpt.latest_intact()
+    ckpt.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["1.damaged", "2.damaged"]
+    assert checkpoint.Checkpointer(tmp_path).latest_intact() is None  # a directory of damaged steps opens
+
+
+def test_resuming_past_a_damaged_step_ends_as_the_uninterrupted_run(uninterrupted, tmp_path, capsys):
+    first = train_to("fsdp=8", 3, tmp_path)  # checkpoints at steps 2 and 3
+    spoil(tmp_path / "3", "altered")
+    resumed = train_to("fsdp=8", 6, tmp_path)
+    assert "step 3 is damaged" in capsys.readouterr().err
+    assert [r["step"] for r in resumed] == [3, 4, 5, 6]  # from step 2, with its data position
+    assert [r["loss"] for r in first[:2] + resumed] == uninterrupted["fsdp=8"]  # bit for bit
+    assert "3.damaged" in {p.name for p in tmp_path.iterdir()}
+
+
+@contextlib.contextmanager
+def small_disk(path: Path, size: str):
+    """A tmpfs of `size` mounted at `path` (the test runs as root, as CI does)."""
+    path.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True,
+                             text=True)
+    assert mounted.returncode == 0, f"a full disk is tested on a tmpfs, which needs root: {mounted.stderr}"
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+def test_a_full_disk_stops_the_run_with_the_previous_step_intact(tmp_path):
+    require_devices(8)
+    # one checkpoint of the test model takes ~1.4 MB: the first fits, the second does not
+    with small_disk(tmp_path / "disk", "2m") as disk:
+        with pytest.raises(TrainingStopped, match=r"saving step 4 to .* failed: No space left on device. The run "
+                                                  r"stopped; the checkpoint of step 2 is intact: make room and run "
+                                                  r"again to resume"):
+            train_to("fsdp=8", 6, disk)
+        assert checkpoint.damage(disk / "2") == []
+        assert [p.name for p in disk.iterdir() if p.name.isdigit()] == ["2"]
