@@ -156,14 +156,6 @@ def test_exported_parameters_load_onto_any_mesh(tmp_path):
         checkpoint.load_params(tmp_path / "empty", params, target.sharded.shardings["model"])
 
 
-def test_resume_between_pipelined_and_unpipelined_meshes(uninterrupted, tmp_path):
-    """The layers stay stacked [L, ...] on disk whatever the pipeline does with them."""
-    first = train_to("fsdp=8", 2, tmp_path)
-    middle = train_to("stage=2,data=4", 4, tmp_path)
-    last = train_to("data=8", 6, tmp_path)
-    np.testing.assert_allclose([r["loss"] for r in first + middle + last], uninterrupted["fsdp=8"], rtol=1e-4)
-
-
 def test_resume_between_offloaded_and_device_state(uninterrupted, tmp_path):
     """Host-offloaded state (meshpar.offload) is saved and restored like any other, onto any mesh."""
     first = train_to("fsdp=8", 2, tmp_path, offload="optimizer")
