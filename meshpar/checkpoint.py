@@ -90,16 +90,20 @@ def _item_files(step_dir: Path) -> list[str]:
                   for path in item.rglob("*") if path.is_file())
 
 
-def _sha256(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+def _sha256(step_dir: Path, names: list[str]) -> list[str]:
+    """The SHA-256 of each file, hashed in threads (hashlib lets go of the GIL)."""
+    def one(name: str) -> str:
+        with open(step_dir / name, "rb") as f:
+            return hashlib.file_digest(f, "sha256").hexdigest()
+
+    with concurrent.futures.ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
+        return list(pool.map(one, names))
 
 
 def seal(step_dir: Path) -> None:
-    """Write `step_dir`'s checksums (hashing its files in threads: hashlib lets go of the GIL)."""
+    """Write `step_dir`'s checksums."""
     files = _item_files(step_dir)
-    with concurrent.futures.ThreadPoolExecutor(min(8, os.cpu_count() or 1)) as pool:
-        digests = list(pool.map(lambda name: _sha256(step_dir / name), files))
+    digests = _sha256(step_dir, files)
     (step_dir / CHECKSUMS).write_text("".join(f"{digest}  {name}\n" for digest, name in zip(digests, files)))
 
 
@@ -118,8 +122,9 @@ def damage(step_dir: Path, share: tuple[int, int] = (0, 1)) -> list[str]:
     expected = dict(reversed(line.split("  ", 1)) for line in (step_dir / CHECKSUMS).read_text().splitlines())
     problems = [f"{name} is missing" for name in expected if not (step_dir / name).is_file()]
     index, count = share
-    for name in sorted(expected)[index::count]:
-        if (step_dir / name).is_file() and _sha256(step_dir / name) != expected[name]:
+    mine = [name for name in sorted(expected)[index::count] if (step_dir / name).is_file()]
+    for name, digest in zip(mine, _sha256(step_dir, mine)):
+        if digest != expected[name]:
             problems.append(f"{name} ({(step_dir / name).stat().st_size:,} bytes) is altered or truncated: "
                             f"its SHA-256 differs from the one written at save")
     return problems

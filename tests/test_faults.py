@@ -195,7 +195,9 @@ def test_a_job_killed_three_times_and_stopped_once_ends_with_the_uninterrupted_p
     (stopped,) = map(int, re.findall(r"\[p0\] stopped after step (\d+) \(", out))
     assert "[p1] stopped after step" not in out  # the logger (process 0) says it
     assert f"resumed from {tmp_path / 'ckpt'} at step {stopped}" in out
-    assert all(np.array_equal(a, b) for a, b in zip(final_params(tmp_path), uninterrupted[2][1], strict=True))
+    reference, params = uninterrupted[2]
+    assert losses(tmp_path, "chaos") == reference[stopped:]  # the last start's metrics: from the stop on
+    assert all(np.array_equal(a, b) for a, b in zip(final_params(tmp_path), params, strict=True))
 
 
 def test_a_paused_process_ends_the_job_within_the_heartbeat_timeout_named(tmp_path):
