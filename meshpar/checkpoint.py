@@ -19,8 +19,8 @@ Integrity: orbax keeps no checksums of the array files, and a damaged one fails 
 with an error that names neither the file nor the step. So each step carries its own checksums: once
 every process has written its files and before the step gets its final name, the primary process writes
 `checksums.sha256` (the SHA-256 of every file of the step's items, in `sha256sum` format: `sha256sum -c
-checksums.sha256` in the step's directory checks it by hand). A step is verified before it is read, the
-processes sharing the hashing; resuming falls back from a damaged step (a file missing, truncated or
+checksums.sha256` in the step's directory checks it by hand). A step is verified before it is read, by
+every process; resuming falls back from a damaged step (a file missing, truncated or
 altered, or no checksums) to the newest intact one with a warning, and moves the damaged one aside as
 `<step>.damaged`: no checkpoint is ever deleted for being damaged, and one that is intact is never touched.
 """
@@ -35,14 +35,13 @@ import os
 import re
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
-from jax.experimental import multihost_utils
 
 from meshpar.errors import InputError, TrainingStopped
 from meshpar.sharding import placed_shapes
@@ -114,20 +113,27 @@ def _seal_unfinished(directory: Path, step: int) -> None:
     seal(unfinished)
 
 
-def damage(step_dir: Path, share: tuple[int, int] = (0, 1)) -> list[str]:
-    """What is wrong with `step_dir`'s files against its checksums ([] when intact). Every file is looked
-    for; the contents of only this `share` (index, count) of them are hashed."""
+def damage(step_dir: Path) -> list[str]:
+    """What is wrong with `step_dir`'s files against its checksums ([] when intact)."""
     if not (step_dir / CHECKSUMS).is_file():
         return [f"{CHECKSUMS} is missing"]
     expected = dict(reversed(line.split("  ", 1)) for line in (step_dir / CHECKSUMS).read_text().splitlines())
     problems = [f"{name} is missing" for name in expected if not (step_dir / name).is_file()]
-    index, count = share
-    mine = [name for name in sorted(expected)[index::count] if (step_dir / name).is_file()]
-    for name, digest in zip(mine, _sha256(step_dir, mine)):
+    present = [name for name in sorted(expected) if (step_dir / name).is_file()]
+    for name, digest in zip(present, _sha256(step_dir, present)):
         if digest != expected[name]:
             problems.append(f"{name} ({(step_dir / name).stat().st_size:,} bytes) is altered or truncated: "
                             f"its SHA-256 differs from the one written at save")
     return problems
+
+
+def _wait_until_gone(path: Path, timeout_s: float = 600.0) -> None:
+    """Wait for the primary process to move `path` aside (the checkpoint directory is shared)."""
+    deadline = time.monotonic() + timeout_s
+    while path.exists():
+        if time.monotonic() > deadline:
+            raise InputError(f"{path} is damaged, and process 0 did not move it aside within {timeout_s:.0f} s")
+        time.sleep(0.05)
 
 
 def _warn(message: str) -> None:
@@ -202,11 +208,11 @@ class Checkpointer:
                 while aside.exists():
                     aside = aside.with_name(aside.name + "+")
                 (self.directory / str(step)).rename(aside)
-            multihost_utils.sync_global_devices(f"meshpar checkpoint {step} moved aside")
-            damaged.append(f"step {step} ({'; '.join(problems[:3])})")
-            if jax.process_index() == 0:
                 _warn(f"{self.directory}: step {step} is damaged: {'; '.join(problems[:3])}"
                       f"{' …' if len(problems) > 3 else ''}. Moved aside to {aside.name}; trying the step before")
+            else:
+                _wait_until_gone(self.directory / str(step))
+            damaged.append(f"step {step} ({'; '.join(problems[:3])})")
         if damaged:
             self._manager.reload()
             raise InputError(f"{self.directory}: no intact checkpoint: {', '.join(damaged)}; they are kept as "
@@ -214,16 +220,11 @@ class Checkpointer:
         return None
 
     def _verify(self, step: int) -> list[str]:
-        """What is wrong with `step`, agreed by every process: each hashes its share of the files."""
+        """What is wrong with `step`. Every process checks every file and so comes to the same verdict with no
+        collective (device collectives before the training step's own can upset gloo's on newer JAX)."""
         if step in self._intact:
             return []
-        problems = damage(self.directory / str(step), (jax.process_index(), jax.process_count()))
-        if jax.process_count() > 1:
-            found = multihost_utils.process_allgather(np.int32(len(problems)))
-            if problems and jax.process_index() != 0:
-                _warn(f"{self.directory}: step {step}, process {jax.process_index()}: {'; '.join(problems[:3])}")
-            if found.sum() and not problems:
-                problems = [f"{int(found.sum())} problem(s) found by other processes"]
+        problems = damage(self.directory / str(step))
         if not problems:
             self._intact.add(step)
         return problems
