@@ -220,8 +220,8 @@ class Checkpointer:
         return None
 
     def _verify(self, step: int) -> list[str]:
-        """What is wrong with `step`. Every process checks every file and so comes to the same verdict with no
-        collective (device collectives before the training step's own can upset gloo's on newer JAX)."""
+        """What is wrong with `step`. Every process checks every file, so all come to the same verdict with no
+        collective to agree on it."""
         if step in self._intact:
             return []
         problems = damage(self.directory / str(step))
