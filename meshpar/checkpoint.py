@@ -20,9 +20,9 @@ with an error that names neither the file nor the step. So each step carries its
 every process has written its files and before the step gets its final name, the primary process writes
 `checksums.sha256` (the SHA-256 of every file of the step's items, in `sha256sum` format: `sha256sum -c
 checksums.sha256` in the step's directory checks it by hand). A step is verified before it is read, by
-every process; resuming falls back from a damaged step (a file missing, truncated or
-altered, or no checksums) to the newest intact one with a warning, and moves the damaged one aside as
-`<step>.damaged`: no checkpoint is ever deleted for being damaged, and one that is intact is never touched.
+every process; resuming falls back from a damaged step (a file missing, truncated or altered, or no
+checksums) to the newest intact one with a warning, and moves the damaged one aside as `<step>.damaged`:
+no checkpoint is ever deleted for being damaged, and one that is intact is never touched.
 """
 
 from __future__ import annotations
