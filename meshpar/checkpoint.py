@@ -35,13 +35,13 @@ import os
 import re
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import jax
 import orbax.checkpoint as ocp
 from flax import nnx
+from jax.experimental import multihost_utils
 
 from meshpar.errors import InputError, TrainingStopped
 from meshpar.sharding import placed_shapes
@@ -127,13 +127,10 @@ def damage(step_dir: Path) -> list[str]:
     return problems
 
 
-def _wait_until_gone(path: Path, timeout_s: float = 600.0) -> None:
-    """Wait for the primary process to move `path` aside (the checkpoint directory is shared)."""
-    deadline = time.monotonic() + timeout_s
-    while path.exists():
-        if time.monotonic() > deadline:
-            raise InputError(f"{path} is damaged, and process 0 did not move it aside within {timeout_s:.0f} s")
-        time.sleep(0.05)
+def _barrier(name: str) -> None:
+    """Wait until every process is here (the checkpoint directory is shared, and one process changes it)."""
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(name)
 
 
 def _warn(message: str) -> None:
@@ -204,14 +201,14 @@ class Checkpointer:
                     self._manager.reload()
                 return step
             aside = self.directory / f"{step}.damaged"
+            _barrier(f"meshpar: every process has verified step {step}")  # none reads it while it moves
             if jax.process_index() == 0:
                 while aside.exists():
                     aside = aside.with_name(aside.name + "+")
                 (self.directory / str(step)).rename(aside)
                 _warn(f"{self.directory}: step {step} is damaged: {'; '.join(problems[:3])}"
                       f"{' …' if len(problems) > 3 else ''}. Moved aside to {aside.name}; trying the step before")
-            else:
-                _wait_until_gone(self.directory / str(step))
+            _barrier(f"meshpar: damaged step {step} moved aside")
             damaged.append(f"step {step} ({'; '.join(problems[:3])})")
         if damaged:
             self._manager.reload()
@@ -221,7 +218,7 @@ class Checkpointer:
 
     def _verify(self, step: int) -> list[str]:
         """What is wrong with `step`. Every process checks every file, so all come to the same verdict with no
-        collective to agree on it."""
+        exchange of verdicts."""
         if step in self._intact:
             return []
         problems = damage(self.directory / str(step))

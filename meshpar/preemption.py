@@ -4,10 +4,13 @@ the code a scheduler (or `launch.local`) can requeue on. A second signal ends th
 signal: the checkpoint before it stays intact, as orbax commits a save only when it is whole.
 
 A signal may reach only some processes, or reach them at different steps; all must stop after the same
-step, or the others would wait forever in the next step's collectives. So each process's request is
-combined over the processes by a collective (a max over one integer per process): dispatched after step s,
-read after step s + 1 has been dispatched, when the host waits for step s anyway. Every process reads the
-same value after the same step, and the check adds no wait. With one process the request is read at once.
+step, or the others would wait forever in the next step's collectives. So each process votes: its request
+goes into the training step as one more input (an integer on each of its devices), and the step returns the
+largest vote. The vote cast into step s is read after step s + 1 has been dispatched, when the host waits
+for step s anyway: every process reads the same value after the same step, and the check adds no wait.
+The vote is reduced inside the step's own program, not by a program of its own: a separate program has no
+data dependence on the step, so nothing would order its collective with the step's on every process. With
+one process the request is read at once.
 
 meshpar owns these signals: `meshpar.distributed` turns off JAX's own preemption notifier, which would take
 SIGTERM for itself.
@@ -40,21 +43,21 @@ class Stopping:
     exit_after_s: float | None = None
 
 
+def votes_sharding(mesh: Mesh) -> NamedSharding:
+    """The layout of the stop votes: one integer per device of `mesh` (each process's devices hold its vote)."""
+    return NamedSharding(mesh, P(mesh.axis_names))
+
+
 class StopRequests:
     """The stop requests of this process (signals, the budget) and their agreement over all processes."""
 
-    def __init__(self, stopping: Stopping):
+    def __init__(self, stopping: Stopping, mesh: Mesh):
         self.stopping = stopping
         self.deadline = None if stopping.exit_after_s is None else time.monotonic() + stopping.exit_after_s
         self.signal: str | None = None
         self.previous: dict[int, object] = {}
-        self.pending = None
-        if jax.process_count() > 1:
-            first = [next(d for d in jax.devices() if d.process_index == p) for p in range(jax.process_count())]
-            mesh = Mesh(np.array(first), ("process",))
-            self.local = first[jax.process_index()]
-            self.per_process = NamedSharding(mesh, P("process"))
-            self.any = jax.jit(lambda flags_P: flags_P.max(), out_shardings=NamedSharding(mesh, P()))
+        self.sharding = votes_sharding(mesh) if jax.process_count() > 1 else None  # the training step's votes
+        self.agreed: jax.Array | None = None  # the largest vote of the step before, not read yet
 
     def listen(self) -> None:
         """Take SIGTERM and SIGINT until `close`. Python runs signal handlers in the main thread only, and only
@@ -78,15 +81,20 @@ class StopRequests:
             return "time budget (--exit-after-s) spent"
         return None
 
-    def after(self, number: int) -> str | None:
-        """Called once step `number` is dispatched: why every process stops after it, or None to go on."""
-        if jax.process_count() == 1:
+    def votes(self) -> tuple[jax.Array, ...]:
+        """The training step's last arguments: this process's vote on each of its devices; none with one process."""
+        if self.sharding is None:
+            return ()
+        vote = np.array([self._local() is not None], np.int32)
+        return (jax.make_array_from_callback((self.sharding.mesh.size,), self.sharding, lambda _: vote),)
+
+    def after(self, metrics: dict[str, jax.Array]) -> str | None:
+        """Called once a step is dispatched, with its metrics (its `stop` is taken out): why every process
+        stops after this step, or None to go on."""
+        if self.sharding is None:
             return self._local()
-        previous = self.pending
-        flags = jax.device_put(np.array([self._local() is not None], np.int32), self.local)
-        self.pending = self.any(jax.make_array_from_single_device_arrays((jax.process_count(),), self.per_process,
-                                                                         [flags]))
-        if previous is None or not int(previous.addressable_data(0)):
+        previous, self.agreed = self.agreed, metrics.pop("stop")
+        if previous is None or not int(previous):
             return None
         return self._local() or "another process was asked to stop"
 

@@ -126,7 +126,7 @@ def run(make_model: ModelFactory, train: TrainConfig, data: DataConfig | np.ndar
     `rules`) start a new run from given weights (a fresh optimizer state); a run that resumes from a
     checkpoint ignores them. `stopping` says when to stop early (`meshpar.preemption`).
     """
-    requests = StopRequests(stopping)  # the time budget counts from here
+    requests = StopRequests(stopping, mesh)  # the time budget counts from here
     learning_rate = schedule(train) if tx is None else None  # the default optimizer's
     tx = tx or optimizer(train)
     sharded = sharded_abstract(make_model, tx, mesh, rules, train.seed)
@@ -142,7 +142,7 @@ def run(make_model: ModelFactory, train: TrainConfig, data: DataConfig | np.ndar
     state, start = _start(make_model, tx, sharded, train, batches, ckpt, checkpoints, init_params, say)
 
     batch = next(batches)
-    train, step, report = _compile_fitting(sharded, tokens_sharding, train, loss, state, batch, say)
+    train, step, report = _compile_fitting(sharded, tokens_sharding, train, loss, state, batch, requests, say)
     report = {"mesh": dict(mesh.shape), "devices": mesh.size, "processes": jax.process_count(),
               "params": param_count(sharded.abstract), "remat": train.remat, **report}
     memory = report["memory_per_device"]
@@ -219,15 +219,17 @@ def device_memory_limit() -> int | None:
 
 
 def _compile_fitting(sharded: Sharded, tokens_sharding: NamedSharding, train: TrainConfig, loss: Loss | None,
-                     state: nnx.State, batch: jax.Array, say: Callable[[str], None]):
+                     state: nnx.State, batch: jax.Array, requests: StopRequests, say: Callable[[str], None]):
     """(train with a concrete remat policy, the compiled step, its report): `remat = auto` compiles its
-    platform's candidates (`meshpar.remat.candidates`) in turn and keeps the first that fits the device."""
+    platform's candidates (`meshpar.remat.candidates`) in turn and keeps the first that fits the device.
+    With several processes the step takes the stop votes of `requests` too (`meshpar.preemption`)."""
     platform = sharded.mesh.devices.flat[0].platform
     candidates = remat_lib.candidates(train.remat, platform, sharded.rules.parallel)
     limit = device_memory_limit()
     for remat in candidates:
         chosen = dataclasses.replace(train, remat=remat)
-        step, report = compile_report(make_step(sharded, tokens_sharding, chosen, loss), state, batch)
+        step, report = compile_report(make_step(sharded, tokens_sharding, chosen, loss, requests.sharding), state,
+                                      batch, *requests.votes())
         peak = report["memory_per_device"]["peak_bytes"]
         if limit is None or peak <= limit or remat == candidates[-1]:
             break
@@ -357,8 +359,8 @@ class _Loop:
         for number in range(start + 1, last + 1):
             for hook in self.hooks:
                 hook.begin(number)
-            state, out = self.step(state, batch)
-            stop = self.requests.after(number)
+            state, out = self.step(state, batch, *self.requests.votes())
+            stop = self.requests.after(out)
             if pending is not None:
                 self._publish(self._record(*pending))
                 pending = None

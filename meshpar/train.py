@@ -291,16 +291,18 @@ def loss_and_grads(sharded: Sharded, tokens: NamedSharding, cfg: TrainConfig = T
     return in_layer_order
 
 
-def make_step(sharded: Sharded, tokens: NamedSharding, cfg: TrainConfig = TrainConfig(),
-              loss: Loss | None = None) -> Callable[[nnx.State, jax.Array], tuple[nnx.State, dict[str, jax.Array]]]:
+def make_step(sharded: Sharded, tokens: NamedSharding, cfg: TrainConfig = TrainConfig(), loss: Loss | None = None,
+              votes: NamedSharding | None = None) -> Callable[..., tuple[nnx.State, dict[str, jax.Array]]]:
     """The jitted training step `(state, tokens) → (state, metrics)`, donating the old state.
 
     `tokens` is the sharding of the token batch (`sharding.batch_sharding`); `loss` defaults to
     `default_loss(cfg)`. With `cfg.on_nonfinite = "skip"` a step whose loss or gradient norm is not finite
-    leaves the state as it was (metrics: `skipped` = 1).
+    leaves the state as it was (metrics: `skipped` = 1). With `votes` (`meshpar.preemption.votes_sharding`)
+    the step is `(state, tokens, votes) → (state, metrics)` and metric `stop` is the largest vote: a stop
+    agreed by the step's own program, so its collective is ordered with the step's.
     """
 
-    def step(state: nnx.State, tokens_BT: jax.Array) -> tuple[nnx.State, dict[str, jax.Array]]:
+    def step(state: nnx.State, tokens_BT: jax.Array, *votes_D: jax.Array) -> tuple[nnx.State, dict[str, jax.Array]]:
         before = jax.tree.leaves(state)  # the arrays; the update below mutates the merged variables
         with context.use(compute_context(sharded, cfg)):
             ts = nnx.merge(sharded.graphdef, state)
@@ -319,10 +321,12 @@ def make_step(sharded: Sharded, tokens: NamedSharding, cfg: TrainConfig = TrainC
                     after, structure = jax.tree.flatten(new_state)
                     new_state = structure.unflatten([jnp.where(finite, a, b) for a, b in zip(after, before)])
                 metrics["skipped"] = (~finite).astype(jnp.int32)
+            if votes_D:
+                metrics["stop"] = votes_D[0].max()
             return new_state, metrics
 
-    return jax.jit(step, in_shardings=(sharded.shardings, tokens), out_shardings=(sharded.shardings, None),
-                   donate_argnums=0)
+    return jax.jit(step, in_shardings=(sharded.shardings, tokens, *([votes] if votes else [])),
+                   out_shardings=(sharded.shardings, None), donate_argnums=0)
 
 
 def make_eval_step(sharded: Sharded, tokens: NamedSharding, cfg: TrainConfig = TrainConfig(),

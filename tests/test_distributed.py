@@ -26,8 +26,9 @@ def run_cmd(args: list[str], timeout: float = 300) -> subprocess.CompletedProces
                           capture_output=True, text=True, timeout=timeout)
 
 
-def train(processes: int, mesh: str, steps: int, workdir: Path, name: str) -> list[float]:
-    """Train to `steps` (resuming from workdir/ckpt) as `processes` × 8/processes devices; the new losses."""
+def train(processes: int, mesh: str, steps: int, workdir: Path, name: str) -> tuple[list[float], str]:
+    """Train to `steps` (resuming from workdir/ckpt) as `processes` × 8/processes devices; (the new losses,
+    the output)."""
     metrics = workdir / f"{name}.jsonl"
     command = ["-m", "launch.train", *SMALL, "--mesh", mesh, "--steps", str(steps), "--metrics-file", str(metrics),
                "--checkpoint-dir", str(workdir / "ckpt")]
@@ -37,21 +38,28 @@ def train(processes: int, mesh: str, steps: int, workdir: Path, name: str) -> li
         proc = run_cmd(["-m", "launch.local", "--processes", str(processes), "--devices-per-process",
                         str(8 // processes), "--", sys.executable, *command])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+    return [json.loads(line)["loss"] for line in metrics.read_text().splitlines()], proc.stdout + proc.stderr
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    return train(1, "fsdp=8", 6, tmp_path_factory.mktemp("reference"), "all")
+    return train(1, "fsdp=8", 6, tmp_path_factory.mktemp("reference"), "all")[0]
 
 
 def test_two_processes_match_one_across_checkpoints(reference, tmp_path):
     """2 × 4 = 1 × 8 for fsdp=8 and data=2,fsdp=2,model=2, with the checkpoint passed between process counts:
-    steps 1–2 on 2 processes (fsdp=8), 3–4 resumed on 1 process, 5–6 resumed on 2 processes (3-D mesh)."""
-    losses = train(2, "fsdp=8", 2, tmp_path, "a")
-    losses += train(1, "data=8", 4, tmp_path, "b")
-    losses += train(2, "data=2,fsdp=2,model=2", 6, tmp_path, "c")
-    np.testing.assert_allclose(losses, reference, rtol=1e-4)
+    steps 1–2 on 2 processes (fsdp=8), 3–4 resumed on 1 process; then, step 4's checkpoint damaged (a file
+    altered), 3–6 on 2 processes (3-D mesh), resumed from step 2 after both processes found the damage."""
+    from test_checkpoint import spoil
+
+    first, _ = train(2, "fsdp=8", 2, tmp_path, "a")
+    second, _ = train(1, "data=8", 4, tmp_path, "b")
+    np.testing.assert_allclose(first + second, reference[:4], rtol=1e-4)
+    damaged = spoil(tmp_path / "ckpt" / "4", "altered")
+    last, out = train(2, "data=2,fsdp=2,model=2", 6, tmp_path, "c")
+    assert f"[p0] warning: {tmp_path / 'ckpt'}: step 4 is damaged: {damaged} (" in out, out[-3000:]
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["2", "4.damaged", "6"]
+    np.testing.assert_allclose(first + last, reference, rtol=1e-4)
 
 
 ROWS = textwrap.dedent("""
