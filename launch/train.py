@@ -102,7 +102,8 @@ def main(argv: list[str] | None = None) -> None:
             init_params = weights.load(args.init_from, mesh, rules)[1]
         profile = parse_profile_steps(args.profile_steps) if args.profile_steps else None
         peak, source = mfu.device_peak(2 if cfg.train.compute_dtype == "bfloat16" else 4, args.peak_tflops)
-        throughput = Throughput(shape(cfg).model_flops_per_token(cfg.train.seq_len), peak) if peak else None
+        window = getattr(cfg.model, "sliding_window", 0)  # a window bounds the keys each query sees
+        throughput = Throughput(shape(cfg).model_flops_per_token(cfg.train.seq_len, window), peak) if peak else None
         if metrics.is_logger():
             print(f"MFU against {peak / 1e12:,.3g} TFLOP/s per device ({source})" if peak else f"no MFU: {source}",
                   flush=True)

@@ -51,11 +51,14 @@ class TransformerConfig:
     head_dim: int = 0  # 0: d_model / n_heads (the size used is `head_size`)
     qkv_bias: bool = False  # biases on the q, k and v projections (Qwen 2)
     qk_norm: bool = False  # an RMSNorm of each query and key head before the rotation (Qwen 3)
+    sliding_window: int = 0  # each query sees its W latest keys, its own included, in every layer (Mistral); 0: all
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len"):
             if getattr(self, name) < 1:
                 raise InputError(f"model.{name} = {getattr(self, name)} must be >= 1")
+        if self.sliding_window < 0:
+            raise InputError(f"model.sliding_window = {self.sliding_window} must be >= 0 (0: no window)")
         if self.head_dim < 0:
             raise InputError(f"model.head_dim = {self.head_dim} must be >= 0 (0: d_model / n_heads)")
         if not self.head_dim and self.d_model % self.n_heads:
@@ -122,7 +125,7 @@ class Attention(nnx.Module):
 
     def __call__(self, x_BTD: jax.Array, positions_T: jax.Array) -> jax.Array:
         q_BTNH, k_BTKH, v_BTKH = self._project(x_BTD, positions_T)
-        return self._output(attend(q_BTNH, k_BTKH, v_BTKH))
+        return self._output(attend(q_BTNH, k_BTKH, v_BTKH, window=self.cfg.sliding_window or None))
 
     def cached(self, x_BTD: jax.Array, positions_T: jax.Array, k_BSKH: jax.Array,
                v_BSKH: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -133,7 +136,8 @@ class Attention(nnx.Module):
                            CACHE)
         v_BSKH = constrain(jax.lax.dynamic_update_slice_in_dim(v_BSKH, v_BTKH.astype(v_BSKH.dtype), positions_T[0], 1),
                            CACHE)
-        return self._output(cached_attention(q_BTNH, k_BSKH, v_BSKH, positions_T)), k_BSKH, v_BSKH
+        out_BTNH = cached_attention(q_BTNH, k_BSKH, v_BSKH, positions_T, window=self.cfg.sliding_window or None)
+        return self._output(out_BTNH), k_BSKH, v_BSKH
 
     def _project(self, x_BTD: jax.Array, positions_T: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Queries and keys rotated to their positions (normed per head first, with `qk_norm`), and values."""

@@ -30,7 +30,8 @@ FAMILIES = {
     # Llama 3.1's RoPE scaling, over an original context of 16 so that T = 16..32 spans every band
     "llama": {**SMALL, "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 16,
                                         "low_freq_factor": 1.0, "high_freq_factor": 4.0}},
-    "mistral": {**SMALL, "sliding_window": None, "head_dim": 32},  # a head dim other than hidden / heads
+    # a head dim other than hidden / heads; a sliding window shorter than the test's sequences
+    "mistral": {**SMALL, "sliding_window": 5, "head_dim": 32},
     # q, k, v biases; tied embeddings, as the small Qwen 2.5 models have; YaRN
     "qwen2": {**SMALL, "tie_word_embeddings": True,
               "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}},

@@ -1,5 +1,5 @@
 """Hugging Face ↔ meshpar, for every family meshpar converts (`hf_reference.FAMILIES`: llama with Llama 3.1's
-RoPE scaling, mistral with a head dim of its own, qwen2 with q/k/v biases, tied embeddings and YaRN, qwen3
+RoPE scaling, mistral with a head dim of its own and a sliding window, qwen2 with q/k/v biases, tied embeddings and YaRN, qwen3
 with q/k norms, a head dim of its own and linear scaling; GQA in all): imported weights give transformers'
 logits on one device and on TP, FSDP and ring context-parallel meshes (float32, relative 1e-5), greedy
 generation gives transformers' tokens, and an export loads back into transformers as the same family with
@@ -108,15 +108,16 @@ def test_the_options_shape_the_logits(family):
     without its RoPE scaling meshpar's logits would be far from transformers'."""
     model_type, directory, reference = family
     cfg = hf.load_config(directory)
-    options = {"llama": ("llama3", 0, False, False), "mistral": ("none", 32, False, False),
-               "qwen2": ("yarn", 0, True, False), "qwen3": ("linear", 32, False, True)}[model_type]
-    assert (cfg.rope_scaling.kind, cfg.head_dim, cfg.qkv_bias, cfg.qk_norm) == options
+    options = {"llama": ("llama3", 0, False, False, 0), "mistral": ("none", 32, False, False, 5),
+               "qwen2": ("yarn", 0, True, False, 0), "qwen3": ("linear", 32, False, True, 0)}[model_type]
+    assert (cfg.rope_scaling.kind, cfg.head_dim, cfg.qkv_bias, cfg.qk_norm, cfg.sliding_window) == options
     assert cfg.tie_embeddings == (model_type == "qwen2") and cfg.n_kv_heads < cfg.n_heads
-    if cfg.rope_scaling.kind != "none":
-        mesh = build_mesh("")
-        unscaled = dataclasses.replace(cfg, rope_scaling=RopeScaling())
-        assert relative_error(meshpar_logits(hf.import_params(directory, cfg, mesh, RULES), unscaled, mesh),
-                              reference) > 1e-3
+    mesh = build_mesh("")
+    for option, off in (("rope_scaling", RopeScaling()), ("sliding_window", 0)):
+        if getattr(cfg, option) != off:
+            without = dataclasses.replace(cfg, **{option: off})
+            assert relative_error(meshpar_logits(hf.import_params(directory, cfg, mesh, RULES), without, mesh),
+                                  reference) > 1e-3, option
 
 
 def test_greedy_generation_matches_transformers(family):
@@ -151,12 +152,15 @@ def test_export_loads_in_transformers_as_the_same_family(family, tmp_path):
 
 
 def test_the_family_written_is_the_models_unless_asked():
-    """Without a family named, the model's options choose it (qwen3: q/k norms, qwen2: biases, else llama);
+    """Without a family named, the model's options choose it (qwen3: q/k norms, qwen2: biases, mistral: a
+    sliding window, else llama);
     a family that cannot hold the model is refused, naming the option."""
     configs = {t: hf.config_from_hf(family_config(t)) for t in FAMILIES}
     assert {t: hf.family_of(cfg).model_type for t, cfg in configs.items()} == {
-        "llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
-    assert hf.family_of(configs["mistral"], "mistral").model_type == "mistral"
+        "llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+    assert hf.family_of(configs["llama"], "mistral").model_type == "mistral"
+    with pytest.raises(InputError, match=r"model.sliding_window = 5: a llama checkpoint cannot hold it"):
+        hf.config_to_hf(configs["mistral"], "llama")
     with pytest.raises(InputError, match=r"model.qkv_bias = true: a llama checkpoint cannot hold it"):
         hf.config_to_hf(configs["qwen2"], "llama")
     with pytest.raises(InputError, match=r"model.qk_norm = false: a qwen3 checkpoint cannot hold it"):
@@ -215,7 +219,6 @@ def test_tied_bfloat16_checkpoint(tmp_path):
     ("llama", {"hidden_act": "gelu"}, "hidden_act"),
     ("llama", {"model_type": "gemma"}, "model_type = 'gemma' is not one meshpar can convert"),
     ("llama", {"architectures": ["LlamaForSequenceClassification"]}, "only LlamaForCausalLM"),
-    ("mistral", {"sliding_window": 4096}, "sliding_window = 4096 is not implemented"),
     ("qwen2", {"use_sliding_window": True}, "use_sliding_window = true is not implemented"),
     ("qwen2", {"layer_types": ["full_attention", "sliding_attention"]}, "layer_types has 'sliding_attention'"),
     ("qwen3", {"attention_bias": True}, "attention_bias"),

@@ -6,10 +6,11 @@ per kv head, H head dim; t, s the sizes of one query and one key block (`block_q
 The sequence is cut into query blocks and key blocks. Which (query block, key block) pairs are worth
 computing is STATIC: `block_pattern` reads it from positions known when the program is traced (the
 natural order 0..T−1, a zigzag order, or device 0's positions of a layout every device shares), and
-marks each pair SKIP (every query before every key: fully masked), FULL (every query at or after every
-key) or MASKED (the diagonal: the causal mask is applied, from the DYNAMIC positions the kernel gets).
-One `lax.scan` runs over the listed pairs only, so a causal T×T attention does the n(n+1)/2 pairs of
-an n×n grid, not n².
+marks each pair SKIP (every query before every key, or with a sliding window W every key W or more
+before every query: fully masked), FULL (every query sees every key) or MASKED (the diagonal, and the
+window's far edge: the mask is applied, from the DYNAMIC positions the kernel gets). One `lax.scan` runs
+over the listed pairs only, so a causal T×T attention does the n(n+1)/2 pairs of an n×n grid, not n²,
+and a window of W about n·(W/block + 1): linear in T.
 
 Forward (Dao et al. 2022, "FlashAttention", Alg. 1, in scan form): per pair, the f32 score block
 [B, K, G, t, s] updates the query block's running max m, denominator l and output accumulator o (the
@@ -44,8 +45,9 @@ SKIP, MASKED, FULL = 0, 1, 2
 
 
 def block_pattern(q_positions: Sequence[np.ndarray] | np.ndarray, k_positions: np.ndarray, block_q: int,
-                  block_k: int) -> np.ndarray:
-    """[T/block_q, S/block_k] of SKIP, MASKED, FULL for causal attention at these static positions.
+                  block_k: int, window: int | None = None) -> np.ndarray:
+    """[T/block_q, S/block_k] of SKIP, MASKED, FULL for causal attention at these static positions, with a
+    sliding `window` (`kernels.Causal`) or none.
 
     `q_positions` may be several layouts (e.g. one per device, when every device runs the same program
     on different positions): a pair is skipped only if every layout skips it, and FULL only if it is FULL
@@ -58,25 +60,26 @@ def block_pattern(q_positions: Sequence[np.ndarray] | np.ndarray, k_positions: n
     for positions in layouts:
         q = positions.reshape(-1, block_q)
         q_min, q_max = q.min(axis=1)[:, None], q.max(axis=1)[:, None]
-        skip = skip & (q_max < k_min)
-        full = full & (q_min >= k_max)
+        skip = skip & ((q_max < k_min) | (window is not None and q_min - k_max >= window))
+        full = full & (q_min >= k_max) & (window is None or q_max - k_min < window)
     return np.where(skip, SKIP, np.where(full, FULL, MASKED)).astype(np.int8)
 
 
 def attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, q_pos_T: jax.Array, k_pos_S: jax.Array,
-              pattern: np.ndarray) -> tuple[jax.Array, jax.Array]:
+              pattern: np.ndarray, window: int | None = None) -> tuple[jax.Array, jax.Array]:
     """Causal GQA attention over the pairs `pattern` (from `block_pattern`) allows: (out f32 [B, T, N, H],
-    lse f32 [B, T, N]). Query t sees key s iff q_pos_T[t] >= k_pos_S[s]; block sizes are T and S over the
-    pattern's shape. A query row that sees no key gets out 0 and lse −inf."""
+    lse f32 [B, T, N]). Query t sees key s iff 0 <= q_pos_T[t] − k_pos_S[s] < window (None: no bound);
+    block sizes are T and S over the pattern's shape. A query row that sees no key gets out 0 and lse −inf."""
     T, S = q_BTNH.shape[1], k_BSKH.shape[1]
     nq, nk = pattern.shape
     if T % nq or S % nk:
         raise InputError(f"a {nq}×{nk} block pattern does not tile T = {T} queries and S = {S} keys")
     pairs = tuple((i, j, int(pattern[i, j]) == FULL) for i in range(nq) for j in range(nk) if pattern[i, j] != SKIP)
-    if not pairs:
-        raise InputError("the block pattern skips every pair: no query sees any key")
+    if not pairs:  # e.g. a ring's block wholly beyond a sliding window
+        B, _, N, H = q_BTNH.shape
+        return jnp.zeros((B, T, N, H), jnp.float32), jnp.full((B, T, N), -jnp.inf, jnp.float32)
     return _flash(q_BTNH, k_BSKH, v_BSKH, q_pos_T.astype(jnp.int32), k_pos_S.astype(jnp.int32),
-                  pairs, T // nq, S // nk)
+                  pairs, T // nq, S // nk, window)
 
 
 def _grouped(q_BTNH: jax.Array, K: int) -> jax.Array:
@@ -84,11 +87,12 @@ def _grouped(q_BTNH: jax.Array, K: int) -> jax.Array:
     return q_BTNH.reshape(B, T, K, N // K, H)
 
 
-def _scores(q_BtKGH, k_BsKH, qpos_t, kpos_s, full):
+def _scores(q_BtKGH, k_BsKH, qpos_t, kpos_s, full, window):
     """Scaled, masked f32 scores [B, K, G, t, s] of one block pair."""
     H = q_BtKGH.shape[-1]
     s = jnp.einsum("btkgh,bskh->bkgts", q_BtKGH, k_BsKH, preferred_element_type=jnp.float32) / math.sqrt(H)
-    visible_ts = (qpos_t[:, None] >= kpos_s[None, :]) | full
+    delta_ts = qpos_t[:, None] - kpos_s[None, :]
+    visible_ts = ((delta_ts >= 0) & (delta_ts < window) if window is not None else delta_ts >= 0) | full
     return jnp.where(visible_ts, s, -jnp.inf)
 
 
@@ -102,7 +106,7 @@ def _over_pairs(body, init, pairs):
     return lax.scan(lambda carry, xs: (body(carry, *xs), None), init, (i_P, j_P, full_P))[0]
 
 
-def _forward(q_BTNH, k_BSKH, v_BSKH, q_pos_T, k_pos_S, pairs, bt, bs):
+def _forward(q_BTNH, k_BSKH, v_BSKH, q_pos_T, k_pos_S, pairs, bt, bs, window):
     # One barrier over every input: when an enclosing loop is linearised, JAX hoists what depends only on
     # that loop's constants (a ring's queries, the positions) out of it, and here that would be every
     # pair's query block and mask, stacked per pair: memory quadratic in T. Behind the barrier nothing
@@ -115,7 +119,7 @@ def _forward(q_BTNH, k_BSKH, v_BSKH, q_pos_T, k_pos_S, pairs, bt, bs):
         o_BTKGH, m_BKGT, l_BKGT = carry
         qs, ks = i * bt, j * bs
         s_BKGts = _scores(_slice(q_BTKGH, qs, bt, 1), _slice(k_BSKH, ks, bs, 1), _slice(q_pos_T, qs, bt, 0),
-                          _slice(k_pos_S, ks, bs, 0), full)
+                          _slice(k_pos_S, ks, bs, 0), full, window)
         m_old, l_old = _slice(m_BKGT, qs, bt, 3), _slice(l_BKGT, qs, bt, 3)
         m_new = jnp.maximum(m_old, s_BKGts.max(axis=-1))
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row with nothing visible yet: exp(−inf) = 0
@@ -140,17 +144,17 @@ def _forward(q_BTNH, k_BSKH, v_BSKH, q_pos_T, k_pos_S, pairs, bt, bs):
     return out_BTKGH.reshape(B, T, N, H), jnp.moveaxis(lse_BKGT, -1, 1).reshape(B, T, N)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
-def _flash(q_BTNH, k_BSKH, v_BSKH, q_pos_T, k_pos_S, pairs, bt, bs):
-    return _forward(q_BTNH, k_BSKH, v_BSKH, q_pos_T, k_pos_S, pairs, bt, bs)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _flash(q_BTNH, k_BSKH, v_BSKH, q_pos_T, k_pos_S, pairs, bt, bs, window):
+    return _forward(q_BTNH, k_BSKH, v_BSKH, q_pos_T, k_pos_S, pairs, bt, bs, window)
 
 
-def _flash_fwd(q_BTNH, k_BSKH, v_BSKH, q_pos_T, k_pos_S, pairs, bt, bs):
-    out_BTNH, lse_BTN = _forward(q_BTNH, k_BSKH, v_BSKH, q_pos_T, k_pos_S, pairs, bt, bs)
+def _flash_fwd(q_BTNH, k_BSKH, v_BSKH, q_pos_T, k_pos_S, pairs, bt, bs, window):
+    out_BTNH, lse_BTN = _forward(q_BTNH, k_BSKH, v_BSKH, q_pos_T, k_pos_S, pairs, bt, bs, window)
     return (out_BTNH, lse_BTN), (q_BTNH, k_BSKH, v_BSKH, q_pos_T, k_pos_S, out_BTNH, lse_BTN)
 
 
-def _flash_bwd(pairs, bt, bs, residuals, cotangents):
+def _flash_bwd(pairs, bt, bs, window, residuals, cotangents):
     q_BTNH, k_BSKH, v_BSKH, q_pos_T, k_pos_S, out_BTNH, lse_BTN = residuals
     dout_BTNH, dlse_BTN = cotangents
     (B, T, N, H), K = q_BTNH.shape, k_BSKH.shape[2]
@@ -168,7 +172,7 @@ def _flash_bwd(pairs, bt, bs, residuals, cotangents):
         qs, ks = i * bt, j * bs
         q_BtKGH, k_BsKH, v_BsKH = _slice(q_BTKGH, qs, bt, 1), _slice(k_BSKH, ks, bs, 1), _slice(v_BSKH, ks, bs, 1)
         do_BtKGH = _slice(do_BTKGH, qs, bt, 1)
-        s_BKGts = _scores(q_BtKGH, k_BsKH, _slice(q_pos_T, qs, bt, 0), _slice(k_pos_S, ks, bs, 0), full)
+        s_BKGts = _scores(q_BtKGH, k_BsKH, _slice(q_pos_T, qs, bt, 0), _slice(k_pos_S, ks, bs, 0), full, window)
         p_BKGts = jnp.exp(s_BKGts - _slice(lse_BKGT, qs, bt, 3)[..., None])
         dv_BsKH = jnp.einsum("bkgts,btkgh->bskh", p_BKGts.astype(v_BSKH.dtype), do_BtKGH,
                              preferred_element_type=jnp.float32)

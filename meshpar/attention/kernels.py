@@ -12,7 +12,7 @@ needs), with `kernel`:
   blocks skipped;
 - `cudnn` (GPUs): cuDNN's fused flash attention through `jax.nn.dot_product_attention`, for bf16/fp16
   with a head dim cuDNN supports, where the mask is plain causal or none (one device, Ulysses, a
-  contiguous all-gather block). Where it cannot serve — another mask (zigzag order), or a schedule that
+  contiguous all-gather block), a sliding window included (its `local_window_size`). Where it cannot serve — another mask (zigzag order), or a schedule that
   needs the log-sum-exp's gradient (the ring: JAX returns cuDNN's log-sum-exp under stop_gradient and in
   the compute dtype) — that attention runs `blockwise`;
 - `auto`: the fastest for the platform and shape (`resolve_kernel`): on GPUs `cudnn` where it can run,
@@ -46,7 +46,9 @@ DENSE_MAX_T = {"cpu": 128}
 
 @dataclasses.dataclass(frozen=True)
 class Causal:
-    """The causal mask of one kernel call: query t sees key s iff q_T[t] >= k_S[s] (global positions).
+    """The causal mask of one kernel call: query t sees key s iff 0 <= q_T[t] − k_S[s] < window (global
+    positions; `window` None: no bound, plain causal). A sliding window of W keeps the W latest keys,
+    the query's own included (Mistral's `sliding_window`).
 
     `q_T`, `k_S` may be traced (a device's positions depend on its index in a shard_map); `layouts` are
     the same positions as numpy arrays for every variant the program runs (one per device when devices
@@ -56,10 +58,16 @@ class Causal:
     q_T: jax.Array
     k_S: jax.Array
     layouts: tuple[tuple[np.ndarray, np.ndarray], ...]
+    window: int | None = None
 
     @classmethod
-    def static(cls, q_T: np.ndarray, k_S: np.ndarray) -> Causal:
-        return cls(jnp.asarray(q_T, jnp.int32), jnp.asarray(k_S, jnp.int32), ((q_T, k_S),))
+    def static(cls, q_T: np.ndarray, k_S: np.ndarray, window: int | None = None) -> Causal:
+        return cls(jnp.asarray(q_T, jnp.int32), jnp.asarray(k_S, jnp.int32), ((q_T, k_S),), window)
+
+    def visible(self) -> jax.Array:
+        """[T, S]: which keys each query sees."""
+        delta_TS = self.q_T[:, None] - self.k_S[None, :]
+        return (delta_TS >= 0) & (delta_TS < self.window) if self.window is not None else delta_TS >= 0
 
 
 def platform_of(mesh: Mesh | None) -> str:
@@ -117,7 +125,7 @@ def block_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, cau
     kernel = resolve_kernel(kernel, S, platform, q_BTNH.dtype, q_BTNH.shape[3], needs_lse)
     if kernel == "cudnn" and (causal is None or is_plain_causal(causal, T, S)):
         out_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, is_causal=causal is not None,
-                                                implementation="cudnn")
+                                                local_window_size=cudnn_window(causal), implementation="cudnn")
         return out_BTNH.astype(jnp.float32), None
     if kernel == "dense":
         return _dense(q_BTNH, k_BSKH, v_BSKH, causal)
@@ -127,11 +135,18 @@ def block_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, cau
         pattern = np.full((T // bt, S // bs), flash.FULL, np.int8)
         q_T, k_S = jnp.zeros(T, jnp.int32), jnp.zeros(S, jnp.int32)
     else:
-        pattern = flash.block_pattern([q for q, _ in causal.layouts], causal.layouts[0][1], bt, bs)
+        pattern = flash.block_pattern([q for q, _ in causal.layouts], causal.layouts[0][1], bt, bs, causal.window)
         for _, k in causal.layouts[1:]:  # the key layout differs by device too: a tile skipped by all
-            pattern = np.maximum(pattern, flash.block_pattern([q for q, _ in causal.layouts], k, bt, bs))
+            pattern = np.maximum(pattern, flash.block_pattern([q for q, _ in causal.layouts], k, bt, bs,
+                                                              causal.window))
         q_T, k_S = causal.q_T, causal.k_S
-    return flash.attention(q_BTNH, k_BSKH, v_BSKH, q_T, k_S, pattern)
+    return flash.attention(q_BTNH, k_BSKH, v_BSKH, q_T, k_S, pattern, causal and causal.window)
+
+
+def cudnn_window(causal: Causal | None) -> tuple[int, int] | None:
+    """`jax.nn.dot_product_attention`'s `local_window_size` for this mask: (keys before, keys after) each
+    query sees besides its own position, or None (no window)."""
+    return None if causal is None or causal.window is None else (causal.window - 1, 0)
 
 
 def is_plain_causal(causal: Causal, T: int, S: int) -> bool:
@@ -147,34 +162,39 @@ def _dense(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, causal: Caus
     scores_BKGTS = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BSKH,
                               preferred_element_type=jnp.float32) / jnp.sqrt(H).astype(jnp.float32)
     if causal is not None:
-        scores_BKGTS = jnp.where(causal.q_T[:, None] >= causal.k_S[None, :], scores_BKGTS, -jnp.inf)
+        scores_BKGTS = jnp.where(causal.visible(), scores_BKGTS, -jnp.inf)
     # One exp over the scores (softmax's), the log-sum-exp from its row sums: exp(scores − lse) would be a
-    # second pass of transcendentals over the T×S square. The max only steadies the exp.
+    # second pass of transcendentals over the T×S square. The max only steadies the exp. A row that sees
+    # no key (a ring's block beyond a sliding window) gets out 0 and lse −inf.
     max_BKGT = jax.lax.stop_gradient(jnp.max(scores_BKGTS, axis=-1))
-    exp_BKGTS = jnp.exp(scores_BKGTS - max_BKGT[..., None])
+    exp_BKGTS = jnp.exp(scores_BKGTS - jnp.where(max_BKGT == -jnp.inf, 0.0, max_BKGT)[..., None])
     sum_BKGT = jnp.sum(exp_BKGTS, axis=-1)
-    probs_BKGTS = exp_BKGTS / sum_BKGT[..., None]
-    lse_BKGT = max_BKGT + jnp.log(sum_BKGT)
+    seen_BKGT = sum_BKGT > 0
+    probs_BKGTS = exp_BKGTS / jnp.where(seen_BKGT, sum_BKGT, 1.0)[..., None]
+    lse_BKGT = jnp.where(seen_BKGT, max_BKGT + jnp.log(jnp.where(seen_BKGT, sum_BKGT, 1.0)), -jnp.inf)
     out_BTKGH = jnp.einsum("bkgts,bskh->btkgh", probs_BKGTS.astype(v_BSKH.dtype), v_BSKH,
                            preferred_element_type=jnp.float32)
     return out_BTKGH.reshape(B, T, N, H), jnp.moveaxis(lse_BKGT, -1, 1).reshape(B, T, N)
 
 
-def causal_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, *, kernel: str = "auto",
-                     platform: str | None = None) -> jax.Array:
-    """softmax(q kᵀ / √H + causal mask) v on one device, each group of G query heads sharing a kv head."""
+def causal_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, *, window: int | None = None,
+                     kernel: str = "auto", platform: str | None = None) -> jax.Array:
+    """softmax(q kᵀ / √H + causal mask) v on one device, each group of G query heads sharing a kv head;
+    with a sliding `window`, each query sees its `window` latest keys."""
     T, S = q_BTNH.shape[1], k_BSKH.shape[1]
-    out_BTNH, _ = block_attention(q_BTNH, k_BSKH, v_BSKH, Causal.static(np.arange(T), np.arange(S)),
+    out_BTNH, _ = block_attention(q_BTNH, k_BSKH, v_BSKH, Causal.static(np.arange(T), np.arange(S), window),
                                   kernel=kernel, platform=platform)
     return out_BTNH.astype(v_BSKH.dtype)
 
 
-def cached_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, q_pos_T: jax.Array) -> jax.Array:
+def cached_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, q_pos_T: jax.Array,
+                     window: int | None = None) -> jax.Array:
     """Causal attention of T queries at positions `q_pos_T` over a KV cache of positions 0..S−1, as
-    generation runs it: keys after a query's position (those not yet written included) are masked. The
+    generation runs it: keys after a query's position (those not yet written included) and, with a
+    sliding `window`, keys `window` or more before it are masked (the cache keeps every position). The
     dense kernel: after the prompt T = 1, so the scores are one row per head."""
     S = k_BSKH.shape[1]
-    causal = Causal(q_pos_T.astype(jnp.int32), jnp.arange(S, dtype=jnp.int32), layouts=())
+    causal = Causal(q_pos_T.astype(jnp.int32), jnp.arange(S, dtype=jnp.int32), layouts=(), window=window)
     out_BTNH, _ = _dense(q_BTNH, k_BSKH, v_BSKH, causal)
     return out_BTNH.astype(v_BSKH.dtype)
 

@@ -103,6 +103,7 @@ class Shape:
         """Parameters that take part in a matmul (`is_matmul`): PaLM's N."""
         return sum(n for n, names in self.elements() if self.is_matmul(names))
 
-    def model_flops_per_token(self, seq_len: int) -> float:
-        """PaLM's 6Ψ + 12·L·N·H·T (`meshpar.mfu`)."""
-        return palm_flops_per_token(self.matmul_params, self.layers, self.heads, self.head_dim, seq_len)
+    def model_flops_per_token(self, seq_len: int, window: int = 0) -> float:
+        """PaLM's 6Ψ + 12·L·N·H·T (`meshpar.mfu`); with a sliding window W < T, each query sees W keys, not T."""
+        keys = min(seq_len, window) if window else seq_len
+        return palm_flops_per_token(self.matmul_params, self.layers, self.heads, self.head_dim, keys)

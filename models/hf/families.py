@@ -3,7 +3,7 @@
 | model_type | architecture      | its options (TransformerConfig)                  | tensors beyond Llama's           |
 |------------|-------------------|--------------------------------------------------|----------------------------------|
 | llama      | LlamaForCausalLM  | rope scaling (linear, llama3, yarn), head_dim    | –                                |
-| mistral    | MistralForCausalLM| as llama; `sliding_window` must be null          | –                                |
+| mistral    | MistralForCausalLM| as llama; `sliding_window` (every layer)         | –                                |
 | qwen2      | Qwen2ForCausalLM  | `qkv_bias` (always on)                           | self_attn.{q,k,v}_proj.bias      |
 | qwen3      | Qwen3ForCausalLM  | `qk_norm` (always on), head_dim                  | self_attn.{q,k}_norm.weight      |
 
@@ -82,6 +82,7 @@ class Family:
     architecture: str
     qkv_bias: bool = False  # its attention always has q, k and v biases
     qk_norm: bool = False  # its attention always norms each query and key head
+    windowed: bool = False  # its config.json's `sliding_window` is one window for every layer (model.sliding_window)
     # config.json keys whose value must be what the model computes (e.g. no sliding window), and the
     # values a checkpoint of this family written by meshpar carries for them
     fixed: tuple[tuple[str, object], ...] = ()
@@ -89,7 +90,7 @@ class Family:
 
 FAMILIES = {family.model_type: family for family in (
     Family("llama", "LlamaForCausalLM", fixed=(("attention_bias", False), ("mlp_bias", False))),
-    Family("mistral", "MistralForCausalLM", fixed=(("sliding_window", None),)),
+    Family("mistral", "MistralForCausalLM", windowed=True),
     Family("qwen2", "Qwen2ForCausalLM", qkv_bias=True, fixed=(("use_sliding_window", False),)),
     Family("qwen3", "Qwen3ForCausalLM", qk_norm=True, fixed=(("attention_bias", False), ("use_sliding_window", False))),
 )}
@@ -127,7 +128,8 @@ def config_from_hf(d: dict) -> TransformerConfig:
         max_seq_len=d.get("max_position_embeddings", 2048), tie_embeddings=bool(d.get("tie_word_embeddings", False)),
         rope_theta=float(theta), rope_scaling=scaling, norm_eps=float(d.get("rms_norm_eps", 1e-6)),
         head_dim=0 if d.get("head_dim") in (None, hidden // heads) else d["head_dim"],
-        qkv_bias=family.qkv_bias, qk_norm=family.qk_norm)
+        qkv_bias=family.qkv_bias, qk_norm=family.qk_norm,
+        sliding_window=(d.get("sliding_window") or 0) if family.windowed else 0)
 
 
 def _refuse_what_is_not_implemented(d: dict, family: Family) -> None:
@@ -181,9 +183,11 @@ def _rope(d: dict) -> tuple[float, RopeScaling]:
 
 def family_of(cfg: TransformerConfig, model_type: str | None = None) -> Family:
     """The family a checkpoint of `cfg` is written as: `model_type` if given, else the one its options
-    name (qkv_bias: qwen2, qk_norm: qwen3, neither: llama); refused where the family cannot hold them."""
+    name (qkv_bias: qwen2, qk_norm: qwen3, sliding_window: mistral, none: llama); refused where the family
+    cannot hold them."""
     if model_type is None:
-        model_type = "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "llama"
+        model_type = ("qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "mistral" if cfg.sliding_window
+                      else "llama")
     family = FAMILIES.get(model_type)
     if family is None:
         raise InputError(f"--family {model_type}: not one of {', '.join(FAMILIES)}")
@@ -192,6 +196,10 @@ def family_of(cfg: TransformerConfig, model_type: str | None = None) -> Family:
             raise InputError(f"model.{option} = {str(getattr(cfg, option)).lower()}: a {model_type} checkpoint "
                              f"cannot hold it ({family.architecture} has {'' if getattr(family, option) else 'no '}"
                              f"{option.replace('_', ' ')})")
+    if cfg.sliding_window and not family.windowed:
+        windowed = ", ".join(f.model_type for f in FAMILIES.values() if f.windowed)
+        raise InputError(f"model.sliding_window = {cfg.sliding_window}: a {model_type} checkpoint cannot hold it "
+                         f"(of the families meshpar writes, one window for every layer: {windowed})")
     return family
 
 
@@ -214,6 +222,7 @@ def config_to_hf(cfg: TransformerConfig, model_type: str | None = None) -> dict:
         "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_size,
         "max_position_embeddings": cfg.max_seq_len, "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps,
         "tie_word_embeddings": cfg.tie_embeddings, **dict(family.fixed),
+        **({"sliding_window": cfg.sliding_window or None} if family.windowed else {}),
         # transformers ≥ 5 reads rope_parameters and dtype; 4.x reads rope_theta, rope_scaling and torch_dtype
         "rope_parameters": {"rope_type": rope_type, "rope_theta": cfg.rope_theta, **(scaling or {})},
         "rope_theta": cfg.rope_theta, "rope_scaling": scaling and {"rope_type": rope_type, **scaling},
