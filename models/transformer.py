@@ -129,14 +129,23 @@ class Attention(nnx.Module):
 
     def cached(self, x_BTD: jax.Array, positions_T: jax.Array, k_BSKH: jax.Array,
                v_BSKH: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Attention of T new positions (contiguous from positions_T[0]) over a KV cache of S positions:
-        writes their keys and values into the cache and returns (output, k cache, v cache)."""
+        """Attention of T new positions (contiguous from positions_T[0]) over themselves and a KV cache of S
+        slots, slot j holding the latest earlier position p with p % S = j (S ≥ every position, or, with a
+        sliding window, its W latest: a ring); returns (output, k cache, v cache) with the new keys and
+        values written in (the last S of them where T > S)."""
         q_BTNH, k_BTKH, v_BTKH = self._project(x_BTD, positions_T)
-        k_BSKH = constrain(jax.lax.dynamic_update_slice_in_dim(k_BSKH, k_BTKH.astype(k_BSKH.dtype), positions_T[0], 1),
-                           CACHE)
-        v_BSKH = constrain(jax.lax.dynamic_update_slice_in_dim(v_BSKH, v_BTKH.astype(v_BSKH.dtype), positions_T[0], 1),
-                           CACHE)
-        out_BTNH = cached_attention(q_BTNH, k_BSKH, v_BSKH, positions_T, window=self.cfg.sliding_window or None)
+        k_BTKH, v_BTKH = k_BTKH.astype(k_BSKH.dtype), v_BTKH.astype(v_BSKH.dtype)
+        S, T = k_BSKH.shape[1], positions_T.shape[0]
+        before = positions_T[0] - 1
+        slot_pos_S = before - jnp.mod(before - jnp.arange(S), S)
+        slot_pos_S = jnp.where(slot_pos_S >= 0, slot_pos_S, jnp.iinfo(jnp.int32).max)  # not written yet: after all
+        keys_BSKH, values_BSKH = jnp.concatenate([k_BSKH, k_BTKH], 1), jnp.concatenate([v_BSKH, v_BTKH], 1)
+        out_BTNH = cached_attention(q_BTNH, keys_BSKH, values_BSKH, positions_T,
+                                    jnp.concatenate([slot_pos_S, positions_T]), window=self.cfg.sliding_window or None)
+        kept = min(T, S)
+        slots = positions_T[T - kept:] % S
+        k_BSKH = constrain(k_BSKH.at[:, slots].set(k_BTKH[:, T - kept:]), CACHE)
+        v_BSKH = constrain(v_BSKH.at[:, slots].set(v_BTKH[:, T - kept:]), CACHE)
         return self._output(out_BTNH), k_BSKH, v_BSKH
 
     def _project(self, x_BTD: jax.Array, positions_T: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -238,9 +247,11 @@ class Transformer(nnx.Module):
         return constrain(gathered(self.embed_VD, self.dtype, lookup=True)[tokens_BT], RESIDUAL)
 
     def init_cache(self, batch: int, length: int) -> tuple[jax.Array, jax.Array]:
-        """Empty key and value caches [L, B, S, K, H] of `length` positions, in the compute dtype."""
+        """Empty key and value caches [L, B, S, K, H] for `length` positions, in the compute dtype: S = length,
+        or with a sliding window W the W − 1 latest positions (a query's own key comes with it: `cached`)."""
         cfg = self.cfg
-        zeros = jnp.zeros((cfg.n_layers, batch, length, cfg.n_kv_heads, cfg.head_size), self.dtype)
+        S = min(length, cfg.sliding_window - 1) if cfg.sliding_window > 1 else length
+        zeros = jnp.zeros((cfg.n_layers, batch, S, cfg.n_kv_heads, cfg.head_size), self.dtype)
         return constrain(zeros, ("layers", *CACHE)), constrain(zeros, ("layers", *CACHE))
 
     def decode(self, tokens_BT: jax.Array, positions_T: jax.Array, k_LBSKH: jax.Array,

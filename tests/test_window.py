@@ -2,7 +2,8 @@
 the dense and blockwise kernels and every context-parallel schedule against the textbook formula (values
 and gradients, float32), the tiles the blockwise kernel skips, the ring steps a contiguous ring leaves out,
 cuDNN's `local_window_size` convention, and blockwise work linear in T at a fixed window (memory no more).
-A windowed model's loss and gradients on ring, GPipe and 1F1B layouts equal one device's.
+A windowed model's loss and gradients on ring, GPipe and 1F1B layouts equal one device's; generation keeps
+a ring of the window's positions and gives the tokens of recomputing.
 Logits against transformers' Mistral with `sliding_window` (one device, TP, FSDP, ring CP) and greedy
 generation are in test_hf.py."""
 
@@ -13,13 +14,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from conftest import require_devices
 from layouts import MODEL, MeshRun, max_relative_error
-from meshpar import compiler
+from meshpar import compiler, generate, mesh as mesh_lib, rules as rules_lib
 from meshpar.attention import context_parallel, flash, kernels, zigzag
 from meshpar.rules import ParallelConfig
+from models.transformer import Transformer, TransformerConfig
 from test_attention import FAST_COMPILE, FUNCTIONS, heads_for, inputs, make_mesh, relative_error, run_fast, \
     value_and_grads
 
@@ -169,3 +172,19 @@ def test_the_window_is_seen(windowed_reference):
     """Without the window the same weights give other gradients: the layouts above compare a windowed model."""
     _, unwindowed = MeshRun("single", model=dataclasses.replace(WINDOWED, sliding_window=0)).loss_and_grads()
     assert max_relative_error(unwindowed, windowed_reference[1]) > 1e-2
+
+
+def test_generation_keeps_a_ring_of_the_window_and_equals_recomputing():
+    """Window 4: the cache holds 3 positions; greedy generation past a prompt longer than that (5 tokens, 8
+    new) gives the tokens of running the whole sequence again for each new token (no cache)."""
+    cfg = TransformerConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=8, n_kv_heads=4, d_ff=128,
+                            max_seq_len=64, sliding_window=4)
+    with nnx.use_eager_sharding(False):
+        model = Transformer(cfg, rngs=nnx.Rngs(0))
+    assert model.init_cache(2, 13)[0].shape == (2, 2, 3, 4, 8)  # [L, B, W − 1, K, H]
+    prompt = np.array([[1, 2, 3, 4, 5], [9, 8, 7, 6, 5]])
+    forward, ids = nnx.jit(lambda m, ids: m(ids)), prompt
+    for _ in range(8):
+        ids = np.concatenate([ids, np.asarray(forward(model, jnp.asarray(ids)))[:, -1].argmax(-1)[:, None]], axis=1)
+    mesh = mesh_lib.build(mesh_lib.parse(""), jax.devices()[:1])
+    np.testing.assert_array_equal(generate.generate(model, prompt, 8, mesh, rules_lib.make()), ids[:, 5:])

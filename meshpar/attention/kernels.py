@@ -188,13 +188,11 @@ def causal_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, *,
 
 
 def cached_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, q_pos_T: jax.Array,
-                     window: int | None = None) -> jax.Array:
-    """Causal attention of T queries at positions `q_pos_T` over a KV cache of positions 0..S−1, as
-    generation runs it: keys after a query's position (those not yet written included) and, with a
-    sliding `window`, keys `window` or more before it are masked (the cache keeps every position). The
-    dense kernel: after the prompt T = 1, so the scores are one row per head."""
-    S = k_BSKH.shape[1]
-    causal = Causal(q_pos_T.astype(jnp.int32), jnp.arange(S, dtype=jnp.int32), layouts=(), window=window)
+                     k_pos_S: jax.Array, window: int | None = None) -> jax.Array:
+    """Causal attention of T queries at positions `q_pos_T` over keys at positions `k_pos_S` (a KV cache's
+    slots and the new keys), as generation runs it: keys after a query's position and, with a sliding
+    `window`, keys `window` or more before it are masked. The dense kernel: after the prompt T = 1, so the
+    scores are one row per head."""
+    causal = Causal(q_pos_T.astype(jnp.int32), k_pos_S.astype(jnp.int32), layouts=(), window=window)
     out_BTNH, _ = _dense(q_BTNH, k_BSKH, v_BSKH, causal)
     return out_BTNH.astype(v_BSKH.dtype)
-
