@@ -82,6 +82,12 @@ def attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, q_pos_T: 
                   pairs, T // nq, S // nk, window)
 
 
+def visible(q_pos_T: jax.Array, k_pos_S: jax.Array, window: int | None) -> jax.Array:
+    """[T, S]: whether each query sees each key, 0 <= q − k < window (None: no bound)."""
+    delta_TS = q_pos_T[:, None] - k_pos_S[None, :]
+    return (delta_TS >= 0) & (delta_TS < window) if window is not None else delta_TS >= 0
+
+
 def _grouped(q_BTNH: jax.Array, K: int) -> jax.Array:
     B, T, N, H = q_BTNH.shape
     return q_BTNH.reshape(B, T, K, N // K, H)
@@ -91,9 +97,7 @@ def _scores(q_BtKGH, k_BsKH, qpos_t, kpos_s, full, window):
     """Scaled, masked f32 scores [B, K, G, t, s] of one block pair."""
     H = q_BtKGH.shape[-1]
     s = jnp.einsum("btkgh,bskh->bkgts", q_BtKGH, k_BsKH, preferred_element_type=jnp.float32) / math.sqrt(H)
-    delta_ts = qpos_t[:, None] - kpos_s[None, :]
-    visible_ts = ((delta_ts >= 0) & (delta_ts < window) if window is not None else delta_ts >= 0) | full
-    return jnp.where(visible_ts, s, -jnp.inf)
+    return jnp.where(visible(qpos_t, kpos_s, window) | full, s, -jnp.inf)
 
 
 def _slice(x, start, size, axis):

@@ -12,9 +12,10 @@ needs), with `kernel`:
   blocks skipped;
 - `cudnn` (GPUs): cuDNN's fused flash attention through `jax.nn.dot_product_attention`, for bf16/fp16
   with a head dim cuDNN supports, where the mask is plain causal or none (one device, Ulysses, a
-  contiguous all-gather block), a sliding window included (its `local_window_size`). Where it cannot serve — another mask (zigzag order), or a schedule that
-  needs the log-sum-exp's gradient (the ring: JAX returns cuDNN's log-sum-exp under stop_gradient and in
-  the compute dtype) — that attention runs `blockwise`;
+  contiguous all-gather block), a sliding window included (its `local_window_size`). Where it cannot
+  serve — another mask (zigzag order), or a schedule that needs the log-sum-exp's gradient (the ring:
+  JAX returns cuDNN's log-sum-exp under stop_gradient and in the compute dtype) — that attention runs
+  `blockwise`;
 - `auto`: the fastest for the platform and shape (`resolve_kernel`): on GPUs `cudnn` where it can run,
   else `blockwise`; elsewhere `dense` for short sequences, `blockwise` above.
 """
@@ -66,8 +67,7 @@ class Causal:
 
     def visible(self) -> jax.Array:
         """[T, S]: which keys each query sees."""
-        delta_TS = self.q_T[:, None] - self.k_S[None, :]
-        return (delta_TS >= 0) & (delta_TS < self.window) if self.window is not None else delta_TS >= 0
+        return flash.visible(self.q_T, self.k_S, self.window)
 
 
 def platform_of(mesh: Mesh | None) -> str:
@@ -140,7 +140,8 @@ def block_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, cau
             pattern = np.maximum(pattern, flash.block_pattern([q for q, _ in causal.layouts], k, bt, bs,
                                                               causal.window))
         q_T, k_S = causal.q_T, causal.k_S
-    return flash.attention(q_BTNH, k_BSKH, v_BSKH, q_T, k_S, pattern, causal and causal.window)
+    window = None if causal is None else causal.window
+    return flash.attention(q_BTNH, k_BSKH, v_BSKH, q_T, k_S, pattern, window)
 
 
 def cudnn_window(causal: Causal | None) -> tuple[int, int] | None:
