@@ -45,6 +45,12 @@ def shape(cfg: configs.Config) -> plan.Shape:
     return plan.Shape.of_model(cfg.model_factory())
 
 
+def flops_per_token(cfg: configs.Config) -> float:
+    """The model FLOPs of one trained token of the config's run (PaLM's, what MFU counts): with a sliding
+    window each query sees its W latest keys, not the whole sequence."""
+    return shape(cfg).model_flops_per_token(cfg.train.seq_len, getattr(cfg.model, "sliding_window", 0))
+
+
 def device_budget(hardware: str, mem_fraction: float = 0.9) -> float:
     """Bytes a step may use per device: what the accelerator's allocator reports, else (fake CPU devices)
     `mem_fraction` of the planner's `hardware`."""

@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> None:
 
     devices.setup(args.cpu_devices)  # before JAX starts a backend
 
-    from launch.configure import configure, shape
+    from launch.configure import configure, flops_per_token
     from meshpar import distributed, metrics, mfu
     from meshpar.errors import TrainingStopped
     from meshpar.preemption import EXIT_REQUEUE, Stopping
@@ -102,8 +102,7 @@ def main(argv: list[str] | None = None) -> None:
             init_params = weights.load(args.init_from, mesh, rules)[1]
         profile = parse_profile_steps(args.profile_steps) if args.profile_steps else None
         peak, source = mfu.device_peak(2 if cfg.train.compute_dtype == "bfloat16" else 4, args.peak_tflops)
-        window = getattr(cfg.model, "sliding_window", 0)  # a window bounds the keys each query sees
-        throughput = Throughput(shape(cfg).model_flops_per_token(cfg.train.seq_len, window), peak) if peak else None
+        throughput = Throughput(flops_per_token(cfg), peak) if peak else None
         if metrics.is_logger():
             print(f"MFU against {peak / 1e12:,.3g} TFLOP/s per device ({source})" if peak else f"no MFU: {source}",
                   flush=True)

@@ -4,9 +4,10 @@ The model provides `init_cache(batch, length)` (key and value caches [L, B, S, K
 `decode(tokens [B, T], positions [T], k, v) -> (logits [B, T, V], k, v)`, as meshpar's transformer does.
 One jitted program runs the prompt (prefill), then a `lax.while_loop` of one new token per step, each step
 attending over the cache and itself (`attention.cached_attention`): T·(S + T) scores per step instead of
-recomputing the prefix. With a sliding window W the cache holds only the W − 1 latest positions, written as a
-ring, so its memory and each step's work stay flat however long the text grows. With stop ids (a tokenizer's EOS ids) a row is finished at its first stop id, and the loop ends
-early, on the device, once every row is.
+recomputing the prefix. With a sliding window W the cache holds only the W − 1 latest positions, written as
+a ring, so its memory and each step's work stay flat however long the text grows. With stop ids (a
+tokenizer's EOS ids) a row is finished at its first stop id, and the loop ends early, on the device, once
+every row is.
 
 Sharding: the parameters keep the layout they have (FSDP gathers each layer's weights in compute, TP keeps
 heads and the MLP split over `model`); the cache is split like attention's keys (rows over the batch

@@ -80,7 +80,7 @@ def train(config: str, overrides: list[str], mesh: str, devices: int, steps: int
     import jax
 
     import configs
-    from launch.configure import shape
+    from launch.configure import flops_per_token
     from meshpar import config as config_lib, mesh as mesh_lib, mfu, rules
     from meshpar.attention.kernels import resolve_kernel
     from meshpar.run import Outputs, Throughput, run
@@ -88,8 +88,7 @@ def train(config: str, overrides: list[str], mesh: str, devices: int, steps: int
     cfg = config_lib.apply(configs.load(config), [*overrides, f"train.steps={steps}"])
     on = mesh_lib.build(mesh_lib.parse(mesh), jax.devices()[:devices])
     peak, peak_source = mfu.device_peak(2 if cfg.train.compute_dtype == "bfloat16" else 4)  # as launch.train
-    window = getattr(cfg.model, "sliding_window", 0)  # a window bounds the keys each query sees
-    throughput = Throughput(shape(cfg).model_flops_per_token(cfg.train.seq_len, window), peak) if peak else None
+    throughput = Throughput(flops_per_token(cfg), peak) if peak else None
     result = run(cfg.model_factory(), cfg.train, cfg.data, on, rules.make(cfg.parallel),
                  outputs=Outputs(progress=False), throughput=throughput)
     report, platform = result.report, on.devices.flat[0].platform
