@@ -6,7 +6,8 @@ reads `row[:-1]` and predicts `row[1:]`:
 - `tokens`: int32 token ids;
 - `segments`: int32 ids of the documents packed into each row (None: one document per row). A token
   attends only to earlier tokens of its own document, and positions restart at each document's first
-  token (`document_positions`). Ids need only differ between neighbouring documents of a row;
+  token (`document_positions`). Ids are distinct per document of a row and grow along it (the blockwise
+  kernel skips tiles by their ranges of ids); padding may take 0;
 - `weights`: float32, how much each token counts as a target (column 0 is never one; None: all 1). 0 for
   prompts, padding, and the first token of a packed document (it would be predicted from the previous
   document).

@@ -19,9 +19,17 @@ enter as ("batch", "seq", "embed") — with Megatron SP this is where their sequ
 head over the chunks, and it is reduced ONCE, where the shard_map hands it back (left to the compiler, a
 chunk loop all-reduces the head's whole gradient in every chunk).
 
+Weights (`meshpar.batch`): every target's loss is multiplied by its weight and the weighted losses are
+summed; a batch without weights weighs each of its B·T targets 1/(B·T), so the loss is their mean. The
+training step divides the weights by their sum over the global batch once, so any part of the batch — a
+device's rows, a chunk, a microbatch — adds its share of the global mean, whatever the mesh or the
+accumulation.
+
 A model that offers `hidden_states(tokens, positions) -> [B, T, D]` and `output_head() -> [D, V]` gets the
 chunked loss (its logits are `logits(hidden, head)`); any other model is called as
-`model(tokens, positions) -> logits`, or `model(tokens) -> logits`, and its logits are reduced whole.
+`model(tokens, positions) -> logits`, or `model(tokens) -> logits`, and its logits are reduced whole. With
+documents (segment ids) the model is called with them too: `hidden_states(tokens, positions, segments)`,
+`model(tokens, positions, segments)`, the positions `[B, T]` restarting at every document.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ import dataclasses
 import functools
 import inspect
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +47,9 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from meshpar import context, sharding
 from meshpar.attention import sequence_order
+from meshpar.batch import Batch, as_batch, document_positions, target_weights
 from meshpar.divisors import largest_divisor
+from meshpar.errors import InputError
 
 # Per-device bytes of one chunk's float32 logits under `loss_chunk = 0` (auto): 256 MiB, a few percent
 # of an accelerator, while a chunk's head matmul keeps ≥ 1k rows at 8B sizes (b·c = 4·256 on fsdp=8).
@@ -51,8 +62,8 @@ def logits(hidden_BTD: jax.Array, head_DV: jax.Array) -> jax.Array:
     return sharding.constrain(logits_BTV, ("batch", "seq", "vocab"))
 
 
-def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
-    """Sum over positions of logsumexp(logits) − logits[target], in float32, of whole logits.
+def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array, weights_BT: jax.Array) -> jax.Array:
+    """Weighted sum over positions of logsumexp(logits) − logits[target], in float32, of whole logits.
 
     Written with a one-hot mask rather than a gather so that, with the vocabulary split over `model`
     by the compiler, every device reduces its own slice and only [B, T] partial sums cross devices.
@@ -60,7 +71,7 @@ def cross_entropy(logits_BTV: jax.Array, targets_BT: jax.Array) -> jax.Array:
     logits_BTV = logits_BTV.astype(jnp.float32)
     logz_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
     is_target_BTV = jnp.arange(logits_BTV.shape[-1]) == targets_BT[..., None]
-    return jnp.sum(logz_BT - jnp.sum(jnp.where(is_target_BTV, logits_BTV, 0.0), axis=-1))
+    return jnp.sum(weights_BT * (logz_BT - jnp.sum(jnp.where(is_target_BTV, logits_BTV, 0.0), axis=-1)))
 
 
 def chunk_length(b: int, t: int, v: int, chunk: int = 0) -> int:
@@ -119,22 +130,23 @@ def _is_target(targets_bc: jax.Array, v: int, vocab: tuple[str, ...]) -> jax.Arr
     return jnp.arange(v) == (targets_bc - first)[..., None]
 
 
-def _forward_local(hidden_btD, head_Dv, targets_bt, *, chunk: int, vocab: tuple[str, ...]):
-    """This device's Σ logsumexp − target logit as a [1] partial sum, and the log-sum-exp of every
+def _forward_local(hidden_btD, head_Dv, targets_bt, weights_bt, *, chunk: int, vocab: tuple[str, ...]):
+    """This device's Σ weight · (logsumexp − target logit) as a [1] partial sum, and the log-sum-exp of every
     position [b, t] (over the whole vocabulary: max and sum of exponentials combined over `vocab`)."""
     c = chunk_length(*targets_bt.shape, head_Dv.shape[1], chunk)
 
     def one_chunk(total, inputs):
-        hidden_bcD, targets_bc = inputs
+        hidden_bcD, targets_bc, weights_bc = inputs
         logits_bcv = _logits(hidden_bcD, head_Dv)
         max_bc = logits_bcv.max(axis=-1)
         max_bc = lax.pmax(max_bc, vocab) if vocab else max_bc
         lse_bc = max_bc + jnp.log(_sum(jnp.exp(logits_bcv - max_bc[..., None]).sum(axis=-1), vocab))
         is_target_bcv = _is_target(targets_bc, logits_bcv.shape[-1], vocab)
         target_bc = _sum(jnp.where(is_target_bcv, logits_bcv, 0.0).sum(axis=-1), vocab)
-        return total + jnp.sum(lse_bc - target_bc), lse_bc
+        return total + jnp.sum(weights_bc * (lse_bc - target_bc)), lse_bc
 
-    total, lse_Cbc = lax.scan(one_chunk, jnp.zeros((), jnp.float32), (_chunks(hidden_btD, c), _chunks(targets_bt, c)))
+    total, lse_Cbc = lax.scan(one_chunk, jnp.zeros((), jnp.float32),
+                              (_chunks(hidden_btD, c), _chunks(targets_bt, c), _chunks(weights_bt, c)))
     return total[None], jnp.moveaxis(lse_Cbc, 0, 1).reshape(targets_bt.shape)
 
 
@@ -153,49 +165,52 @@ def _reduce_head(dhead_Dv: jax.Array, rows: tuple[str, ...], scatter: tuple[str,
     return lax.all_gather(dhead_Dv, others, axis=0, tiled=True) if others else dhead_Dv
 
 
-def _backward_local(hidden_btD, head_Dv, targets_bt, lse_bt, g, *, chunk: int, vocab: tuple[str, ...],
+def _backward_local(hidden_btD, head_Dv, targets_bt, weights_bt, lse_bt, g, *, chunk: int, vocab: tuple[str, ...],
                     rows: tuple[str, ...], scatter: tuple[str, ...]):
     """(d hidden [b, t, D], d head [D / scatter, v]) for the cotangent g: the head's gradient summed over
     the `rows` shards in float32, D split over `scatter`, the gradient's own layout."""
     c = chunk_length(*targets_bt.shape, head_Dv.shape[1], chunk)
 
     def one_chunk(dhead_Dv, inputs):
-        hidden_bcD, targets_bc, lse_bc = inputs
+        hidden_bcD, targets_bc, weights_bc, lse_bc = inputs
         logits_bcv = _logits(hidden_bcD, head_Dv)
         is_target_bcv = _is_target(targets_bc, logits_bcv.shape[-1], vocab)
-        dlogits_bcv = ((jnp.exp(logits_bcv - lse_bc[..., None]) - is_target_bcv) * g).astype(head_Dv.dtype)
+        scale_bc1 = (g * weights_bc)[..., None]
+        dlogits_bcv = ((jnp.exp(logits_bcv - lse_bc[..., None]) - is_target_bcv) * scale_bc1).astype(head_Dv.dtype)
         dhidden_bcD = _sum(jnp.einsum("bcv,dv->bcd", dlogits_bcv, head_Dv, preferred_element_type=jnp.float32),
                            vocab)
         dhead_Dv = dhead_Dv + jnp.einsum("bcd,bcv->dv", hidden_bcD, dlogits_bcv, preferred_element_type=jnp.float32)
         return dhead_Dv, dhidden_bcD.astype(hidden_bcD.dtype)
 
     dhead_Dv, dhidden_CbcD = lax.scan(one_chunk, jnp.zeros(head_Dv.shape, jnp.float32),
-                                      (_chunks(hidden_btD, c), _chunks(targets_bt, c), _chunks(lse_bt, c)))
+                                      (_chunks(hidden_btD, c), _chunks(targets_bt, c), _chunks(weights_bt, c),
+                                       _chunks(lse_bt, c)))
     dhead_Dv = _reduce_head(dhead_Dv, rows, scatter).astype(head_Dv.dtype)
     return jnp.moveaxis(dhidden_CbcD, 0, 1).reshape(hidden_btD.shape), dhead_Dv
 
 
-def _forward(hidden_BTD, head_DV, targets_BT, chunk: int, placement: _Placement):
-    """(loss sum, log-sum-exp [B, T])."""
+def _forward(hidden_BTD, head_DV, targets_BT, weights_BT, chunk: int, placement: _Placement):
+    """(weighted loss sum, log-sum-exp [B, T])."""
     body = functools.partial(_forward_local, chunk=chunk, vocab=placement.vocab)
     if placement.mesh is None:
-        partial_sums, lse_BT = body(hidden_BTD, head_DV, targets_BT)
+        partial_sums, lse_BT = body(hidden_BTD, head_DV, targets_BT, weights_BT)
     else:
         partial_sums, lse_BT = jax.shard_map(
-            body, mesh=placement.mesh, in_specs=(placement.hidden, placement.head, placement.targets),
+            body, mesh=placement.mesh,
+            in_specs=(placement.hidden, placement.head, placement.targets, placement.targets),
             out_specs=(P(placement.rows or None), placement.targets), axis_names=set(placement.manual),
-            check_vma=False)(hidden_BTD, head_DV, targets_BT)
+            check_vma=False)(hidden_BTD, head_DV, targets_BT, weights_BT)
     return partial_sums.sum(), lse_BT
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _loss_sum(hidden_BTD, head_DV, targets_BT, chunk: int, placement: _Placement) -> jax.Array:
-    return _forward(hidden_BTD, head_DV, targets_BT, chunk, placement)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _loss_sum(hidden_BTD, head_DV, targets_BT, weights_BT, chunk: int, placement: _Placement) -> jax.Array:
+    return _forward(hidden_BTD, head_DV, targets_BT, weights_BT, chunk, placement)[0]
 
 
-def _loss_sum_fwd(hidden_BTD, head_DV, targets_BT, chunk, placement):
-    total, lse_BT = _forward(hidden_BTD, head_DV, targets_BT, chunk, placement)
-    return total, (hidden_BTD, head_DV, targets_BT, lse_BT)
+def _loss_sum_fwd(hidden_BTD, head_DV, targets_BT, weights_BT, chunk, placement):
+    total, lse_BT = _forward(hidden_BTD, head_DV, targets_BT, weights_BT, chunk, placement)
+    return total, (hidden_BTD, head_DV, targets_BT, weights_BT, lse_BT)
 
 
 def _loss_sum_bwd(chunk, placement, residuals, g):
@@ -206,19 +221,23 @@ def _loss_sum_bwd(chunk, placement, residuals, g):
     else:
         dhead_spec = P(placement.scatter or None, *placement.head[1:])
         dhidden_BTD, dhead_DV = jax.shard_map(
-            body, mesh=placement.mesh, in_specs=(placement.hidden, placement.head, placement.targets, placement.targets, P()),
+            body, mesh=placement.mesh,
+            in_specs=(placement.hidden, placement.head, placement.targets, placement.targets, placement.targets, P()),
             out_specs=(placement.hidden, dhead_spec), axis_names=set(placement.manual), check_vma=False)(*residuals, g)
-    return dhidden_BTD, dhead_DV, None
+    return dhidden_BTD, dhead_DV, None, None
 
 
 _loss_sum.defvjp(_loss_sum_fwd, _loss_sum_bwd)
 
 
-def chunked_cross_entropy(hidden_BTD: jax.Array, head_DV: jax.Array, targets_BT: jax.Array,
-                          chunk: int = 0) -> jax.Array:
-    """Mean next-token cross-entropy of `logits(hidden, head)`, chunk by chunk (module docstring)."""
-    B, T, _ = hidden_BTD.shape
-    return _loss_sum(hidden_BTD, head_DV, targets_BT, chunk, _placement(hidden_BTD, head_DV, targets_BT)) / (B * T)
+def chunked_cross_entropy(hidden_BTD: jax.Array, head_DV: jax.Array, targets_BT: jax.Array, chunk: int = 0,
+                          weights_BT: jax.Array | None = None) -> jax.Array:
+    """Weighted sum of the next-token cross-entropy of `logits(hidden, head)`, chunk by chunk (module
+    docstring); without weights, the mean."""
+    if weights_BT is None:
+        weights_BT = jnp.full(targets_BT.shape, 1 / targets_BT.size)
+    placement = _placement(hidden_BTD, head_DV, targets_BT)
+    return _loss_sum(hidden_BTD, head_DV, targets_BT, weights_BT.astype(jnp.float32), chunk, placement)
 
 
 def takes_positions(model) -> bool:
@@ -229,28 +248,54 @@ def takes_positions(model) -> bool:
     return sum(p.kind in kinds for p in parameters) >= 2 or any(p.kind == p.VAR_POSITIONAL for p in parameters)
 
 
-def next_token_inputs(tokens_BT: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(inputs [B, T], targets [B, T], positions [T]) of tokens [B, T + 1], in the step's sequence order
-    (zigzag when the sequence is split over `sequence` with `load_balance` on: `attention.sequence_order`)."""
-    inputs_BT, targets_BT = tokens_BT[:, :-1], tokens_BT[:, 1:]
+class NextToken(NamedTuple):
+    """A batch as the model reads it, every field [B, T] in the step's sequence order: inputs, targets, their
+    weights (summing to the batch's share of the loss), the rotary positions ([T], or [B, T] restarting at
+    every document) and the document ids (None: one document per row)."""
+
+    inputs: jax.Array
+    targets: jax.Array
+    weights: jax.Array
+    positions: jax.Array
+    segments: jax.Array | None
+
+
+def next_token_inputs(batch: Batch | jax.Array) -> NextToken:
+    """`NextToken` of a batch (or tokens [B, T + 1]): the model reads tokens[:, :-1] and predicts tokens[:, 1:],
+    in the step's sequence order (zigzag when the sequence is split over `sequence` with `load_balance` on:
+    `attention.sequence_order`). A batch without weights weighs every target 1/(B·T): the loss is a mean."""
+    batch = as_batch(batch)
+    inputs_BT, targets_BT = batch.tokens[:, :-1], batch.tokens[:, 1:]
+    weights_BT = target_weights(batch) if batch.weights is not None else jnp.full(targets_BT.shape, 1 / targets_BT.size)
     reorder, positions_T, _ = sequence_order(inputs_BT.shape[1])
-    return reorder(inputs_BT), reorder(targets_BT), positions_T
+    segments_BT = None if batch.segments is None else batch.segments[:, :-1]
+    positions = positions_T if segments_BT is None else reorder(document_positions(segments_BT))
+    segments_BT = None if segments_BT is None else reorder(segments_BT)
+    return NextToken(reorder(inputs_BT), reorder(targets_BT), reorder(weights_BT), positions, segments_BT)
 
 
-def next_token_loss(model, tokens_BT: jax.Array, chunk: int = 0) -> jax.Array:
-    """Mean cross-entropy of predicting tokens[:, 1:] from tokens[:, :-1].
+def next_token_loss(model, batch: Batch | jax.Array, chunk: int = 0) -> jax.Array:
+    """Weighted cross-entropy of predicting tokens[:, 1:] from tokens[:, :-1] (module docstring): the mean
+    over a batch without weights.
 
     With the sequence split over `sequence` and `load_balance` on, inputs, targets and positions are
     put in zigzag order once, here: every shard then holds an early and a late chunk of each sequence,
-    so causal attention costs every shard the same. The mean loss does not depend on the order. Only a
+    so causal attention costs every shard the same. The loss does not depend on the order. Only a
     model that takes positions (`takes_positions`) gets the zigzag order: one called as `model(tokens)`
-    sees its tokens in order, so a causal mask it builds itself stays right.
+    sees its tokens in order, so a causal mask it builds itself stays right (and cannot take documents).
     """
+    batch = as_batch(batch)
     if not takes_positions(model):
-        inputs_BT, targets_BT = tokens_BT[:, :-1], tokens_BT[:, 1:]
-        return cross_entropy(model(inputs_BT), targets_BT) / targets_BT.size
-    inputs_BT, targets_BT, positions_T = next_token_inputs(tokens_BT)
+        if batch.segments is not None:
+            raise InputError(f"{type(model).__name__} is called as model(tokens), so it cannot keep the packed "
+                             f"documents of this batch apart: give it positions and segments "
+                             f"(model(tokens, positions, segments)), or train without packing")
+        inputs_BT, targets_BT = batch.tokens[:, :-1], batch.tokens[:, 1:]
+        weights_BT = target_weights(batch) if batch.weights is not None else 1 / targets_BT.size
+        return cross_entropy(model(inputs_BT), targets_BT, jnp.broadcast_to(weights_BT, targets_BT.shape))
+    x = next_token_inputs(batch)
+    documents = () if x.segments is None else (x.segments,)
     if hasattr(model, "hidden_states") and hasattr(model, "output_head"):
-        return chunked_cross_entropy(model.hidden_states(inputs_BT, positions_T), model.output_head(), targets_BT,
-                                     chunk)
-    return cross_entropy(model(inputs_BT, positions_T), targets_BT) / targets_BT.size
+        return chunked_cross_entropy(model.hidden_states(x.inputs, x.positions, *documents), model.output_head(),
+                                     x.targets, chunk, x.weights)
+    return cross_entropy(model(x.inputs, x.positions, *documents), x.targets, x.weights)

@@ -8,7 +8,8 @@ hooks run at their steps: evaluation, samples, a profiler trace, checkpoints.
 The loop dispatches step s before it reads the metrics of step s - 1, so the host never waits for the
 device except to read numbers that are already done. A step's time is the wall time between two
 consecutive finished steps (less the time hooks take in between); its tokens/s is the global batch's
-tokens over that time. With a checkpoint directory the run saves every `checkpoint.every` steps and at the
+tokens over that time, and `trained_tokens` the step's targets counted by their weights (`meshpar.batch`:
+fewer than the batch's tokens where prompts, padding or document starts weigh 0). With a checkpoint directory the run saves every `checkpoint.every` steps and at the
 last one; `train.steps` counts from the start of training. A stop request (SIGTERM, SIGINT, a time budget:
 `meshpar.preemption`) ends the loop after the step in flight, on every process at the same step, with a
 checkpoint of that step; the result says why it stopped.
@@ -18,7 +19,7 @@ Guards. A step whose loss or gradient norm is not finite stops the run (`train.o
 A checkpoint is written only after its step's metrics are read and found finite, so no checkpoint holds
 NaN and `checkpoint.keep` never deletes the last good one for a bad one.
 
-Evaluation (`train.eval_every`): the mean loss over `train.eval_batches` fixed batches of the held-out
+Evaluation (`train.eval_every`): the weighted loss over `train.eval_batches` fixed batches of the held-out
 split (`meshpar.data.split`), with the training step's sharding and loss, compiled once
 (`train.make_eval_step`); it and its perplexity join that step's metrics.
 """
@@ -282,7 +283,8 @@ class _Profile(_Hook):
 
 
 class _Evaluation(_Hook):
-    """The mean loss over `train.eval_batches` fixed held-out batches, and its perplexity."""
+    """The loss over `train.eval_batches` fixed held-out batches (weighted over all their targets together,
+as training weighs a batch), and its perplexity."""
 
     def __init__(self, sharded: Sharded, tokens_sharding: NamedSharding, train: TrainConfig, loss: Loss | None,
                  eval_tokens: np.ndarray, vocab: int | None, source: str):
@@ -297,7 +299,9 @@ class _Evaluation(_Hook):
 
     def __call__(self, number: int, state: nnx.State, entry: dict[str, Any], say: Callable[[str], None]) -> None:
         self.held_out.step = 0  # the same batches every time
-        entry["eval_loss"] = float(np.mean([float(self.step(state, next(self.held_out))) for _ in range(self.batches)]))
+        losses, counts = np.array([[float(x) for x in self.step(state, next(self.held_out))]
+                                   for _ in range(self.batches)]).T
+        entry["eval_loss"] = float((losses * counts).sum() / max(counts.sum(), 1.0))
         entry["eval_perplexity"] = math.exp(min(entry["eval_loss"], 700.0))
 
 
@@ -393,7 +397,7 @@ class _Loop:
         step_time, self.last_done = now - self.last_done, now
         tokens_per_s = self.train.global_batch * self.train.seq_len / step_time
         entry = {"step": number, "loss": values["loss"], "grad_norm": values["grad_norm"], "step_time_s": step_time,
-                 "tokens_per_s": tokens_per_s}
+                 "tokens_per_s": tokens_per_s, "trained_tokens": int(values["tokens"])}
         if self.learning_rate is not None:
             entry["lr"] = float(self.learning_rate(number - 1))
         if self.throughput:

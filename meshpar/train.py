@@ -9,6 +9,13 @@ parameter all-gathers (and gradient reductions) for FSDP, the TP all-reduces. Wi
 `parallel.pipeline_schedule=1f1b` on a `stage` mesh the loss and gradients come from the 1F1B schedule
 (`meshpar.pipeline.one_f_one_b`, which runs the loss inside the pipeline), not from `jax.value_and_grad`.
 
+The batch (`meshpar.batch.Batch`, or a token array) is weighed once, up front: its target weights are
+divided by their sum over the global batch (`batch.normalised`), so the loss of every part of it — a
+device's rows, an accumulation microbatch, a pipeline microbatch — is its share of the global weighted
+mean, and the parts' losses and gradients are simply summed: the same number on every mesh and for any
+accumulation, however unevenly the weights fall. The step reports that sum of weights (metric `tokens`:
+the targets trained on).
+
 Gradient accumulation (`grad_accum=A`) runs A microbatches in a `lax.scan` inside the step. The
 accumulator has the gradient's own layout (the `grads` rules: split over `fsdp` under ZeRO-2/3, over
 `model` under TP, over `stage` under PP), so its bytes per device are the ZeRO formula's. Each
@@ -36,6 +43,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from meshpar import context, offload, pipeline, remat as remat_lib, sharding
 from meshpar.attention.kernels import KERNELS
+from meshpar.batch import Batch, as_batch, normalised
 from meshpar.errors import InputError
 from meshpar.loss import next_token_loss
 from meshpar.pipeline import one_f_one_b
@@ -203,15 +211,15 @@ def replica_axes(mesh: Mesh, rules: Rules) -> tuple[str, ...]:
     return tuple(axis for axis in rules.table("activations")["batch"] if mesh.shape[axis] > 1 and axis not in split)
 
 
-# A loss: (model, tokens [B, T + 1]) → the mean over the batch's rows (a scalar). With gradient accumulation
-# the step averages it over microbatches, so it must be a mean, not a sum.
-Loss = Callable[[nnx.Module, jax.Array], jax.Array]
-ValueAndGrad = Callable[[nnx.State, jax.Array], tuple[jax.Array, nnx.State]]  # (params, tokens) → (loss, grads)
+# A loss: (model, batch) → Σ over the batch's targets of weight × loss (a scalar), the weights already divided
+# by their global sum (module docstring): the step sums it over accumulation microbatches.
+Loss = Callable[[nnx.Module, Batch], jax.Array]
+ValueAndGrad = Callable[[nnx.State, Batch], tuple[jax.Array, nnx.State]]  # (params, batch) → (loss, grads)
 
 
 def default_loss(cfg: TrainConfig) -> Loss:
     """Next-token cross-entropy (`meshpar.loss.next_token_loss`), chunked by `cfg.loss_chunk`."""
-    return lambda model, tokens_BT: next_token_loss(model, tokens_BT, cfg.loss_chunk)
+    return lambda model, batch: next_token_loss(model, batch, cfg.loss_chunk)
 
 
 def check_accumulation(rows: int, shards: int, steps: int, batch: tuple[str, ...]) -> None:
@@ -223,20 +231,20 @@ def check_accumulation(rows: int, shards: int, steps: int, batch: tuple[str, ...
 
 
 def _accumulated(sharded: Sharded, cfg: TrainConfig, value_and_grad: ValueAndGrad, params: nnx.State,
-                 tokens_BT: jax.Array) -> tuple[jax.Array, nnx.State]:
+                 batch: Batch) -> tuple[jax.Array, nnx.State]:
     """Loss and gradients over `grad_accum` microbatches into a sharded accumulator (module docstring)."""
     mesh, rules = sharded.mesh, sharded.rules
-    batch = tuple(axis for axis in rules.table("activations")["batch"] if mesh.shape[axis] > 1)
+    batch_axes = tuple(axis for axis in rules.table("activations")["batch"] if mesh.shape[axis] > 1)
     replicas = replica_axes(mesh, rules)
-    others = tuple(axis for axis in batch if axis not in replicas)  # still split the rows of a microbatch
+    others = tuple(axis for axis in batch_axes if axis not in replicas)  # still split the rows of a microbatch
     Y, X = math.prod(mesh.shape[a] for a in replicas), math.prod(mesh.shape[a] for a in others)
-    A, (B, T) = cfg.grad_accum, tokens_BT.shape
-    check_accumulation(B, Y * X, A, batch)
+    A, (B, T) = cfg.grad_accum, batch.tokens.shape
+    check_accumulation(B, Y * X, A, batch_axes)
     # Batch shard (y, x) holds rows [(y·X + x)·B/(Y·X), …); microbatch a takes the a-th block of b rows of
     # every shard, so that no row moves: [Y, X, A, b, T] → [A, Y, X·b, T].
-    tokens_AYbT = tokens_BT.reshape(Y, X, A, B // (Y * X * A), T).transpose(2, 0, 1, 3, 4).reshape(A, Y, -1, T)
-    tokens_AYbT = jax.lax.with_sharding_constraint(tokens_AYbT, NamedSharding(mesh, P(None, replicas or None,
-                                                                                      others or None)))
+    split = NamedSharding(mesh, P(None, replicas or None, others or None))
+    batch_AYbT = jax.tree.map(lambda x_BT: jax.lax.with_sharding_constraint(
+        x_BT.reshape(Y, X, A, B // (Y * X * A), T).transpose(2, 0, 1, 3, 4).reshape(A, Y, -1, T), split), batch)
     # Inside the vmap over replicas their mesh axes belong to the replica dimension; `batch` keeps the rest.
     outer = context.active()
     local = dataclasses.replace(outer, vmapped=outer.vmapped + replicas, rules=dataclasses.replace(
@@ -245,21 +253,23 @@ def _accumulated(sharded: Sharded, cfg: TrainConfig, value_and_grad: ValueAndGra
     accumulator = jax.tree.map(lambda spec: NamedSharding(mesh, P(replicas or None, *spec)),
                                sharding.state_specs(params, mesh, rules, "grads"), is_leaf=lambda x: isinstance(x, P))
 
-    def microbatch(carry, tokens_YbT):
+    def microbatch(carry, batch_YbT):
         loss_sum, acc_Y = carry
         with context.use(local):
-            loss_Y, g_Y = per_shard(params, tokens_YbT)
+            loss_Y, g_Y = per_shard(params, batch_YbT)
         acc_Y = jax.lax.with_sharding_constraint(jax.tree.map(jnp.add, acc_Y, g_Y), accumulator)
         return (loss_sum + loss_Y.sum(), acc_Y), None
 
     zeros_Y = jax.tree.map(lambda p: jnp.zeros((Y, *p.shape), jnp.float32), params)
     zeros_Y = jax.lax.with_sharding_constraint(zeros_Y, accumulator)
-    (loss_sum, grads_Y), _ = jax.lax.scan(microbatch, (jnp.zeros((), jnp.float32), zeros_Y), tokens_AYbT)
-    return loss_sum / (Y * A), jax.tree.map(lambda g: g.sum(0) / (Y * A), grads_Y)
+    (loss_sum, grads_Y), _ = jax.lax.scan(microbatch, (jnp.zeros((), jnp.float32), zeros_Y), batch_AYbT)
+    return loss_sum, jax.tree.map(lambda g: g.sum(0), grads_Y)  # the parts' shares of the mean: summed
 
 
 def _loss_and_grads(sharded: Sharded, cfg: TrainConfig, loss: Loss | None, model: nnx.Module,
-                    tokens_BT: jax.Array) -> tuple[jax.Array, nnx.State]:
+                    batch: Batch | jax.Array) -> tuple[jax.Array, nnx.State, jax.Array]:
+    """(loss, gradients, the batch's sum of target weights)."""
+    batch, count = normalised(as_batch(batch))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     if sharded.mesh.shape["stage"] > 1 and sharded.rules.parallel.pipeline_schedule == "1f1b":  # the loss runs inside
         value_and_grad = one_f_one_b.value_and_grad(graphdef, rest, loss, cfg.loss_chunk)
@@ -267,25 +277,26 @@ def _loss_and_grads(sharded: Sharded, cfg: TrainConfig, loss: Loss | None, model
         loss = loss or default_loss(cfg)
         value_and_grad = jax.value_and_grad(lambda p, t: loss(nnx.merge(graphdef, p, rest), t))
     if cfg.grad_accum == 1:
-        loss, grads = value_and_grad(params, tokens_BT)
+        loss, grads = value_and_grad(params, batch)
     else:
-        loss, grads = _accumulated(sharded, cfg, value_and_grad, params, tokens_BT)
-    return loss, sharding.constrain_grads(grads, sharded.mesh, sharded.rules)
+        loss, grads = _accumulated(sharded, cfg, value_and_grad, params, batch)
+    return loss, sharding.constrain_grads(grads, sharded.mesh, sharded.rules), count
 
 
 def loss_and_grads(sharded: Sharded, tokens: NamedSharding, cfg: TrainConfig = TrainConfig(),
-                   loss: Loss | None = None) -> Callable[[nnx.State, jax.Array], tuple[jax.Array, nnx.State]]:
-    """`(state, tokens) → (loss, parameter gradients)`, jitted: what parity tests compare. The state is at
-    rest (as `init_state` makes it); the gradients come in layer order (`pipeline.to_layers`), as on any mesh."""
+                   loss: Loss | None = None) -> Callable[[nnx.State, Batch | jax.Array], tuple[jax.Array, nnx.State]]:
+    """`(state, batch) → (loss, parameter gradients)`, jitted: what parity tests compare. The state is at
+    rest (as `init_state` makes it); the gradients come in layer order (`pipeline.to_layers`), as on any mesh.
+    `tokens` is the sharding of every field of the batch (or of a token array)."""
 
-    def fn(state: nnx.State, tokens_BT: jax.Array) -> tuple[jax.Array, nnx.State]:
+    def fn(state: nnx.State, batch: Batch | jax.Array) -> tuple[jax.Array, nnx.State]:
         with context.use(compute_context(sharded, cfg)):
-            return _loss_and_grads(sharded, cfg, loss, nnx.merge(sharded.graphdef, state).model, tokens_BT)
+            return _loss_and_grads(sharded, cfg, loss, nnx.merge(sharded.graphdef, state).model, batch)[:2]
 
     jitted = jax.jit(fn, in_shardings=(sharded.shardings, tokens))
 
-    def in_layer_order(state: nnx.State, tokens_BT: jax.Array) -> tuple[jax.Array, nnx.State]:
-        value, grads = jitted(state, tokens_BT)
+    def in_layer_order(state: nnx.State, batch: Batch | jax.Array) -> tuple[jax.Array, nnx.State]:
+        value, grads = jitted(state, batch)
         return value, pipeline.to_layers(grads, sharded.mesh, sharded.rules.parallel.pipeline_repeats)
 
     return in_layer_order
@@ -293,20 +304,21 @@ def loss_and_grads(sharded: Sharded, tokens: NamedSharding, cfg: TrainConfig = T
 
 def make_step(sharded: Sharded, tokens: NamedSharding, cfg: TrainConfig = TrainConfig(), loss: Loss | None = None,
               votes: NamedSharding | None = None) -> Callable[..., tuple[nnx.State, dict[str, jax.Array]]]:
-    """The jitted training step `(state, tokens) → (state, metrics)`, donating the old state.
+    """The jitted training step `(state, batch) → (state, metrics)`, donating the old state.
 
-    `tokens` is the sharding of the token batch (`sharding.batch_sharding`); `loss` defaults to
-    `default_loss(cfg)`. With `cfg.on_nonfinite = "skip"` a step whose loss or gradient norm is not finite
+    `tokens` is the sharding of the batch's fields (`sharding.batch_sharding`; the batch a
+    `meshpar.batch.Batch` or a token array); `loss` defaults to `default_loss(cfg)`. Metrics: `loss`,
+    `grad_norm`, `tokens` (the batch's sum of target weights). With `cfg.on_nonfinite = "skip"` a step whose loss or gradient norm is not finite
     leaves the state as it was (metrics: `skipped` = 1). With `votes` (`meshpar.preemption.votes_sharding`)
     the step is `(state, tokens, votes) → (state, metrics)` and metric `stop` is the largest vote: a stop
     agreed by the step's own program, so its collective is ordered with the step's.
     """
 
-    def step(state: nnx.State, tokens_BT: jax.Array, *votes_D: jax.Array) -> tuple[nnx.State, dict[str, jax.Array]]:
+    def step(state: nnx.State, batch: Batch | jax.Array, *votes_D: jax.Array) -> tuple[nnx.State, dict[str, jax.Array]]:
         before = jax.tree.leaves(state)  # the arrays; the update below mutates the merged variables
         with context.use(compute_context(sharded, cfg)):
             ts = nnx.merge(sharded.graphdef, state)
-            value, grads = _loss_and_grads(sharded, cfg, loss, ts.model, tokens_BT)
+            value, grads, count = _loss_and_grads(sharded, cfg, loss, ts.model, batch)
             offloaded, skip = sharded.rules.parallel.offload != "none", cfg.on_nonfinite == "skip"
             grad_norm = offload.global_norm(ts.model, grads) if offloaded else optax.tree.norm(grads)
             finite = jnp.isfinite(value) & jnp.isfinite(grad_norm)
@@ -315,7 +327,7 @@ def make_step(sharded: Sharded, tokens: NamedSharding, cfg: TrainConfig = TrainC
                               keep=~finite if skip else None)
             else:
                 ts.opt.update(ts.model, grads)
-            new_state, metrics = nnx.state(ts), {"loss": value, "grad_norm": grad_norm}
+            new_state, metrics = nnx.state(ts), {"loss": value, "grad_norm": grad_norm, "tokens": count}
             if skip:
                 if not offloaded:
                     after, structure = jax.tree.flatten(new_state)
@@ -330,13 +342,15 @@ def make_step(sharded: Sharded, tokens: NamedSharding, cfg: TrainConfig = TrainC
 
 
 def make_eval_step(sharded: Sharded, tokens: NamedSharding, cfg: TrainConfig = TrainConfig(),
-                   loss: Loss | None = None) -> Callable[[nnx.State, jax.Array], jax.Array]:
-    """The jitted `(state, tokens) → loss` on held-out tokens: the training step's loss and layout, no
-    gradients, the state kept (not donated). Compiled once; every evaluation reuses it."""
+                   loss: Loss | None = None) -> Callable[[nnx.State, Batch | jax.Array], tuple[jax.Array, jax.Array]]:
+    """The jitted `(state, batch) → (loss, sum of target weights)` on held-out batches: the training step's
+    loss and layout, no gradients, the state kept (not donated). Compiled once; every evaluation reuses it.
+    Several batches combine as Σ loss · weight / Σ weight, the loss of all their targets together."""
     loss = loss or default_loss(cfg)
 
-    def evaluate(state: nnx.State, tokens_BT: jax.Array) -> jax.Array:
+    def evaluate(state: nnx.State, batch: Batch | jax.Array) -> tuple[jax.Array, jax.Array]:
+        batch, count = normalised(as_batch(batch))
         with context.use(compute_context(sharded, cfg)):
-            return loss(nnx.merge(sharded.graphdef, state).model, tokens_BT)
+            return loss(nnx.merge(sharded.graphdef, state).model, batch), count
 
     return jax.jit(evaluate, in_shardings=(sharded.shardings, tokens))

@@ -75,11 +75,12 @@ def frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> tuple[tupl
     return tuple(inv_freq_h.astype(np.float32).tolist()), scale
 
 
-def rotate(x_BTNH: jax.Array, positions_T: jax.Array, theta: float, scaling: RopeScaling) -> jax.Array:
-    """Rotate pairs (i, i + H/2) of each head by angles set by each token's global position."""
+def rotate(x_BTNH: jax.Array, positions: jax.Array, theta: float, scaling: RopeScaling) -> jax.Array:
+    """Rotate pairs (i, i + H/2) of each head by angles set by each token's position: `positions` [T], the
+    same for every row, or [B, T] (packed documents: each row's own)."""
     inv_freq, scale = frequencies(x_BTNH.shape[3], theta, scaling)
-    angles_Th = positions_T.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq, jnp.float32)[None, :]
-    cos_T1h, sin_T1h = (scale * jnp.cos(angles_Th))[:, None, :], (scale * jnp.sin(angles_Th))[:, None, :]
+    angles_Th = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
+    cos_T1h, sin_T1h = (scale * jnp.cos(angles_Th))[..., None, :], (scale * jnp.sin(angles_Th))[..., None, :]
     x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)
     rotated = jnp.concatenate([x1 * cos_T1h - x2 * sin_T1h, x2 * cos_T1h + x1 * sin_T1h], axis=-1)
     return rotated.astype(x_BTNH.dtype)

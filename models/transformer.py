@@ -123,9 +123,10 @@ class Attention(nnx.Module):
             self.q_norm, self.k_norm = RMSNorm(cfg, dtype, "head_dim"), RMSNorm(cfg, dtype, "head_dim")
         self.cfg, self.dtype = cfg, dtype
 
-    def __call__(self, x_BTD: jax.Array, positions_T: jax.Array) -> jax.Array:
-        q_BTNH, k_BTKH, v_BTKH = self._project(x_BTD, positions_T)
-        return self._output(attend(q_BTNH, k_BTKH, v_BTKH, window=self.cfg.sliding_window or None))
+    def __call__(self, x_BTD: jax.Array, positions: jax.Array, segments_BT: jax.Array | None = None) -> jax.Array:
+        q_BTNH, k_BTKH, v_BTKH = self._project(x_BTD, positions)
+        return self._output(attend(q_BTNH, k_BTKH, v_BTKH, window=self.cfg.sliding_window or None,
+                                   segments_BT=segments_BT))
 
     def cached(self, x_BTD: jax.Array, positions_T: jax.Array, k_BSKH: jax.Array,
                v_BSKH: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -148,8 +149,9 @@ class Attention(nnx.Module):
         v_BSKH = constrain(v_BSKH.at[:, slots].set(v_BTKH[:, T - kept:]), CACHE)
         return self._output(out_BTNH), k_BSKH, v_BSKH
 
-    def _project(self, x_BTD: jax.Array, positions_T: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Queries and keys rotated to their positions (normed per head first, with `qk_norm`), and values."""
+    def _project(self, x_BTD: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """Queries and keys rotated to their positions ([T] or [B, T]; normed per head first, with `qk_norm`),
+        and values."""
         cfg, cast = self.cfg, lambda w: gathered(w, self.dtype)
         x_BTD = relayout(x_BTD, RESIDUAL, REGION_INPUT)
         q_BTNH, k_BTKH, v_BTKH = project(x_BTD, [cast(self.wq_DNH), cast(self.wk_DKH), cast(self.wv_DKH)],
@@ -159,7 +161,7 @@ class Attention(nnx.Module):
                                       ((q_BTNH, self.q_bias_NH), (k_BTKH, self.k_bias_KH), (v_BTKH, self.v_bias_KH)))
         if cfg.qk_norm:
             q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
-        rotate = lambda x_BTXH: rope.rotate(x_BTXH, positions_T, cfg.rope_theta, cfg.rope_scaling)
+        rotate = lambda x_BTXH: rope.rotate(x_BTXH, positions, cfg.rope_theta, cfg.rope_scaling)
         return rotate(q_BTNH), rotate(k_BTKH), v_BTKH
 
     def _output(self, out_BTNH: jax.Array) -> jax.Array:
@@ -190,8 +192,8 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg, dtype)
         self.mlp = MLP(cfg, dtype, rngs)
 
-    def __call__(self, x_BTD: jax.Array, positions_T: jax.Array) -> jax.Array:
-        x_BTD = constrain(x_BTD + self.attn(self.attn_norm(x_BTD), positions_T), RESIDUAL)
+    def __call__(self, x_BTD: jax.Array, positions: jax.Array, segments_BT: jax.Array | None = None) -> jax.Array:
+        x_BTD = constrain(x_BTD + self.attn(self.attn_norm(x_BTD), positions, segments_BT), RESIDUAL)
         return constrain(x_BTD + self.mlp(self.mlp_norm(x_BTD)), RESIDUAL)
 
     def cached(self, x_BTD: jax.Array, positions_T: jax.Array, k_BSKH: jax.Array,
@@ -227,20 +229,27 @@ class Transformer(nnx.Module):
         with nnx.use_eager_sharding(False):  # meshpar, not Flax, resolves logical names
             return nnx.split(nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(0))), nnx.Param)
 
-    def __call__(self, tokens_BT: jax.Array, positions_T: jax.Array | None = None) -> jax.Array:
+    def __call__(self, tokens_BT: jax.Array, positions: jax.Array | None = None,
+                 segments_BT: jax.Array | None = None) -> jax.Array:
         """Logits `[B, T, V]` in float32 for int tokens `[B, T]`: of a sequence in its order (reordered for
         the step and back, `meshpar.attention.sequence_order`), or of tokens already in the step's order at
-        their global `positions_T` (a load-balanced context-parallel step's)."""
-        if positions_T is not None:
-            return logits(self.hidden_states(tokens_BT, positions_T), self.output_head())
+        their `positions` (a load-balanced context-parallel step's: global positions [T], or [B, T] within
+        each document with `segments_BT`, the document ids of packed rows: `meshpar.batch`)."""
+        if positions is not None:
+            return logits(self.hidden_states(tokens_BT, positions, segments_BT), self.output_head())
+        if segments_BT is not None:
+            raise InputError("packed documents (segments_BT) need their positions: meshpar.loss.next_token_inputs")
         reorder, positions_T, restore = sequence_order(tokens_BT.shape[1])
         return restore(logits(self.hidden_states(reorder(tokens_BT), positions_T), self.output_head()))
 
-    def hidden_states(self, tokens_BT: jax.Array, positions_T: jax.Array | None = None) -> jax.Array:
+    def hidden_states(self, tokens_BT: jax.Array, positions: jax.Array | None = None,
+                      segments_BT: jax.Array | None = None) -> jax.Array:
         """The final norm's output `[B, T, D]`, which the output head turns into logits."""
-        if positions_T is None:
-            positions_T = jnp.arange(tokens_BT.shape[1])
-        return self.final_norm(layers.scan(self.blocks, self.embed(tokens_BT), positions_T))
+        if positions is None:
+            positions = jnp.arange(tokens_BT.shape[1])
+        if segments_BT is not None:  # per row: laid out like the tokens
+            positions, segments_BT = (constrain(x_BT, ("batch", "seq")) for x_BT in (positions, segments_BT))
+        return self.final_norm(layers.scan(self.blocks, self.embed(tokens_BT), positions, segments_BT))
 
     def embed(self, tokens_BT: jax.Array) -> jax.Array:
         """The token embeddings `[B, T, D]`: the residual stream entering the first block."""

@@ -113,10 +113,11 @@ def learning_rate(step: int, settings: dict) -> float:
     return end + (peak - end) * 0.5 * (1 + math.cos(math.pi * done))
 
 
-def train_losses(directory: str, batches: list, settings: dict) -> list:
+def train_losses(directory: str, batches: list, settings: dict, masks: list | None = None) -> list:
     """The loss of each step (before its update) of a plain PyTorch loop training the model in `directory`
     in float32 on `batches` (int tokens [steps][B, T + 1]): the mean cross-entropy of tokens[:, 1:] given
-    tokens[:, :-1], from the logits; clipping by the global norm as one multiply by min(1, clip_norm / norm);
+    tokens[:, :-1], from the logits (with `masks` [steps][B, T], 0 or 1 per target: the targets masked 0
+    get label -100, which the mean leaves out, as transformers' fine-tuning does); clipping by the global norm as one multiply by min(1, clip_norm / norm);
     `torch.optim.AdamW` (betas 0.9, 0.95, eps 1e-8) at `learning_rate(step, settings)`, with weight decay on
     every parameter but those with "norm" or "bias" in their name. `settings`: lr, warmup_steps, steps,
     decay_steps, weight_decay, clip_norm."""
@@ -132,8 +133,10 @@ def train_losses(directory: str, batches: list, settings: dict) -> list:
     losses = []
     for step, batch in enumerate(batches):
         tokens = torch.tensor(batch)
+        labels = tokens[:, 1:] if masks is None else torch.where(torch.tensor(masks[step]) > 0, tokens[:, 1:], -100)
         logits = model(input_ids=tokens[:, :-1]).logits.float()
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                                 ignore_index=-100)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         with torch.no_grad():

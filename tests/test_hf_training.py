@@ -15,6 +15,7 @@ gives 1.6e-4, the schedule one step late 9.4e-2, weight decay on the norm scales
 4.1e-2, b2 0.999 6.5e-3 (llama); it cannot see clip_grad_norm_'s +1e-6 in the norm (2.7e-7).
 """
 
+import dataclasses
 import math
 
 import jax
@@ -25,6 +26,7 @@ from conftest import require_devices
 from hf_reference import FAMILIES, call
 from layouts import CORPUS
 from meshpar import mesh as mesh_lib, rules as rules_lib, sharding, train
+from meshpar.batch import Batch
 from models import hf
 from models.transformer import Transformer
 
@@ -61,20 +63,23 @@ def family(request, tmp_path_factory):
     return model_type, directory, tokens, np.asarray(call("train_losses", directory, tokens.tolist(), settings))
 
 
-def meshpar_losses(directory: str, tokens: np.ndarray, spec: str, parallel: rules_lib.ParallelConfig) -> np.ndarray:
-    """meshpar's loss at each step, trained on `spec` from the weights in `directory`, optimizer state fresh."""
+def meshpar_losses(directory: str, tokens: np.ndarray, spec: str, parallel: rules_lib.ParallelConfig,
+                   weights: np.ndarray | None = None, cfg: train.TrainConfig = TRAIN) -> np.ndarray:
+    """meshpar's loss at each step, trained on `spec` from the weights in `directory`, optimizer state fresh;
+    with `weights` [steps, B, T + 1], the batches weigh their targets by them (`meshpar.batch`)."""
     config = mesh_lib.parse(spec)
     n = math.prod(config.sizes().values())
     require_devices(n)
     mesh, rules = mesh_lib.build(config, jax.devices()[:n]), rules_lib.make(parallel)
     model_cfg = hf.load_config(directory)
-    make_model, tx = Transformer.factory(model_cfg, TRAIN.dtype), train.optimizer(TRAIN)
-    sharded = train.sharded_abstract(make_model, tx, mesh, rules, TRAIN.seed)
-    state = train.init_state(make_model, tx, sharded, TRAIN.seed, hf.import_params(directory, model_cfg, mesh, rules))
+    make_model, tx = Transformer.factory(model_cfg, cfg.dtype), train.optimizer(cfg)
+    sharded = train.sharded_abstract(make_model, tx, mesh, rules, cfg.seed)
+    state = train.init_state(make_model, tx, sharded, cfg.seed, hf.import_params(directory, model_cfg, mesh, rules))
     tokens_sharding = sharding.batch_sharding(mesh, rules, tokens.shape[1:])
-    step = train.make_step(sharded, tokens_sharding, TRAIN)
+    step = train.make_step(sharded, tokens_sharding, cfg)
     losses = []
-    for batch in tokens:
+    for i, batch in enumerate(tokens):
+        batch = batch if weights is None else Batch(batch, None, weights[i])
         state, metrics = step(state, jax.device_put(batch, tokens_sharding))
         losses.append(metrics["loss"])
     return np.asarray([float(loss) for loss in losses])
@@ -91,3 +96,44 @@ def test_training_matches_transformers_step_for_step(family, spec, parallel):
     assert len(losses) == len(reference) == STEPS
     assert reference[-1] < reference[0] - 0.5  # it learns: the comparison is of training, not of noise
     assert relative[worst] < TOLERANCE, (losses, reference)
+
+
+def prompt_weights(tokens: np.ndarray) -> np.ndarray:
+    """[steps, B, T + 1] weights of a fine-tuning set: each row's first targets are a prompt (weight 0), the
+    rest its response (1); the rows of the batch's first half have prompts of 12 to 28 targets, the others of
+    1 to 6, so the targets fall unevenly over the devices of a data- or fsdp-split batch (and over
+    accumulation microbatches). Column 0 is never a target."""
+    rng = np.random.default_rng(1)
+    steps, B, T1 = tokens.shape
+    short = rng.integers(1, 7, (steps, B))
+    prompt = np.where(np.arange(B) < B // 2, rng.integers(12, 29, (steps, B)), short)
+    return (np.arange(T1) > prompt[..., None]).astype(np.float32)
+
+
+MASKED_MESHES = [  # the second: the weights fall unevenly over its 4 batch shards and 2 accumulation steps
+    pytest.param("fsdp=2,model=2", rules_lib.ParallelConfig(), 1, id="fsdp+tp"),
+    pytest.param("data=2,fsdp=2", rules_lib.ParallelConfig(), 2, id="data+fsdp+accumulation"),
+]
+
+
+@pytest.mark.parametrize(("spec", "parallel", "accumulation"), MASKED_MESHES)
+def test_prompt_masked_training_matches_transformers_labels(tmp_path, spec, parallel, accumulation):
+    """Fine-tuning: batches whose prompts weigh 0 train step for step as transformers' Llama with those
+    targets labelled -100, trained by the PyTorch loop (the mean over the unmasked targets of the whole
+    batch), STEPS steps at 1e-5, on TP + FSDP and on a data × fsdp mesh with gradient accumulation where every
+    device and microbatch holds a different count of targets."""
+    directory = str(tmp_path / "llama")
+    call("save_random", directory, "llama", FAMILIES["llama"], 0)
+    tokens = batches(FAMILIES["llama"]["vocab_size"])
+    weights = prompt_weights(tokens)
+    settings = {k: getattr(TRAIN, k) for k in ("lr", "warmup_steps", "steps", "decay_steps", "weight_decay",
+                                               "clip_norm")}
+    reference = np.asarray(call("train_losses", directory, tokens.tolist(), settings, weights[:, :, 1:].tolist()))
+    cfg = dataclasses.replace(TRAIN, grad_accum=accumulation)
+    losses = meshpar_losses(directory, tokens, spec, parallel, weights, cfg)
+    relative = np.abs(losses - reference) / np.abs(reference)
+    print(f"llama, prompt-masked, on {spec} (grad_accum={accumulation}): worst relative difference "
+          f"{relative.max():.2e} (step {int(np.argmax(relative))})")
+    unmasked = np.asarray(call("train_losses", directory, tokens[:1].tolist(), settings))
+    assert abs(unmasked[0] - reference[0]) > 1e-3  # the masks change the loss: the comparison can fail
+    assert relative.max() < TOLERANCE, (losses, reference)

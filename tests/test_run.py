@@ -118,11 +118,14 @@ def test_profile_trace_is_written(logged):
 
 def test_evaluation_compiles_once_and_is_the_training_loss():
     """The eval step is one jitted program for every held-out batch (its cache holds one entry after three
-    batches), and it computes the training step's loss on the training layout."""
+    batches), and it computes the training step's loss on the training layout, with the batch's count of
+    targets (every token of a batch without weights)."""
     require_devices(8)
     layout = MeshRun("data=2,fsdp=2,model=2")
     evaluate = train.make_eval_step(layout.sharded, layout.tokens_sharding, layout.cfg)
-    losses = [float(evaluate(layout.state, layout.batch(step))) for step in range(3)]
+    results = [evaluate(layout.state, layout.batch(step)) for step in range(3)]
+    losses = [float(loss) for loss, _ in results]
+    assert all(int(count) == layout.cfg.global_batch * layout.cfg.seq_len for _, count in results)
     assert evaluate._cache_size() == 1
     reference, _ = train.loss_and_grads(layout.sharded, layout.tokens_sharding, layout.cfg)(layout.state, layout.batch(2))
     assert losses[2] == pytest.approx(float(reference), rel=1e-6)

@@ -23,6 +23,10 @@ over those axes too.)
 
 (With the blockwise kernel no schedule keeps a score matrix: a [block, block] tile at a time.)
 
+Documents (packed rows, `meshpar.batch`): the document ids of the positions [B, t] go where their keys
+go — all-gathered with K and V, ppermuted round the ring beside each K/V block (4 bytes per position,
+B·t·4 per step), all-gathered whole for Ulysses — and every block's mask includes them.
+
 Per device, ring and all-gather receive the other devices' K and V, (n−1)·2·B·t·K·H elements (growing
 with n at fixed t); Ulysses sends (n−1)/n of its q, k, v and output slices, B·t·2(N+K)·H elements (flat in
 n), so it wins for large n unless K ≪ N.
@@ -75,8 +79,10 @@ def check(mode: str, T: int, heads: tuple[int, int], n: int, *, balanced: bool, 
 
 def context_attention(mode: str, q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, *, mesh: Mesh,
                       axis: str, load_balanced: bool, kernel: str, q_spec: P | None = None, kv_spec: P | None = None,
-                      vmapped: tuple[str, ...] = (), window: int | None = None) -> jax.Array:
+                      vmapped: tuple[str, ...] = (), window: int | None = None,
+                      segments_BT: jax.Array | None = None) -> jax.Array:
     """Run one schedule in a shard_map over `axis` and the other axes that `q_spec` / `kv_spec` name.
+    `segments_BT`: the document ids of the positions (laid out as q's first two dimensions), or None.
 
     Default specs: P(None, axis, None, None), manual over `axis` alone (partial-manual: the other mesh
     axes stay with the compiler). `vmapped`: mesh axes that an enclosing `vmap(spmd_axis_name=...)` owns
@@ -100,8 +106,9 @@ def context_attention(mode: str, q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: j
     body = functools.partial(local, axis=axis, n=n, balanced=load_balanced, kernel=kernel,
                              platform=platform_of(mesh), window=window)
     names = set(sharding.spec_axes(q_spec)) | set(sharding.spec_axes(kv_spec)) | set(vmapped)
-    return jax.shard_map(body, mesh=mesh, axis_names=names, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec,
-                         check_vma=not vmapped)(q_BTNH, k_BTKH, v_BTKH)
+    segments_spec = None if segments_BT is None else P(*q_spec[:2])
+    return jax.shard_map(body, mesh=mesh, axis_names=names, in_specs=(q_spec, kv_spec, kv_spec, segments_spec),
+                         out_specs=q_spec, check_vma=not vmapped)(q_BTNH, k_BTKH, v_BTKH, segments_BT)
 
 
 # --- all-gather K/V ---------------------------------------------------------------------------------------
@@ -125,21 +132,24 @@ def _gather_sequence_bwd(axis, _, g_BTKH):
 _gather_sequence.defvjp(_gather_sequence_fwd, _gather_sequence_bwd)
 
 
-def _allgather_local(q_BtNH, k_BtKH, v_BtKH, *, axis: str, n: int, balanced: bool, kernel: str, platform: str,
-                     window: int | None):
+def _allgather_local(q_BtNH, k_BtKH, v_BtKH, seg_Bt, *, axis: str, n: int, balanced: bool, kernel: str,
+                     platform: str, window: int | None):
     t = q_BtNH.shape[1]
     k_BTKH, v_BTKH = _gather_sequence(k_BtKH, axis), _gather_sequence(v_BtKH, axis)
     pos_T = zigzag.global_positions(t * n, n, balanced)
+    # The keys' document ids come with them.
+    segments = None if seg_Bt is None else (seg_Bt, lax.all_gather(seg_Bt, axis, axis=1, tiled=True))
     # Device i's queries see a different part of the keys: a tile is skipped only if every device skips it.
     layouts = tuple((zigzag.local_positions(d, t, n, balanced, np), pos_T) for d in range(n))
-    causal = Causal(zigzag.local_positions(lax.axis_index(axis), t, n, balanced), jnp.asarray(pos_T), layouts, window)
+    causal = Causal(zigzag.local_positions(lax.axis_index(axis), t, n, balanced), jnp.asarray(pos_T), layouts, window,
+                    segments)
     out_BtNH, _ = block_attention(q_BtNH, k_BTKH, v_BTKH, causal, kernel=kernel, platform=platform)
     return out_BtNH.astype(v_BtKH.dtype)
 
 
 def allgather_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, *, mesh: Mesh,
                         axis: str = "sequence", load_balanced: bool = False, kernel: str = "auto",
-                        window: int | None = None) -> jax.Array:
+                        window: int | None = None, segments_BT: jax.Array | None = None) -> jax.Array:
     """Causal GQA attention with T split over `axis` (size n): queries stay, K and V are all-gathered.
 
     Sharded: q, k, v and the output along T ([B, t, ·, H] per device, t = T/n); other mesh axes are
@@ -156,7 +166,7 @@ def allgather_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array,
     `load_balanced=True` tells it that q, k, v (and the output) are in zigzag order.
     """
     return context_attention("allgather", q_BTNH, k_BTKH, v_BTKH, mesh=mesh, axis=axis, load_balanced=load_balanced,
-                              kernel=kernel, window=window)
+                              kernel=kernel, window=window, segments_BT=segments_BT)
 
 
 # --- ring -------------------------------------------------------------------------------------------------
@@ -187,7 +197,7 @@ def _finish(acc) -> jax.Array:
     return o_BtNH / l_BtN[..., None]
 
 
-def _ring_local(q_BtNH, k_BtKH, v_BtKH, *, axis: str, n: int, balanced: bool, kernel: str, platform: str,
+def _ring_local(q_BtNH, k_BtKH, v_BtKH, seg_Bt, *, axis: str, n: int, balanced: bool, kernel: str, platform: str,
                 window: int | None):
     B, t, N, H = q_BtNH.shape
     i = lax.axis_index(axis)
@@ -201,7 +211,7 @@ def _ring_local(q_BtNH, k_BtKH, v_BtKH, *, axis: str, n: int, balanced: bool, ke
     # tile pattern is the same on every device (`Causal.layouts`).
     pos_t = positions(i)
     layouts = tuple((p, p) for p in (positions(d, np) for d in range(n)))
-    diagonal = Causal(pos_t, pos_t, layouts, window)
+    diagonal = Causal(pos_t, pos_t, layouts, window, None if seg_Bt is None else (seg_Bt, seg_Bt))
     acc = _start(jax.checkpoint(lambda q, k, v: attend_block(q, k, v, diagonal))(q_BtNH, k_BtKH, v_BtKH))
     if steps == 1:
         return _finish(acc).astype(v_BtKH.dtype)
@@ -209,23 +219,31 @@ def _ring_local(q_BtNH, k_BtKH, v_BtKH, *, axis: str, n: int, balanced: bool, ke
     def add(acc, q, k, v, mask):
         return _accumulate(acc, attend_block(q, k, v, mask))
 
-    # Without a window every block that arrives is either fully visible or fully masked (its positions are
-    # all before or all after this device's, in both orders), so no mask is built after step 0; with one,
-    # a block is masked by the window from the positions of the device it came from (`window_mask`). The
-    # compute of a step is rematerialised in the backward pass (jax.checkpoint), so only the step's inputs
-    # (the accumulators and the K/V block) are saved, never a score block.
+    # Without a window or documents every block that arrives is either fully visible or fully masked (its
+    # positions are all before or all after this device's, in both orders), so no mask is built after step
+    # 0; with them, a block is masked by the window from the positions of the device it came from and by
+    # the document ids that travel with its keys (`mask`). The compute of a step is rematerialised in the
+    # backward pass (jax.checkpoint), so only the step's inputs (the accumulators and the K/V block) are
+    # saved, never a score block.
+    masked = window is not None or seg_Bt is not None
     if not balanced:
         # Contiguous order: the block from src = i − s is visible iff src < i, else skipped with
         # lax.cond: the skip is a data-dependent (per-device) branch, and a conditional is the only way
         # to not do the work (arithmetic selection would compute and discard it). The devices still
         # wait for the busiest one (device n−1 computes every block), which is what zigzag fixes.
         arriving = tuple((positions(d, np), positions(d - s, np)) for s in range(1, steps) for d in range(s, n))
-        window_mask = lambda src: None if window is None else Causal(pos_t, positions(src), arriving, window)
-        update = jax.checkpoint(lambda acc, q, k, v, src: add(acc, q, k, v, window_mask(src)), prevent_cse=False)
 
-        def compute(acc, kv_2BtKH, s):
-            src = (i - s) % n
-            return lax.cond(src < i, lambda a: update(a, q_BtNH, kv_2BtKH[0], kv_2BtKH[1], src), lambda a: a, acc)
+        def mask(src, k_seg_Bt):
+            segments = None if seg_Bt is None else (seg_Bt, k_seg_Bt)
+            return Causal(pos_t, positions(src), arriving, window, segments) if masked else None
+
+        update = jax.checkpoint(lambda acc, q, k, v, src, k_seg: add(acc, q, k, v, mask(src, k_seg)),
+                                prevent_cse=False)
+
+        def compute(acc, block, s):
+            src, (kv_2BtKH, k_seg_Bt) = (i - s) % n, block
+            return lax.cond(src < i, lambda a: update(a, q_BtNH, kv_2BtKH[0], kv_2BtKH[1], src, k_seg_Bt),
+                            lambda a: a, acc)
     else:
         # Zigzag order: queries (q0, q1) = chunks (i, 2n−1−i), keys (k0, k1) = chunks (src, 2n−1−src).
         # If src < i, q0·k0 and q1·k0 are visible; if src > i, q1·k0 and q1·k1; the other two blocks are
@@ -242,38 +260,45 @@ def _ring_local(q_BtNH, k_BtKH, v_BtKH, *, axis: str, n: int, balanced: bool, ke
                 src = (d - s) % n
                 q_2c, k_2c, x = positions(d, np).reshape(2, c), positions(src, np).reshape(2, c), int(src > d)
                 arriving += [(q_2c[1], k_2c[0]), (q_2c[x], k_2c[x])]
-        window_mask = lambda q_c, k_c: None if window is None else Causal(q_c, k_c, tuple(arriving), window)
+        q_seg_2Bc = None if seg_Bt is None else halves(seg_Bt)
 
-        def balanced_step(acc, q_2BcNH, kv_2BtKH, src):
-            x = (src > i).astype(jnp.int32)
+        def mask(q_c, k_c, q_seg_Bc, k_seg_Bc):
+            segments = None if seg_Bt is None else (q_seg_Bc, k_seg_Bc)
+            return Causal(q_c, k_c, tuple(arriving), window, segments) if masked else None
+
+        def balanced_step(acc, q_2BcNH, block, src):
+            (kv_2BtKH, k_seg_Bt), x = block, (src > i).astype(jnp.int32)
             k_2BcKH, v_2BcKH = halves(kv_2BtKH[0]), halves(kv_2BtKH[1])
+            k_seg_2Bc = None if seg_Bt is None else halves(k_seg_Bt)
             qpos_2c, kpos_2c = pos_t.reshape(2, c), positions(src).reshape(2, c)
-            pick = lambda a: lax.dynamic_index_in_dim(a, x, 0, keepdims=False)
+            pick = lambda a: None if a is None else lax.dynamic_index_in_dim(a, x, 0, keepdims=False)
+            half = lambda a, h: None if a is None else a[h]
             acc1 = add(tuple(a[1] for a in acc), q_2BcNH[1], k_2BcKH[0], v_2BcKH[0],
-                       window_mask(qpos_2c[1], kpos_2c[0]))
+                       mask(qpos_2c[1], kpos_2c[0], half(q_seg_2Bc, 1), half(k_seg_2Bc, 0)))
             acc = tuple(a.at[1].set(a1) for a, a1 in zip(acc, acc1))
             accx = add(tuple(pick(a) for a in acc), pick(q_2BcNH), pick(k_2BcKH), pick(v_2BcKH),
-                       window_mask(pick(qpos_2c), pick(kpos_2c)))
+                       mask(pick(qpos_2c), pick(kpos_2c), pick(q_seg_2Bc), pick(k_seg_2Bc)))
             return tuple(lax.dynamic_update_index_in_dim(a, ax, x, 0) for a, ax in zip(acc, accx))
 
         update = jax.checkpoint(balanced_step, prevent_cse=False)
 
-        def compute(acc, kv_2BtKH, s):
-            return update(acc, q_2BcNH, kv_2BtKH, (i - s) % n)
+        def compute(acc, block, s):
+            return update(acc, q_2BcNH, block, (i - s) % n)
 
     # The shift for step s+1 is issued before the compute of step s and does not depend on it, so the
     # transfer can overlap the block matmuls; the last step is peeled off so that exactly steps−1 shifts run.
     ring = [(j, (j + 1) % n) for j in range(n)]  # after s shifts device i holds the block of i − s
 
     def step(carry, s):
-        acc, kv_2BtKH = carry
-        kv_next = lax.ppermute(kv_2BtKH, axis, ring)
-        return (compute(acc, kv_2BtKH, s), kv_next), None
+        acc, block = carry
+        block_next = lax.ppermute(block, axis, ring)
+        return (compute(acc, block, s), block_next), None
 
-    kv_2BtKH = lax.ppermute(jnp.stack([k_BtKH, v_BtKH]), axis, ring)  # one ppermute per step for both
+    # One ppermute per step for K and V together (and another, small, for their document ids).
+    block = lax.ppermute((jnp.stack([k_BtKH, v_BtKH]), seg_Bt), axis, ring)
     if steps > 2:
-        (acc, kv_2BtKH), _ = lax.scan(step, (acc, kv_2BtKH), jnp.arange(1, steps - 1))
-    out = _finish(compute(acc, kv_2BtKH, steps - 1))
+        (acc, block), _ = lax.scan(step, (acc, block), jnp.arange(1, steps - 1))
+    out = _finish(compute(acc, block, steps - 1))
     if balanced:
         out = jnp.moveaxis(out, 0, 1).reshape(B, t, N, H)
     return out.astype(v_BtKH.dtype)
@@ -281,7 +306,7 @@ def _ring_local(q_BtNH, k_BtKH, v_BtKH, *, axis: str, n: int, balanced: bool, ke
 
 def ring_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, *, mesh: Mesh,
                    axis: str = "sequence", load_balanced: bool = False, kernel: str = "auto",
-                   window: int | None = None) -> jax.Array:
+                   window: int | None = None, segments_BT: jax.Array | None = None) -> jax.Array:
     """Causal GQA attention with T split over `axis` (size n): K/V blocks travel around a ring.
 
     Sharded: q, k, v and the output along T ([B, t, ·, H] per device, t = T/n); other mesh axes are
@@ -302,25 +327,27 @@ def ring_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, *, m
     with zigzag (half that contiguous, but there the busiest device does every block).
     """
     return context_attention("ring", q_BTNH, k_BTKH, v_BTKH, mesh=mesh, axis=axis, load_balanced=load_balanced,
-                              kernel=kernel, window=window)
+                              kernel=kernel, window=window, segments_BT=segments_BT)
 
 
 # --- Ulysses (all-to-all: sequence-sharded → head-sharded) -----------------------------------------------
 
 
-def _ulysses_local(q_BtNH, k_BtKH, v_BtKH, *, axis: str, n: int, balanced: bool, kernel: str, platform: str,
-                   window: int | None):
+def _ulysses_local(q_BtNH, k_BtKH, v_BtKH, seg_Bt, *, axis: str, n: int, balanced: bool, kernel: str,
+                   platform: str, window: int | None):
     to_heads = lambda x: lax.all_to_all(x, axis, split_axis=2, concat_axis=1, tiled=True)  # [B, T, ·/n, H]
     q_BTnH, k_BTkH, v_BTkH = to_heads(q_BtNH), to_heads(k_BtKH), to_heads(v_BtKH)
     pos_T = zigzag.global_positions(q_BTnH.shape[1], n, balanced)
-    out_BTnH, _ = block_attention(q_BTnH, k_BTkH, v_BTkH, Causal.static(pos_T, pos_T, window), kernel=kernel,
-                                  platform=platform)
+    seg_BT = None if seg_Bt is None else lax.all_gather(seg_Bt, axis, axis=1, tiled=True)  # every position's
+    segments = None if seg_BT is None else (seg_BT, seg_BT)
+    out_BTnH, _ = block_attention(q_BTnH, k_BTkH, v_BTkH, Causal.static(pos_T, pos_T, window, segments),
+                                  kernel=kernel, platform=platform)
     return lax.all_to_all(out_BTnH.astype(v_BtKH.dtype), axis, split_axis=1, concat_axis=2, tiled=True)
 
 
 def ulysses_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, *, mesh: Mesh,
                       axis: str = "sequence", load_balanced: bool = False, kernel: str = "auto",
-                      window: int | None = None) -> jax.Array:
+                      window: int | None = None, segments_BT: jax.Array | None = None) -> jax.Array:
     """Causal GQA attention with T split over `axis` (size n), computed head-parallel (DeepSpeed Ulysses).
 
     Sharded: q, k, v and the output along T outside; inside, an all-to-all turns [B, t, N, H] into
@@ -338,4 +365,4 @@ def ulysses_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, *
     avoids that.
     """
     return context_attention("ulysses", q_BTNH, k_BTKH, v_BTKH, mesh=mesh, axis=axis, load_balanced=load_balanced,
-                              kernel=kernel, window=window)
+                              kernel=kernel, window=window, segments_BT=segments_BT)

@@ -13,9 +13,10 @@ needs), with `kernel`:
 - `cudnn` (GPUs): cuDNN's fused flash attention through `jax.nn.dot_product_attention`, for bf16/fp16
   with a head dim cuDNN supports, where the mask is plain causal or none (one device, Ulysses, a
   contiguous all-gather block), a sliding window included (its `local_window_size`). Where it cannot
-  serve — another mask (zigzag order), or a schedule that needs the log-sum-exp's gradient (the ring:
-  JAX returns cuDNN's log-sum-exp under stop_gradient and in the compute dtype) — that attention runs
-  `blockwise`;
+  serve — another mask (zigzag order; documents: JAX's function takes sequence lengths, one document per
+  row, not the segment ids of packed rows), or a schedule that needs the log-sum-exp's gradient (the
+  ring: JAX returns cuDNN's log-sum-exp under stop_gradient and in the compute dtype) — that attention
+  runs `blockwise`;
 - `auto`: the fastest for the platform and shape (`resolve_kernel`): on GPUs `cudnn` where it can run,
   else `blockwise`; elsewhere `dense` for short sequences, `blockwise` above.
 """
@@ -48,8 +49,9 @@ DENSE_MAX_T = {"cpu": 128}
 @dataclasses.dataclass(frozen=True)
 class Causal:
     """The causal mask of one kernel call: query t sees key s iff 0 <= q_T[t] − k_S[s] < window (global
-    positions; `window` None: no bound, plain causal). A sliding window of W keeps the W latest keys,
-    the query's own included (Mistral's `sliding_window`).
+    positions; `window` None: no bound, plain causal) and, with `segments` (the document ids of the queries
+    [B, T] and of the keys [B, S]: `meshpar.batch`), both belong to one document. A sliding window of W
+    keeps the W latest keys, the query's own included (Mistral's `sliding_window`).
 
     `q_T`, `k_S` may be traced (a device's positions depend on its index in a shard_map); `layouts` are
     the same positions as numpy arrays for every variant the program runs (one per device when devices
@@ -60,14 +62,16 @@ class Causal:
     k_S: jax.Array
     layouts: tuple[tuple[np.ndarray, np.ndarray], ...]
     window: int | None = None
+    segments: tuple[jax.Array, jax.Array] | None = None
 
     @classmethod
-    def static(cls, q_T: np.ndarray, k_S: np.ndarray, window: int | None = None) -> Causal:
-        return cls(jnp.asarray(q_T, jnp.int32), jnp.asarray(k_S, jnp.int32), ((q_T, k_S),), window)
+    def static(cls, q_T: np.ndarray, k_S: np.ndarray, window: int | None = None,
+               segments: tuple[jax.Array, jax.Array] | None = None) -> Causal:
+        return cls(jnp.asarray(q_T, jnp.int32), jnp.asarray(k_S, jnp.int32), ((q_T, k_S),), window, segments)
 
     def visible(self) -> jax.Array:
-        """[T, S]: which keys each query sees."""
-        return flash.visible(self.q_T, self.k_S, self.window)
+        """Which keys each query sees: [T, S], or [B, T, S] with documents."""
+        return flash.visible(self.q_T, self.k_S, self.window, self.segments)
 
 
 def platform_of(mesh: Mesh | None) -> str:
@@ -113,8 +117,8 @@ def block_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, cau
     """GQA attention of T queries over S keys: (out f32 [B, T, N, H], log-sum-exp f32 [B, T, N]).
 
     The log-sum-exp is None from the cuDNN kernel, which runs only where the caller does not need it
-    (`needs_lse` False) and the mask is plain causal or none (`is_plain_causal`); elsewhere `cudnn` runs
-    `blockwise`.
+    (`needs_lse` False) and the mask is plain causal, without documents, or none (`is_plain_causal`);
+    elsewhere `cudnn` runs `blockwise`.
 
     `causal` None: every key is visible to every query (a ring's off-diagonal block). The log-sum-exp
     lets partial results over disjoint key sets combine exactly (the ring's accumulator). A row with no
@@ -123,7 +127,7 @@ def block_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, cau
     T, S = q_BTNH.shape[1], k_BSKH.shape[1]
     platform = platform or jax.default_backend()
     kernel = resolve_kernel(kernel, S, platform, q_BTNH.dtype, q_BTNH.shape[3], needs_lse)
-    if kernel == "cudnn" and (causal is None or is_plain_causal(causal, T, S)):
+    if kernel == "cudnn" and (causal is None or causal.segments is None and is_plain_causal(causal, T, S)):
         out_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, is_causal=causal is not None,
                                                 local_window_size=cudnn_window(causal), implementation="cudnn")
         return out_BTNH.astype(jnp.float32), None
@@ -140,8 +144,8 @@ def block_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, cau
             pattern = np.maximum(pattern, flash.block_pattern([q for q, _ in causal.layouts], k, bt, bs,
                                                               causal.window))
         q_T, k_S = causal.q_T, causal.k_S
-    window = None if causal is None else causal.window
-    return flash.attention(q_BTNH, k_BSKH, v_BSKH, q_T, k_S, pattern, window)
+    window, segments = (None, None) if causal is None else (causal.window, causal.segments)
+    return flash.attention(q_BTNH, k_BSKH, v_BSKH, q_T, k_S, pattern, window, segments)
 
 
 def cudnn_window(causal: Causal | None) -> tuple[int, int] | None:
@@ -163,7 +167,8 @@ def _dense(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, causal: Caus
     scores_BKGTS = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BSKH,
                               preferred_element_type=jnp.float32) / jnp.sqrt(H).astype(jnp.float32)
     if causal is not None:
-        scores_BKGTS = jnp.where(causal.visible(), scores_BKGTS, -jnp.inf)
+        seen = causal.visible()
+        scores_BKGTS = jnp.where(seen if seen.ndim == 2 else seen[:, None, None], scores_BKGTS, -jnp.inf)
     # One exp over the scores (softmax's), the log-sum-exp from its row sums: exp(scores − lse) would be a
     # second pass of transcendentals over the T×S square. The max only steadies the exp. A row that sees
     # no key (a ring's block beyond a sliding window) gets out 0 and lse −inf.
@@ -179,11 +184,15 @@ def _dense(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, causal: Caus
 
 
 def causal_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, *, window: int | None = None,
-                     kernel: str = "auto", platform: str | None = None) -> jax.Array:
+                     segments_BT: jax.Array | None = None, kernel: str = "auto",
+                     platform: str | None = None) -> jax.Array:
     """softmax(q kᵀ / √H + causal mask) v on one device, each group of G query heads sharing a kv head;
-    with a sliding `window`, each query sees its `window` latest keys."""
+    with a sliding `window`, each query sees its `window` latest keys; with `segments_BT` (document ids
+    of the T = S positions), only keys of its own document."""
     T, S = q_BTNH.shape[1], k_BSKH.shape[1]
-    out_BTNH, _ = block_attention(q_BTNH, k_BSKH, v_BSKH, Causal.static(np.arange(T), np.arange(S), window),
+    segments = None if segments_BT is None else (segments_BT, segments_BT)
+    out_BTNH, _ = block_attention(q_BTNH, k_BSKH, v_BSKH,
+                                  Causal.static(np.arange(T), np.arange(S), window, segments),
                                   kernel=kernel, platform=platform)
     return out_BTNH.astype(v_BSKH.dtype)
 

@@ -100,7 +100,8 @@ def pipeline(stack: nnx.Module, x_BTD: jax.Array, *args: jax.Array, mesh: Mesh, 
 
     The stack's variables are in the order at rest for this mesh and R (`order.to_rest`; layer order when
     R = 1). The same result as `meshpar.layers.scan` on the layers in order; `args` (e.g. the positions
-    `[T]`) go to every layer unchanged, the same for every microbatch and stage. `stages` P (a multiple of
+    `[T]`) go to every layer, those of the batch's rows (`stages.row_args`: packed documents' positions
+    and ids [B, T]) as the rows of the microbatch a stage runs, the others unchanged. `stages` P (a multiple of
     the mesh's stage size), `microbatches` M (B/M rows each, divisible by the batch mesh axes), `repeats` R
     (circular schedule; L divisible by P·R), `remat` the per-iteration rematerialisation (`meshpar.remat`:
     none, dots, full or offload). `poison_bubbles=True` fills bubble slots with NaN (a test aid: a leak
@@ -126,7 +127,9 @@ def run(stack: nnx.Module, x_BTD: jax.Array, *args: jax.Array, mesh: Mesh, stage
     weights = jax.tree.map(lambda v: _stage_view(v, mesh, stages, repeats, Z, batch or None), stacked,
                            is_leaf=lambda v: isinstance(v, nnx.Variable))
     all_stages = _all_stages(graphdef, args, remat, repeats, Z, batch or None)
-    return _schedule(all_stages, weights, x_BTD, mesh, stages, microbatches, repeats, batch or None, poison_bubbles)
+    rows = stages_lib.row_args(args, x_BTD.shape[0])
+    return _schedule(all_stages, weights, x_BTD, rows, mesh, stages, microbatches, repeats, batch or None,
+                     poison_bubbles)
 
 
 def _stage_view(variable: nnx.Variable, mesh: Mesh, P: int, R: int, Z: int, batch: tuple[str, ...] | None):
@@ -151,44 +154,48 @@ def _stage_view(variable: nnx.Variable, mesh: Mesh, P: int, R: int, Z: int, batc
 
 def _all_stages(graphdef: nnx.GraphDef, args: tuple, remat: str, R: int, Z: int,
                 batch: tuple[str, ...] | None) -> Callable:
-    """`(weights [Z, R, P, J, ...], repeat_P, x [P, b, T, D]) → [P, b, T, D]`: every stage's J layers of
-    its repeat on its microbatch, vmapped over stages and (inside) over batch shards."""
+    """`(weights [Z, R, P, J, ...], repeat_P, x [P, b, T, D], rows [P, b, ...]) → [P, b, T, D]`: every stage's
+    J layers of its repeat on its microbatch (with its rows of the per-row `args`), vmapped over stages and
+    (inside) over batch shards."""
     local = stages_lib.lane_context(batch)
 
-    def one_shard(weights_RJ: nnx.State, repeat: jax.Array, x_bTD: jax.Array) -> jax.Array:
+    def one_shard(weights_RJ: nnx.State, repeat: jax.Array, x_bTD: jax.Array, rows: tuple) -> jax.Array:
         """One stage step on one batch shard: the stage's J layers of `repeat` on its rows of a microbatch."""
         chunk = jax.tree.map(lambda w: w[0] if R == 1 else jax.lax.dynamic_index_in_dim(w, repeat, 0, False),
                              weights_RJ)
 
         def one_layer(x, layer):
-            return nnx.merge(graphdef, layer)(x, *args), None
+            return nnx.merge(graphdef, layer)(x, *stages_lib.lane_args(args, rows)), None
 
         if remat != "none":  # the stage's recompute in the backward pass keeps layer inputs, not intermediates
             one_layer = jax.checkpoint(one_layer, policy=remat_lib.policy(remat, vmapped=True), prevent_cse=False)
         with context.use(local) if local is not None else contextlib.nullcontext():
             return jax.lax.scan(one_layer, x_bTD, chunk)[0]
 
-    def one_stage(weights_ZRJ: nnx.State, repeat: jax.Array, x_bTD: jax.Array) -> jax.Array:
+    def one_stage(weights_ZRJ: nnx.State, repeat: jax.Array, x_bTD: jax.Array, rows: tuple) -> jax.Array:
         b, T, D = x_bTD.shape
-        x_ZbTD = x_bTD.reshape(Z, b // Z, T, D)  # local: the microbatch is split over the batch axes
-        y_ZbTD = jax.vmap(one_shard, in_axes=(0, None, 0), spmd_axis_name=batch)(weights_ZRJ, repeat, x_ZbTD)
+        shards = lambda a: a.reshape(Z, b // Z, *a.shape[1:])  # local: the microbatch is split over the batch axes
+        y_ZbTD = jax.vmap(one_shard, in_axes=(0, None, 0, 0), spmd_axis_name=batch)(
+            weights_ZRJ, repeat, shards(x_bTD), jax.tree.map(shards, rows))
         return y_ZbTD.reshape(b, T, D)
 
-    all_stages = jax.vmap(one_stage, in_axes=(2, 0, 0), spmd_axis_name="stage")
+    all_stages = jax.vmap(one_stage, in_axes=(2, 0, 0, 0), spmd_axis_name="stage")
     if remat != "none":
         all_stages = jax.checkpoint(all_stages, policy=remat_lib.policy(remat, vmapped=True), prevent_cse=False)
     return all_stages
 
 
-def _schedule(all_stages: Callable, weights: nnx.State, x_BTD: jax.Array, mesh: Mesh, P: int, M: int, R: int,
-              batch: tuple[str, ...] | None, poison_bubbles: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _schedule(all_stages: Callable, weights: nnx.State, x_BTD: jax.Array, rows: tuple, mesh: Mesh, P: int, M: int,
+              R: int, batch: tuple[str, ...] | None, poison_bubbles: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The scan over the schedule's iterations (module docstring): (y [B, T, D], stage buffer, I/O buffer)."""
     B, T, D = x_BTD.shape
     b = B // M
     period = max(M, P)  # stage 0 starts microbatch m of repeat r at iteration r·period + m
     fill = jnp.nan if poison_bubbles else 0.0
     # Microbatch m = rows m, M + m, …: a local reshape when the batch is split over data × fsdp.
-    x_MbTD = constrain(x_BTD.reshape(b, M, T, D).swapaxes(0, 1), mesh, None, batch, U, U)
+    microbatched = lambda a: constrain(a.reshape(b, M, *a.shape[1:]).swapaxes(0, 1), mesh, None, batch,
+                                       *(U,) * (a.ndim - 1))
+    x_MbTD, rows_Mb = microbatched(x_BTD), jax.tree.map(microbatched, rows)
     stage_P = jnp.arange(P)
     first = (stage_P == 0)[:, None, None, None]
     io = jnp.broadcast_to(x_MbTD, (P, M, b, T, D))  # only stage 0's copy is read (per device: one copy)
@@ -205,11 +212,12 @@ def _schedule(all_stages: Callable, weights: nnx.State, x_BTD: jax.Array, mesh: 
 
     def iteration(carry, i):
         state, io = carry
-        repeat_P, _, real_P = slot(i - stage_P)
+        repeat_P, m_P, real_P = slot(i - stage_P)
         real = real_P[:, None, None, None]
         _, m_in, _ = slot(i)
         stage_in = jnp.where(first, jax.lax.dynamic_index_in_dim(io, m_in, 1, False), state)
-        out = all_stages(weights, repeat_P, jnp.where(real, stage_in, 0.0))  # bubbles compute on zeros
+        rows_Pb = jax.tree.map(lambda a: constrain(a[m_P], mesh, "stage", batch, *(U,) * (a.ndim - 2)), rows_Mb)
+        out = all_stages(weights, repeat_P, jnp.where(real, stage_in, 0.0), rows_Pb)  # bubbles compute on zeros
         if poison_bubbles:
             out = jnp.where(real, out, jnp.nan)
         out = constrain(out, mesh, "stage", batch, U, U)

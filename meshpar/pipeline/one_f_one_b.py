@@ -56,11 +56,13 @@ buffers, one stage's backward working set, and per batch shard (one per device) 
 embedding/head gradient accumulators: nothing grows with M but the int32 tokens.
 
 The model's parts, the one protocol: `embed(tokens_BT) -> x_BTD` (the input of the stacked layers),
-`blocks` (the stacked layers, run by `meshpar.layers.scan`, each called as `layer(x_BTD, positions_T)`),
-`final_norm(x_BTD) -> hidden_BTD` and `output_head() -> head_DV`, such that `hidden_states(tokens,
+`blocks` (the stacked layers, run by `meshpar.layers.scan`, each called as `layer(x_BTD, positions_T)`,
+or with packed documents `layer(x_BTD, positions_BT, segments_BT)`: the rows of the microbatch, like the
+tokens), `final_norm(x_BTD) -> hidden_BTD` and `output_head() -> head_DV`, such that `hidden_states(tokens,
 positions)` is `final_norm(layers.scan(blocks, embed(tokens), positions))` and the loss is meshpar's
-chunked cross-entropy of `hidden` and `output_head()`: `models/transformer.py` offers them. Evaluation
-(no backward) keeps GPipe's forward (`layers.scan`), which holds no activations for a backward pass.
+chunked cross-entropy of `hidden` and `output_head()`, weighted (`meshpar.batch`): `models/transformer.py`
+offers them. Evaluation (no backward) keeps GPipe's forward (`layers.scan`), which holds no activations for
+a backward pass.
 """
 
 from __future__ import annotations
@@ -77,6 +79,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from meshpar import context, remat as remat_lib
+from meshpar.batch import Batch
 from meshpar.errors import InputError
 from meshpar.loss import chunked_cross_entropy, next_token_inputs
 from meshpar.pipeline import schedule, stages as stages_lib
@@ -85,7 +88,8 @@ from meshpar.pipeline.stages import U, constrain
 PARTS = ("embed", "blocks", "final_norm", "output_head")
 
 First = Callable[[nnx.State, jax.Array], jax.Array]  # (other params, tokens [b, T]) → x [b, T, D]
-Last = Callable[[nnx.State, jax.Array, jax.Array], jax.Array]  # (other params, y [b, T, D], targets [b, T]) → loss
+# (other params, y [b, T, D], (targets [b, T], their weights [b, T])) → the rows' weighted loss sum
+Last = Callable[[nnx.State, jax.Array, tuple[jax.Array, jax.Array]], jax.Array]
 
 
 class _Flags(NamedTuple):
@@ -101,7 +105,9 @@ class _Flags(NamedTuple):
 class _Lane(NamedTuple):
     """What one stage sees of a slot on one batch shard: the cotangent from the stage after and the stashed
     input of the microbatch it backwards; the activation from the stage before, and after its forward its
-    output before and after the shift; the tokens of the microbatches it forwards and backwards."""
+    output before and after the shift; the tokens of the microbatches it forwards and backwards, with their
+    rows of the layers' per-row arguments (`stages.row_args`), and the targets and weights of the one it
+    forwards."""
 
     g: jax.Array | None = None
     stashed: jax.Array | None = None
@@ -110,7 +116,9 @@ class _Lane(NamedTuple):
     shifted: jax.Array | None = None
     inputs_F: jax.Array | None = None
     inputs_B: jax.Array | None = None
-    targets: jax.Array | None = None
+    rows_F: tuple | None = None
+    rows_B: tuple | None = None
+    targets: tuple[jax.Array, jax.Array] | None = None
 
 
 class _Backward(NamedTuple):
@@ -150,8 +158,8 @@ class _Schedule:
     """One 1F1B step: the stage weights and tokens as the slots read them, the lanes, and the slots."""
 
     def __init__(self, stack: nnx.Module, other: nnx.State, first: First, last: Last, inputs_BT: jax.Array,
-                 targets_BT: jax.Array, args: tuple, *, mesh: Mesh, stages: int, microbatches: int, remat: str,
-                 poison_bubbles: bool):
+                 targets: tuple[jax.Array, jax.Array], args: tuple, *, mesh: Mesh, stages: int, microbatches: int,
+                 remat: str, poison_bubbles: bool):
         self.graphdef, weights, consts = nnx.split(stack, nnx.Param, ...)
         leaves = jax.tree.leaves(weights)
         if not leaves:
@@ -169,7 +177,8 @@ class _Schedule:
         self.weights_PJ, self.consts_PJ = (jax.tree.map(self._stage_view, tree, is_leaf=_is_variable)
                                            for tree in (weights, consts))
         self.other = jax.tree.map(self._compute_view, other, is_leaf=_is_variable)
-        self.inputs_MZbT, self.targets_MZbT = self._microbatched(inputs_BT), self._microbatched(targets_BT)
+        self.inputs_MZbT, self.targets_MZbT = self._microbatched(inputs_BT), jax.tree.map(self._microbatched, targets)
+        self.rows_MZb = jax.tree.map(self._microbatched, stages_lib.row_args(args, inputs_BT.shape[0]))
 
     def _stage_view(self, variable: nnx.Variable) -> nnx.Variable:
         rest = stages_lib.weight_spec(variable, self.mesh, stacked=True)
@@ -185,9 +194,9 @@ class _Schedule:
 
     def _microbatched(self, x_BT: jax.Array) -> jax.Array:
         """Microbatch m = rows m, M + m, …, its b rows on batch shard z at [m, z]: a local reshape."""
-        B, T = x_BT.shape
-        x_MZbT = x_BT.reshape(B // self.M, self.M, T).swapaxes(0, 1).reshape(self.M, self.Z, -1, T)
-        return constrain(x_MZbT, self.mesh, None, self.batch, None, U)
+        B, rest = x_BT.shape[0], x_BT.shape[1:]
+        x_MZbT = x_BT.reshape(B // self.M, self.M, *rest).swapaxes(0, 1).reshape(self.M, self.Z, -1, *rest)
+        return constrain(x_MZbT, self.mesh, None, self.batch, None, *(U,) * len(rest))
 
     def _in_lane(self):
         return context.use(self.lane_compute) if self.lane_compute is not None else contextlib.nullcontext()
@@ -195,11 +204,12 @@ class _Schedule:
     def _activations(self, x: jax.Array) -> jax.Array:
         return constrain(x, self.mesh, "stage", self.batch, None, U, U)
 
-    def _stage(self, w_J: nnx.State, c_J: nnx.State, x_bTD: jax.Array) -> jax.Array:
+    def _stage(self, w_J: nnx.State, c_J: nnx.State, x_bTD: jax.Array, rows: tuple) -> jax.Array:
         """A stage's J layers on one batch shard's rows of a microbatch."""
+        args = stages_lib.lane_args(self.args, rows)
 
         def one_layer(x, layer):
-            return nnx.merge(self.graphdef, *layer)(x, *self.args), None
+            return nnx.merge(self.graphdef, *layer)(x, *args), None
 
         if self.policy is not None:  # the backward's recompute keeps what the policy saves, per layer
             one_layer = jax.checkpoint(one_layer, policy=self.policy, prevent_cse=False)
@@ -211,14 +221,14 @@ class _Schedule:
         with self._in_lane():
             x_bTD = jnp.where(flags.first, self.first(self.other, lane.inputs_F), lane.x)
             x_bTD = jnp.where(flags.real_F, x_bTD, self.fill)
-            return x_bTD, self._stage(w_J, c_J, x_bTD)
+            return x_bTD, self._stage(w_J, c_J, x_bTD, lane.rows_F)
 
     def _loss_lane(self, lane: _Lane, flags: _Flags) -> tuple[jax.Array, nnx.State, jax.Array, jax.Array]:
         """The last stage's loss of the microbatch it just forwarded: (loss, its gradient of `other`, the
         cotangent and input its backward takes there), zeros and `lane`'s own elsewhere."""
         at_loss = flags.last & flags.real_F
         y_bTD = _after(lane.y, lane.shifted)  # the loss's collectives after the shift's
-        loss, loss_vjp = jax.vjp(lambda o, y: self.last(o, y, lane.targets) / (self.M * self.Z), self.other, y_bTD)
+        loss, loss_vjp = jax.vjp(lambda o, y: self.last(o, y, lane.targets), self.other, y_bTD)
         d_loss, g_last = loss_vjp(jnp.ones_like(loss))
         x_B = _after(lane.stashed, g_last, d_loss)  # the stage's collectives after the loss's
         return (jnp.where(at_loss, loss, 0.0), _masked(at_loss, d_loss), jnp.where(at_loss, g_last, lane.g),
@@ -235,7 +245,7 @@ class _Schedule:
                 loss, d_loss, g_bTD, x_B = self._loss_lane(lane, flags)
             real = flags.real_B
             g_bTD, x_B = jnp.where(real, g_bTD, self.fill), jnp.where(real, x_B, self.fill)
-            d_w, dx_bTD = jax.vjp(lambda w, x: self._stage(w, c_J, x), w_J, x_B)[1](g_bTD)
+            d_w, dx_bTD = jax.vjp(lambda w, x: self._stage(w, c_J, x, lane.rows_B), w_J, x_B)[1](g_bTD)
             # Stage 0 hands its input's cotangent to the embedding (zeros elsewhere: a scatter of zeros).
             d_embed = jax.vjp(lambda o: self.first(o, lane.inputs_B), self.other)[1](
                 _masked(flags.first & real, dx_bTD))[0]
@@ -248,10 +258,12 @@ class _Schedule:
         stage_P = jnp.arange(self.P)
         m_F, m_B = schedule.microbatches_in(t, self.P)
         flags = _Flags(stage_P == 0, stage_P == self.P - 1, (m_F >= 0) & (m_F < self.M), (m_B >= 0) & (m_B < self.M))
-        pick = lambda x_MZbT, m: jax.lax.dynamic_index_in_dim(x_MZbT, jnp.clip(m, 0, self.M - 1), 0, False)
+        pick = lambda tree, m: jax.tree.map(
+            lambda x_MZbT: jax.lax.dynamic_index_in_dim(x_MZbT, jnp.clip(m, 0, self.M - 1), 0, False), tree)
 
         def one_stage(w_J, c_J, lanes_Z, m_F, m_B, flags):
             lanes_Z = lanes_Z._replace(inputs_F=pick(self.inputs_MZbT, m_F), inputs_B=pick(self.inputs_MZbT, m_B),
+                                       rows_F=pick(self.rows_MZb, m_F), rows_B=pick(self.rows_MZb, m_B),
                                        targets=pick(self.targets_MZbT, m_F))
             return jax.vmap(lane_fn, in_axes=(None, None, 0, None), spmd_axis_name=self.batch)(w_J, c_J, lanes_Z,
                                                                                                 flags)
@@ -310,19 +322,20 @@ class _Schedule:
 
 
 def one_f_one_b(stack: nnx.Module, other: nnx.State, first: First, last: Last, inputs_BT: jax.Array,
-                targets_BT: jax.Array, *args: jax.Array, mesh: Mesh, stages: int, microbatches: int, remat: str,
-                poison_bubbles: bool) -> tuple[jax.Array, nnx.State, nnx.State, tuple[jax.Array, jax.Array]]:
-    """The mean loss of a batch and its gradients, as a 1F1B pipeline of the stacked layers (docstring).
+                targets: tuple[jax.Array, jax.Array], *args: jax.Array, mesh: Mesh, stages: int, microbatches: int,
+                remat: str, poison_bubbles: bool) -> tuple[jax.Array, nnx.State, nnx.State, tuple[jax.Array, jax.Array]]:
+    """The weighted loss of a batch and its gradients, as a 1F1B pipeline of the stacked layers (docstring).
 
     Per microbatch: `first(other, inputs)` on stage 0, the L layers of `stack` (each called as
-    `layer(x, *args)`) split into P stages, `last(other, y, targets)` (the mean loss of its rows) on the
-    last stage. `stages` P (a multiple of the mesh's stage size), `microbatches` M (B/M rows each,
+    `layer(x, *args)`, the per-row args as the microbatch's rows) split into P stages, `last(other, y,
+    (targets, weights))` (its rows' weighted loss sum: the weights of the whole batch sum to 1 for a mean)
+    on the last stage. `stages` P (a multiple of the mesh's stage size), `microbatches` M (B/M rows each,
     divisible by the batch mesh axes), `remat` the per-layer policy of the backward's recompute,
     `poison_bubbles` NaN in bubble slots. Returns the loss, the gradients of the stack's parameters and of
     `other`, and the in-flight buffers after the last slot (a test's view of the bubbles): the
     activations that went to each stage [P, Z, b, T, D] and the cotangents that came back to it.
     """
-    return _Schedule(stack, other, first, last, inputs_BT, targets_BT, args, mesh=mesh, stages=stages,
+    return _Schedule(stack, other, first, last, inputs_BT, targets, args, mesh=mesh, stages=stages,
                      microbatches=microbatches, remat=remat, poison_bubbles=poison_bubbles).run()
 
 
@@ -330,28 +343,30 @@ def _in_stack(path: tuple, variable: Any) -> bool:
     return path[:1] == ("blocks",) and isinstance(variable, nnx.Param)
 
 
-def model_loss_and_grads(model: nnx.Module, tokens_BT: jax.Array, *, mesh: Mesh, stages: int, microbatches: int,
-                         remat: str = "none", chunk: int = 0, poison_bubbles: bool = False
+def model_loss_and_grads(model: nnx.Module, batch: Batch | jax.Array, *, mesh: Mesh, stages: int,
+                         microbatches: int, remat: str = "none", chunk: int = 0, poison_bubbles: bool = False
                          ) -> tuple[jax.Array, nnx.State, tuple[jax.Array, jax.Array]]:
-    """(mean next-token loss, gradients of every `nnx.Param`, `one_f_one_b`'s in-flight buffers) of `model`
-    (in parts: module docstring) on tokens [B, T + 1]: the loss and gradients `jax.value_and_grad` of
-    `meshpar.loss.next_token_loss` gives, by 1F1B."""
+    """(next-token loss, gradients of every `nnx.Param`, `one_f_one_b`'s in-flight buffers) of `model` (in
+    parts: module docstring) on a batch (or tokens [B, T + 1]): the loss and gradients `jax.value_and_grad`
+    of `meshpar.loss.next_token_loss` gives, by 1F1B."""
     missing = [part for part in PARTS if not hasattr(model, part)]
     if missing:
         raise InputError(f"parallel.pipeline_schedule = 1f1b runs the model in parts ({', '.join(PARTS)}: "
                          f"meshpar.pipeline.one_f_one_b); {type(model).__name__} has no {', '.join(missing)}")
-    inputs_BT, targets_BT, positions_T = next_token_inputs(tokens_BT)
+    x = next_token_inputs(batch)
     parts, stack_params, other, others = nnx.split(model, _in_stack, nnx.Param, ...)
     with_other = lambda o: nnx.merge(parts, stack_params, o, others)
 
-    def last(o: nnx.State, y_bTD: jax.Array, targets_bT: jax.Array) -> jax.Array:
+    def last(o: nnx.State, y_bTD: jax.Array, targets: tuple[jax.Array, jax.Array]) -> jax.Array:
         piece = with_other(o)
-        return chunked_cross_entropy(piece.final_norm(y_bTD), piece.output_head(), targets_bT, chunk)
+        return chunked_cross_entropy(piece.final_norm(y_bTD), piece.output_head(), targets[0], chunk, targets[1])
 
     embed = lambda o, tokens_bT: with_other(o).embed(tokens_bT)
-    loss, d_stack, d_other, in_flight = one_f_one_b(model.blocks, other, embed, last, inputs_BT, targets_BT,
-                                                    positions_T, mesh=mesh, stages=stages, microbatches=microbatches,
-                                                    remat=remat, poison_bubbles=poison_bubbles)
+    documents = () if x.segments is None else (x.segments,)
+    loss, d_stack, d_other, in_flight = one_f_one_b(model.blocks, other, embed, last, x.inputs, (x.targets, x.weights),
+                                                    x.positions, *documents, mesh=mesh, stages=stages,
+                                                    microbatches=microbatches, remat=remat,
+                                                    poison_bubbles=poison_bubbles)
     return loss, nnx.merge_state(nnx.State({"blocks": d_stack}), d_other), in_flight
 
 
@@ -364,10 +379,10 @@ def value_and_grad(graphdef: nnx.GraphDef, rest: nnx.State, loss: Any = None,
         raise InputError("parallel.pipeline_schedule = 1f1b computes the next-token loss inside the pipeline, "
                          "microbatch by microbatch; a custom loss cannot run there: use pipeline_schedule=gpipe")
 
-    def fn(params: nnx.State, tokens_BT: jax.Array) -> tuple[jax.Array, nnx.State]:
+    def fn(params: nnx.State, batch: Batch) -> tuple[jax.Array, nnx.State]:
         compute = context.active()
         P = compute.mesh.shape["stage"]
-        return model_loss_and_grads(nnx.merge(graphdef, params, rest), tokens_BT, mesh=compute.mesh, stages=P,
+        return model_loss_and_grads(nnx.merge(graphdef, params, rest), batch, mesh=compute.mesh, stages=P,
                                     microbatches=schedule.microbatches(compute.rules.parallel.microbatches, P),
                                     remat=compute.remat, chunk=chunk)[:2]
 

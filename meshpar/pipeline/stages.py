@@ -93,6 +93,18 @@ def shift(x_P: jax.Array, mesh: Mesh) -> jax.Array:
                          axis_names={"stage"} | vmapped)(x_P)
 
 
+def row_args(args: tuple, rows: int) -> tuple:
+    """Which of the layers' extra arguments belong to the rows of the batch (at least 2-D, `rows` first:
+    packed documents' positions and ids [B, T]), each kept in its place, None for the others (the same
+    for every row, e.g. positions [T]): the schedules hand a stage the rows of the microbatch it runs."""
+    return tuple(a if a is not None and a.ndim >= 2 and a.shape[0] == rows else None for a in args)
+
+
+def lane_args(args: tuple, rows: tuple) -> tuple:
+    """A lane's arguments for its layers: its own rows of the per-row ones (`row_args`), the others as given."""
+    return tuple(arg if row is None else row for arg, row in zip(args, rows))
+
+
 def check(layers: int, rows: int, sizes: Mapping[str, int], *, stages: int, microbatches: int, repeats: int,
           batch: tuple[str, ...] = BATCH_AXES) -> None:
     """Refuse what the pipeline cannot run: L layers in P·R chunks, P stages over the mesh's stage axis,
