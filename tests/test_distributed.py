@@ -70,7 +70,7 @@ ROWS = textwrap.dedent("""
     batches = data.Batches(np.arange(10_000, dtype=np.uint16), global_batch=16, seq_len=8, seed=0,
                            sharding=sharding.batch_sharding(m, rules.default(), (16, 9)))
     rows = batches.process_rows()
-    batch = next(batches)
+    batch = next(batches).tokens
     local = {int(s.index[0].start or 0) for s in batch.addressable_shards}
     print("ROWS", jax.process_index(), rows.start, rows.stop, min(local), max(local), flush=True)
 """)
