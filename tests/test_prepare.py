@@ -1,17 +1,20 @@
 """`python -m launch.prepare`: a file or a directory becomes the tokenizer's ids, documents separated by its
 EOS, in the flat uint16 / uint32 file that training's `data.source=bin` memory-maps; with a model family's
-tokenizer files, one BOS per document where the family has one and the EOS its tokenizer_config.json names."""
+tokenizer files, one BOS per document where the family has one and the EOS its tokenizer_config.json names; with
+`--format`, the prepared directory of `data.source=prepared`: documents, and which tokens are trained on (the
+response of prompt/response records, the assistant's turns of chats)."""
 
+import json
 import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 from test_tokenizer import write_family
-from tokenizers import Tokenizer, models, pre_tokenizers, processors, trainers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from launch import prepare, tokenizer
-from meshpar.data import bin_tokens
+from launch import chat_template, prepare, records, tokenizer
+from meshpar.data import DataConfig, bin_tokens, load_corpus
 from meshpar.errors import InputError
 
 LINES = ["the cat sat on the mat", "a dog sat on a log", "the cat and the dog", "mats and logs and cats"]
@@ -136,3 +139,176 @@ def test_a_bad_tokenizer_config_json_is_one_error_line(tmp_path):
     message = f"error: {tmp_path / 'tokenizer_config.json'}: eos_token '<|nope|>' is not a token of {path}"
     with pytest.raises(SystemExit, match=f"^{re.escape(message)}$"):
         prepare.main(["--tokenizer", str(path), "--input", str(tmp_path / "x.txt"), "--out", str(tmp_path / "x.bin")])
+
+
+# ---------------------------------------------------------------- documents, prepared directories, records
+
+CHAT_TEMPLATE = ("{{ bos_token }}{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+                 "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "the cat?"},
+        {"role": "assistant", "content": "It sat on the mat."}, {"role": "user", "content": "and the dog?"},
+        {"role": "assistant", "content": "A log, 12 logs."}]
+
+
+def instruct_tokenizer(directory: Path, template: str | None = CHAT_TEMPLATE) -> Path:
+    """A byte-level BPE (every byte encodable) with Qwen's special tokens, EOS <|im_end|>, and `template`."""
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
+    backend.train_from_iterator(LINES, trainer)
+    directory.mkdir(parents=True)
+    backend.save(str(directory / "tokenizer.json"))
+    config = {"bos_token": None, "eos_token": "<|im_end|>", **({"chat_template": template} if template else {})}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+    return directory / "tokenizer.json"
+
+
+@pytest.fixture
+def chat_tokenizer(tmp_path):
+    return instruct_tokenizer(tmp_path / "model")
+
+
+def runs(ids: np.ndarray, weights: np.ndarray) -> list[np.ndarray]:
+    """The stretches of ids whose weight is 1."""
+    edges = np.flatnonzero(np.diff(np.concatenate([[0], weights, [0]])))
+    return [ids[a:b] for a, b in zip(edges[::2], edges[1::2])]
+
+
+def test_the_bin_file_s_document_index(tokenizer_file, tmp_path):
+    corpus = two_documents(tmp_path / "corpus")
+    prepare.main(["--tokenizer", str(tokenizer_file), "--input", str(corpus), "--out", str(tmp_path / "c.bin")])
+    first = len(ids(tokenizer_file, LINES[0])) + 1  # the EOS ends the first document
+    total = first + len(ids(tokenizer_file, LINES[1]))
+    assert np.load(tmp_path / "c.bin.documents.npy").tolist() == [0, first, total]
+    loaded = load_corpus(DataConfig(source="bin", path=str(tmp_path / "c.bin")))
+    assert loaded.documents.tolist() == [0, first, total]
+
+
+def test_text_files_to_a_prepared_directory(tmp_path, capsys):
+    path, corpus = write_family(tmp_path / "model", "llama3"), two_documents(tmp_path / "corpus")
+    out = tmp_path / "prepared"
+    prepare.main(["--tokenizer", str(path), "--format", "text", "--input", str(corpus), "--out", str(out),
+                  "--seq-len", "8"])
+    backend = Tokenizer.from_file(str(path))
+    eos = backend.token_to_id("<|end_of_text|>")
+    documents = [backend.encode(line).ids + [eos] for line in LINES[:2]]  # BOS ... EOS, each
+    loaded = load_corpus(DataConfig(source="prepared", path=str(out)))
+    assert loaded.tokens.tolist() == documents[0] + documents[1] and loaded.weights is None  # every token counts
+    assert loaded.documents.tolist() == [0, len(documents[0]), len(documents[0]) + len(documents[1])]
+    info = json.loads((out / "corpus.json").read_text())
+    assert info["documents"] == 2 and info["weighted_tokens"] == info["tokens"] == loaded.documents[-1]
+    printed = capsys.readouterr().out
+    total = int(loaded.documents[-1])
+    assert f"2 documents, {total} tokens ({total} trained on)" in printed
+    assert re.search(r"data.packing=concat: \d+ rows of seq_len \+ 1 = 9 tokens, \d+\.\d\d% padding", printed)
+    assert "data.packing=best_fit:" in printed and f"--set data.path={out}" in printed
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corpus", "model", "prepared"]  # no partial directory
+    with pytest.raises(SystemExit, match=f"^error: {re.escape(str(out))} already exists"):
+        prepare.main(["--tokenizer", str(path), "--format", "text", "--input", str(corpus), "--out", str(out)])
+
+
+def test_prompt_response_records_train_on_the_response(chat_tokenizer):
+    tokenizer_ = tokenizer.load(str(chat_tokenizer))
+    fields = records.detect({"prompt": "the cat?", "response": "It sat."}, "test")
+    assert fields.kind == "prompt"
+    encoder = records.Encoder(tokenizer_, fields, tokenizer_.eos_id)
+    [(ids_, weights)] = encoder.encode([{"prompt": "the cat?", "response": "It sat."}])
+    decode = lambda x: tokenizer_.backend.decode(x.tolist(), skip_special_tokens=False)
+    assert [decode(run) for run in runs(ids_, weights)] == ["It sat.<|im_end|>"]
+    assert decode(ids_[weights == 0]) == "the cat?"
+    [(_, all_weights)] = records.Encoder(tokenizer_, fields, tokenizer_.eos_id, "all").encode(
+        [{"prompt": "the cat?", "response": "It sat."}])
+    assert all_weights.all()
+
+
+def test_chat_records_train_on_the_assistant_s_turns(chat_tokenizer):
+    tokenizer_ = tokenizer.load(str(chat_tokenizer))
+    template = chat_template.load(tokenizer_, str(chat_tokenizer))
+    encoder = records.Encoder(tokenizer_, records.detect({"messages": CHAT}, "test"), tokenizer_.eos_id,
+                              template=template)
+    [(ids_, weights)] = encoder.encode([{"messages": CHAT}])
+    decode = lambda x: tokenizer_.backend.decode(x.tolist(), skip_special_tokens=False)
+    assert decode(ids_) == template.render(CHAT)  # the whole conversation, as rendered
+    assert [decode(run) for run in runs(ids_, weights)] == ["It sat on the mat.<|im_end|>\n",
+                                                            "A log, 12 logs.<|im_end|>\n"]
+
+
+def test_records_of_unknown_shape_name_their_keys(chat_tokenizer, tmp_path):
+    with pytest.raises(InputError, match=r"data.jsonl: cannot tell what the records hold from the first one's keys "
+                                         r"\['body', 'id'\].*--text-field"):
+        records.detect({"id": 1, "body": "x"}, "data.jsonl")
+    assert records.detect({"id": 1, "body": "x"}, "data.jsonl", text="body").text == "body"
+    fields = records.detect({"prompt": "a", "response": "b"}, "data.jsonl")
+    with pytest.raises(InputError, match=r"data.jsonl: record 3 has no field 'response' \(prompt records\); its "
+                                         r"fields: \['prompt'\]"):
+        records.check({"prompt": "a", "response": None}, fields, "data.jsonl", 3)
+    with pytest.raises(InputError, match=r"record 0: 'messages' must be a list of"):
+        records.detect({"messages": "hi"}, "data.jsonl")
+    # A tokenizer without a chat template cannot render chats.
+    path = instruct_tokenizer(tmp_path / "base", template=None)
+    with pytest.raises(InputError, match=r"base/tokenizer_config.json: no chat_template \(and no chat_template.jinja"):
+        chat_template.load(tokenizer.load(str(path)), str(path))
+
+
+def test_a_bad_format_is_refused(tokenizer_file, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        prepare.main(["--tokenizer", str(tokenizer_file), "--format", "csv", "--input", ".", "--out", "x"])
+    assert "argument --format: invalid choice: 'csv'" in capsys.readouterr().err
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def test_jsonl_records_to_a_prepared_directory(chat_tokenizer, tmp_path, capsys):
+    pytest.importorskip("datasets")
+    data = write_jsonl(tmp_path / "chats.jsonl", [{"messages": CHAT}, {"messages": CHAT[:3]}])
+    out = tmp_path / "chats"
+    prepare.main(["--tokenizer", str(chat_tokenizer), "--format", "jsonl", "--input", str(data), "--out", str(out)])
+    corpus = load_corpus(DataConfig(source="prepared", path=str(out)))
+    assert corpus.num_documents == 2 and corpus.weights is not None
+    backend = Tokenizer.from_file(str(chat_tokenizer))
+    second = corpus.tokens[corpus.documents[1]:]
+    trained = runs(np.asarray(second), np.asarray(corpus.weights[corpus.documents[1]:]))
+    assert [backend.decode(run.tolist(), skip_special_tokens=False) for run in trained] == \
+        ["It sat on the mat.<|im_end|>\n"]
+    assert f"({int(corpus.weights.sum())} trained on)" in capsys.readouterr().out
+
+    prompts = write_jsonl(tmp_path / "qa.jsonl", [{"q": "the cat?", "a": "It sat."}])
+    prepare.main(["--tokenizer", str(chat_tokenizer), "--format", "jsonl", "--input", str(prompts),
+                  "--out", str(tmp_path / "qa"), "--prompt-field", "q", "--response-field", "a"])
+    qa = load_corpus(DataConfig(source="prepared", path=str(tmp_path / "qa")))
+    assert backend.decode(np.asarray(qa.tokens)[qa.weights == 1].tolist(), skip_special_tokens=False) == \
+        "It sat.<|im_end|>"
+
+
+def test_parquet_text_records(tokenizer_file, tmp_path):
+    pytest.importorskip("datasets")
+    parquet = pytest.importorskip("pyarrow.parquet")
+    import pyarrow
+    (tmp_path / "data").mkdir()
+    parquet.write_table(pyarrow.table({"text": LINES[:2]}), tmp_path / "data" / "part-0.parquet")
+    prepare.main(["--tokenizer", str(tokenizer_file), "--format", "parquet", "--input", str(tmp_path / "data"),
+                  "--out", str(tmp_path / "out")])
+    corpus = load_corpus(DataConfig(source="prepared", path=str(tmp_path / "out")))
+    eos = Tokenizer.from_file(str(tokenizer_file)).token_to_id("</s>")
+    assert corpus.tokens.tolist() == ids(tokenizer_file, LINES[0]) + [eos] + ids(tokenizer_file, LINES[1]) + [eos]
+
+
+@pytest.mark.parametrize(("rows", "extra", "message"), [
+    ([{"id": 1, "body": "x"}], [], r"cannot tell what the records hold from the first one's keys \['body', 'id'\]"),
+    ([{"text": "a"}, {"txt": "b"}], [], r"record 1 has no field 'text' \(text records\); its fields: \['txt'\]"),
+    ([{"messages": CHAT}], ["--tokenizer-of-base"], r"tokenizer_config.json: no chat_template"),
+])
+def test_bad_records_are_one_error_line_and_leave_nothing(chat_tokenizer, tmp_path, rows, extra, message):
+    pytest.importorskip("datasets")
+    path = instruct_tokenizer(tmp_path / "base", template=None) if extra else chat_tokenizer
+    data = write_jsonl(tmp_path / "data.jsonl", rows)
+    with pytest.raises(SystemExit, match=f"^error: .*{message}"):
+        prepare.main(["--tokenizer", str(path), "--format", "jsonl", "--input", str(data), "--out",
+                      str(tmp_path / "out")])
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.partial-*"))

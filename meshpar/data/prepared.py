@@ -35,6 +35,9 @@ def writing(directory: Path) -> Iterator[Path]:
         raise InputError(f"{directory} already exists; remove it or write another directory")
     directory.parent.mkdir(parents=True, exist_ok=True)
     partial = Path(tempfile.mkdtemp(prefix=f".{directory.name}.partial-", dir=directory.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    partial.chmod(0o777 & ~umask)  # as a directory made by mkdir, not mkdtemp's owner-only one
     try:
         yield partial
         os.replace(partial, directory)
