@@ -210,9 +210,8 @@ def record_documents(tokenizer: HFTokenizer, args: argparse.Namespace, files: li
 
         template = chat_template.load(tokenizer, args.tokenizer)
     encoder = records.Encoder(tokenizer, fields, eos, args.train_on, template)
-    group, index = [first], 0
-    for record in stream:
-        index += 1
+    group = [first]
+    for index, record in enumerate(stream, start=1):
         records.check(record, fields, source, index)
         group.append(record)
         if len(group) == RECORDS_PER_CALL:

@@ -414,9 +414,8 @@ def test_prepared_directory_reads_back(tmp_path):
     assert corpus.tokens.dtype == np.uint32 and corpus.tokens.tolist() == list(range(12))
     assert corpus.documents.tolist() == documents.tolist() and corpus.weights.tolist() == [0, 1, 1] * 4
     assert not list(tmp_path.glob(".corpus.partial-*"))
-    with pytest.raises(InputError, match="corpus already exists"):
-        with prepared.writing(tmp_path / "corpus"):
-            pass
+    with pytest.raises(InputError, match="corpus already exists"), prepared.writing(tmp_path / "corpus"):
+        pass
 
 
 def test_prepared_directory_errors_name_the_file(tmp_path):
@@ -424,10 +423,10 @@ def test_prepared_directory_errors_name_the_file(tmp_path):
         load_corpus(DataConfig(source="prepared", path=str(tmp_path / "nope")))
     with pytest.raises(InputError, match="is not a prepared directory \\(no corpus.json"):
         load_corpus(DataConfig(source="prepared", path=str(tmp_path)))
-    with pytest.raises(RuntimeError):  # an interrupted write leaves nothing behind
-        with prepared.writing(tmp_path / "half") as directory:
-            np.arange(5, dtype=np.uint16).tofile(directory / prepared.TOKENS)
-            raise RuntimeError("interrupted")
+    # An interrupted write leaves nothing behind.
+    with pytest.raises(RuntimeError, match="interrupted"), prepared.writing(tmp_path / "half") as directory:
+        np.arange(5, dtype=np.uint16).tofile(directory / prepared.TOKENS)
+        raise RuntimeError("interrupted")
     assert list(tmp_path.iterdir()) == []
     with prepared.writing(tmp_path / "short") as directory:
         np.arange(5, dtype=np.uint16).tofile(directory / prepared.TOKENS)

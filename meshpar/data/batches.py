@@ -79,6 +79,8 @@ class Batches:
             raise InputError(f"global_batch and seq_len must be positive, got {global_batch}, {seq_len}")
         if packing not in PACKINGS:
             raise InputError(f"packing {packing!r} is not one of {', '.join(PACKINGS)}")
+        if packing != "none" and len(tokens) == 0:
+            raise InputError(f"{source}: the corpus holds no tokens to pack")
         if packing == "none" and len(tokens) < seq_len + 2:
             raise InputError(
                 f"corpus of {len(tokens)} tokens is too short for seq_len={seq_len}: "
