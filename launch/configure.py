@@ -77,7 +77,8 @@ def compile_check(cfg: configs.Config) -> dict:
     host memory), and `predicted_cpu_peak_bytes`, the form this CPU compile takes (`plan.memory(cpu=True)`:
     what XLA:CPU, having no host memory of its own, keeps on the device), which the compiled peak checks."""
     mesh = mesh_lib.build(cfg.mesh)
-    report = fit.compile_step(cfg.model_factory(), cfg.train, mesh, rules_lib.make(cfg.parallel))
+    report = fit.compile_step(cfg.model_factory(), cfg.train, mesh, rules_lib.make(cfg.parallel),
+                              documents=cfg.data.packing != "none")
     lay = plan.Layout.of_run(cfg.mesh.resolve(mesh.size), cfg.parallel, cfg.train, "cpu")
     model, run = shape(cfg), plan.Run.of(cfg.train, "cpu")
     predicted, on_cpu = plan.memory(model, lay, run), plan.memory(model, lay, run, cpu=True)

@@ -43,7 +43,7 @@ from jax.sharding import Mesh, NamedSharding
 from meshpar import mesh as mesh_lib, metrics, pipeline, remat as remat_lib, sharding
 from meshpar.checkpoint import CheckpointConfig, Checkpointer
 from meshpar.compiler import compile_report
-from meshpar.data import Batches, DataConfig, load_tokens, split
+from meshpar.data import Batches, Corpus, DataConfig, load_corpus, split
 from meshpar.errors import InputError, TrainingStopped
 from meshpar.generate import generate
 from meshpar.mfu import mfu
@@ -121,7 +121,7 @@ def run(make_model: ModelFactory, train: TrainConfig, data: DataConfig | np.ndar
     """Train `make_model`'s model up to step `train.steps` on `mesh`; return the state and metrics.
 
     `data` is a source to load, or tokens already loaded (a benchmark reuses them across runs); either is
-    split into training and held-out tokens. `loss(model, tokens)` defaults to next-token cross-entropy
+    split into training and held-out documents (`meshpar.data.split`), drawn as `data.packing` says. `loss(model, tokens)` defaults to next-token cross-entropy
     and `tx` to `train.optimizer(train)` (the metrics show the learning rate only for that one).
     `throughput` adds MFU to the metrics. `init_params` (the model's parameters, laid out on `mesh` by
     `rules`) start a new run from given weights (a fresh optimizer state); a run that resumes from a
@@ -132,12 +132,13 @@ def run(make_model: ModelFactory, train: TrainConfig, data: DataConfig | np.ndar
     tx = tx or optimizer(train)
     sharded = sharded_abstract(make_model, tx, mesh, rules, train.seed)
     tokens_sharding = sharding.batch_sharding(mesh, rules, (train.global_batch, train.seq_len + 1))
-    source, tokens, fraction = ((data.describe(), load_tokens(data), data.eval_fraction) if isinstance(data, DataConfig)
-                                else ("tokens", data, DataConfig.eval_fraction))
-    train_tokens, eval_tokens = split(tokens, fraction, train.seq_len)
+    source, corpus, fraction, packing = ((data.describe(), load_corpus(data), data.eval_fraction, data.packing)
+                                         if isinstance(data, DataConfig) else
+                                         ("tokens", Corpus.one_document(data), DataConfig.eval_fraction, "none"))
+    train_corpus, eval_corpus = split(corpus, fraction, train.seq_len)
     vocab = sharding.axis_size(sharded.abstract, "vocab")  # every token must index the embedding
-    batches = Batches(train_tokens, global_batch=train.global_batch, seq_len=train.seq_len, seed=train.seed,
-                      sharding=tokens_sharding, vocab_size=vocab, source=source)
+    batches = Batches(train_corpus, global_batch=train.global_batch, seq_len=train.seq_len, seed=train.seed,
+                      sharding=tokens_sharding, vocab_size=vocab, source=source, packing=packing)
     say = log if outputs.progress and metrics.is_logger() else lambda _: None
     ckpt = Checkpointer(checkpoints.directory, checkpoints.every) if checkpoints.directory else None
     state, start = _start(make_model, tx, sharded, train, batches, ckpt, checkpoints, init_params, say)
@@ -154,8 +155,9 @@ def run(make_model: ModelFactory, train: TrainConfig, data: DataConfig | np.ndar
 
     hooks = [hook for hook in (
         _Profile(outputs) if outputs.profile_steps else None,
-        _Evaluation(sharded, tokens_sharding, train, loss, eval_tokens, vocab, source) if train.eval_every else None,
-        _Sampling(sharded, state, eval_tokens, vocab, train) if train.sample_every else None,
+        _Evaluation(sharded, tokens_sharding, train, loss, eval_corpus, vocab, source, packing)
+        if train.eval_every else None,
+        _Sampling(sharded, state, eval_corpus.tokens, vocab, train) if train.sample_every else None,
     ) if hook is not None]
     saving = _Saving(ckpt, batches, checkpoints.config, mesh, rules) if ckpt else None
     steplog = metrics.StepLog(train.steps, start, outputs.metrics_file, outputs.progress, outputs.tensorboard_dir)
@@ -287,11 +289,11 @@ class _Evaluation(_Hook):
 as training weighs a batch), and its perplexity."""
 
     def __init__(self, sharded: Sharded, tokens_sharding: NamedSharding, train: TrainConfig, loss: Loss | None,
-                 eval_tokens: np.ndarray, vocab: int | None, source: str):
+                 eval_corpus: Corpus, vocab: int | None, source: str, packing: str):
         self.step = make_eval_step(sharded, tokens_sharding, train, loss)
-        self.held_out = Batches(eval_tokens, global_batch=train.global_batch, seq_len=train.seq_len,
+        self.held_out = Batches(eval_corpus, global_batch=train.global_batch, seq_len=train.seq_len,
                                 seed=train.seed, sharding=tokens_sharding, vocab_size=vocab,
-                                source=f"{source} (held out)")
+                                source=f"{source} (held out)", packing=packing)
         self.every, self.last, self.batches = train.eval_every, train.steps, train.eval_batches
 
     def due(self, number: int) -> bool:

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 
 from meshpar import sharding
+from meshpar.batch import Batch
 from meshpar.compiler.compiled import compile_report
 from meshpar.rules import Rules
 from meshpar.train import ModelFactory, Sharded, TrainConfig, make_step, optimizer, sharded_abstract
@@ -39,19 +40,24 @@ CHECK_OPTIONS = {"xla_cpu_scheduler_type": "CPU_SCHEDULER_TYPE_MEMORY_OPTIMIZED"
                  "xla_disable_hlo_passes": "while-loop-invariant-code-motion", "xla_backend_optimization_level": 0}
 
 
-def abstract_inputs(sharded: Sharded, cfg: TrainConfig) -> tuple[Any, jax.ShapeDtypeStruct]:
-    """The step's arguments as shapes with shardings: the state and one token batch."""
+def abstract_inputs(sharded: Sharded, cfg: TrainConfig, documents: bool = False) -> tuple[Any, Any]:
+    """The step's arguments as shapes with shardings: the state and one token batch, or with `documents` a
+    packed batch (`meshpar.batch.Batch`: tokens, document ids and target weights)."""
     state = sharding.placed_shapes(sharded.abstract, sharded.shardings)
     shape = (cfg.global_batch, cfg.seq_len + 1)
-    return state, jax.ShapeDtypeStruct(shape, jnp.int32,
-                                       sharding=sharding.batch_sharding(sharded.mesh, sharded.rules, shape))
+    field = lambda dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=sharding.batch_sharding(sharded.mesh,
+                                                                                              sharded.rules, shape))
+    return state, Batch(field(jnp.int32), field(jnp.int32), field(jnp.float32)) if documents else field(jnp.int32)
 
 
-def compile_step(make_model: ModelFactory, cfg: TrainConfig, mesh: Mesh, rules: Rules) -> dict[str, Any]:
+def compile_step(make_model: ModelFactory, cfg: TrainConfig, mesh: Mesh, rules: Rules,
+                 documents: bool = False) -> dict[str, Any]:
     """The report of the training step of `make_model` on `mesh` (`compiled.compile_report`), compiled
-    for abstract inputs; on CPU devices with `CHECK_OPTIONS`, elsewhere as the step itself compiles."""
+    for abstract inputs (of packed documents with `documents`); on CPU devices with `CHECK_OPTIONS`,
+    elsewhere as the step itself compiles."""
     sharded = sharded_abstract(make_model, optimizer(cfg), mesh, rules, cfg.seed)
-    state, tokens = abstract_inputs(sharded, cfg)
+    state, batch = abstract_inputs(sharded, cfg, documents)
     options = CHECK_OPTIONS if mesh.devices.flat[0].platform == "cpu" else None
-    _, report = compile_report(make_step(sharded, tokens.sharding, cfg), state, tokens, compiler_options=options)
+    tokens = batch.tokens if documents else batch
+    _, report = compile_report(make_step(sharded, tokens.sharding, cfg), state, batch, compiler_options=options)
     return report
