@@ -18,8 +18,8 @@ from tqdm import tqdm
 
 # metrics key → TensorBoard tag
 TAGS = {"loss": "train/loss", "grad_norm": "train/grad_norm", "lr": "train/lr", "eval_loss": "eval/loss",
-        "eval_perplexity": "eval/perplexity", "tokens_per_s": "perf/tokens_per_s", "step_time_s": "perf/step_time_s",
-        "mfu": "perf/mfu"}
+        "eval_perplexity": "eval/perplexity", "trained_tokens": "train/trained_tokens",
+        "tokens_per_s": "perf/tokens_per_s", "step_time_s": "perf/step_time_s", "mfu": "perf/mfu"}
 
 
 def is_logger() -> bool:
