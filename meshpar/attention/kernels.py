@@ -13,10 +13,10 @@ needs), with `kernel`:
 - `cudnn` (GPUs): cuDNN's fused flash attention through `jax.nn.dot_product_attention`, for bf16/fp16
   with a head dim cuDNN supports, where the mask is plain causal or none (one device, Ulysses, a
   contiguous all-gather block), a sliding window included (its `local_window_size`). Where it cannot
-  serve — another mask (zigzag order; documents: JAX's function takes sequence lengths, one document per
-  row, not the segment ids of packed rows), or a schedule that needs the log-sum-exp's gradient (the
-  ring: JAX returns cuDNN's log-sum-exp under stop_gradient and in the compute dtype) — that attention
-  runs `blockwise`;
+  serve — another mask (zigzag order; documents: JAX's function takes one sequence length per row, or a
+  dense mask it turns into a [B, T, S] bias, not the segment ids of packed rows), or a schedule that needs
+  the log-sum-exp's gradient (the ring: JAX returns cuDNN's log-sum-exp under stop_gradient and in the
+  compute dtype) — that attention runs `blockwise`;
 - `auto`: the fastest for the platform and shape (`resolve_kernel`): on GPUs `cudnn` where it can run,
   else `blockwise`; elsewhere `dense` for short sequences, `blockwise` above.
 """
