@@ -1,6 +1,6 @@
 # Two commands for a fresh clone; each creates .venv (and installs meshpar into it) when missing.
 #   make train   train the tiny transformer on 8 fake CPU devices with FSDP
-#   make test    run the test suite
+#   make test    run the test suite, but for the slow tests (`make test-slow`, which CI also runs)
 # CI also runs `make test-newest PYTHON312=...`: every parity module on the newest releases the pins allow
 # (.venv312); transformers' reference runs in .venv's Python there (tests/hf_reference.py).
 PYTHON ?= python3
@@ -18,12 +18,15 @@ NEWEST_TESTS := tests/test_train.py tests/test_parallel.py tests/test_pipeline.p
 	tests/test_distributed.py::test_each_process_reads_only_its_rows \
 	tests/test_distributed.py::test_two_processes_match_one_across_checkpoints
 
-.PHONY: train test test-newest bench
+.PHONY: train test test-slow test-newest bench
 train: $(VENV)/installed
 	$(PY) -m launch.train --config tiny --cpu-devices 8 --mesh fsdp=8
 
 test: $(VENV)/installed
-	$(PY) -m pytest
+	$(PY) -m pytest -m "not slow"
+
+test-slow: $(VENV)/installed
+	$(PY) -m pytest -m slow
 
 test-newest: $(VENV312)/installed $(VENV)/installed
 	MESHPAR_TORCH_PYTHON=$(abspath $(PY)) $(VENV312)/bin/python -m pytest -W error::DeprecationWarning $(NEWEST_TESTS)

@@ -15,6 +15,9 @@ import pytest
 
 from meshpar import distributed, mesh as mesh_lib
 
+# real multi-process runs: `make test-slow`, which CI runs beside `make test`
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--config", "tiny", "--set", "model.n_layers=1", "--set", "train.seq_len=64",
          "--set", "checkpoint.every=100"]

@@ -26,6 +26,9 @@ from conftest import require_devices
 from meshpar import mesh as mesh_lib, rules
 from meshpar.preemption import EXIT_REQUEUE
 
+# chaos and preemption runs of real processes: `make test-slow`, which CI runs beside `make test`
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 40
 TRAIN = ["-m", "launch.train", "--config", "tiny", "--set", "model.n_layers=1", "--set", "train.seq_len=64",

@@ -19,6 +19,9 @@ from launch import configure
 
 import configs
 
+# full-size compiles, minutes of them: `make test-slow`, which CI runs beside `make test`
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 GB = 1e9
 T32K = ["train.seq_len=32768", "model.max_seq_len=32768"]

@@ -31,6 +31,9 @@ from meshpar.batch import Batch
 from models import hf
 from models.transformer import Transformer
 
+# 20-step PyTorch training comparisons: `make test-slow`, which CI runs beside `make test`
+pytestmark = pytest.mark.slow
+
 MESHES = [  # between them tensor, fully sharded data, ring context and 1F1B pipeline parallelism
     pytest.param("fsdp=2,model=2", rules_lib.ParallelConfig(), id="fsdp+tp"),
     pytest.param("sequence=2", rules_lib.ParallelConfig(context_attention="ring"), id="ring-cp"),  # zigzag

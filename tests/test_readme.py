@@ -55,6 +55,7 @@ def test_the_readme_states_the_commands_it_is_checked_on():
     assert sum("-m launch." in c for c in flat) >= 7
 
 
+@pytest.mark.slow  # `make test-slow`: test_parallel holds each layout's numbers; this runs its command line
 @pytest.mark.parametrize("strategy", table_rows())
 def test_strategy_table_row_trains(strategy):
     require_devices(8)
