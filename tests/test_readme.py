@@ -55,7 +55,7 @@ def test_the_readme_states_the_commands_it_is_checked_on():
     assert sum("-m launch." in c for c in flat) >= 7
 
 
-@pytest.mark.slow  # `make test-slow`: test_parallel holds each layout's numbers; this runs its command line
+@pytest.mark.slow  # `make test-slow`, as the code blocks: test_parallel holds each layout's numbers
 @pytest.mark.parametrize("strategy", table_rows())
 def test_strategy_table_row_trains(strategy):
     require_devices(8)
@@ -81,6 +81,7 @@ def _runnable(command: str, position: int) -> list[str] | None:
     return argv
 
 
+@pytest.mark.slow  # `make test-slow`: each command a process of its own
 @pytest.mark.parametrize("block", range(len(block_commands())))
 def test_code_block_runs(block, tmp_path):
     commands = block_commands()[block]
