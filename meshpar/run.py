@@ -9,8 +9,8 @@ The loop dispatches step s before it reads the metrics of step s - 1, so the hos
 device except to read numbers that are already done. A step's time is the wall time between two
 consecutive finished steps (less the time hooks take in between); its tokens/s is the global batch's
 tokens over that time, and `trained_tokens` the step's targets counted by their weights (`meshpar.batch`:
-fewer than the batch's tokens where prompts, padding or document starts weigh 0). With a checkpoint directory the run saves every `checkpoint.every` steps and at the
-last one; `train.steps` counts from the start of training. A stop request (SIGTERM, SIGINT, a time budget:
+fewer than the batch's tokens where prompts, padding or document starts weigh 0). With a checkpoint
+directory the run saves every `checkpoint.every` steps and at the last one; `train.steps` counts from the start of training. A stop request (SIGTERM, SIGINT, a time budget:
 `meshpar.preemption`) ends the loop after the step in flight, on every process at the same step, with a
 checkpoint of that step; the result says why it stopped.
 
@@ -121,8 +121,9 @@ def run(make_model: ModelFactory, train: TrainConfig, data: DataConfig | np.ndar
     """Train `make_model`'s model up to step `train.steps` on `mesh`; return the state and metrics.
 
     `data` is a source to load, or tokens already loaded (a benchmark reuses them across runs); either is
-    split into training and held-out documents (`meshpar.data.split`), drawn as `data.packing` says. `loss(model, tokens)` defaults to next-token cross-entropy
-    and `tx` to `train.optimizer(train)` (the metrics show the learning rate only for that one).
+    split into training and held-out documents (`meshpar.data.split`), drawn as `data.packing` says.
+    `loss(model, batch)` defaults to next-token cross-entropy and `tx` to `train.optimizer(train)` (the
+    metrics show the learning rate only for that one).
     `throughput` adds MFU to the metrics. `init_params` (the model's parameters, laid out on `mesh` by
     `rules`) start a new run from given weights (a fresh optimizer state); a run that resumes from a
     checkpoint ignores them. `stopping` says when to stop early (`meshpar.preemption`).

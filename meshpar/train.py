@@ -308,9 +308,9 @@ def make_step(sharded: Sharded, tokens: NamedSharding, cfg: TrainConfig = TrainC
 
     `tokens` is the sharding of the batch's fields (`sharding.batch_sharding`; the batch a
     `meshpar.batch.Batch` or a token array); `loss` defaults to `default_loss(cfg)`. Metrics: `loss`,
-    `grad_norm`, `tokens` (the batch's sum of target weights). With `cfg.on_nonfinite = "skip"` a step whose loss or gradient norm is not finite
-    leaves the state as it was (metrics: `skipped` = 1). With `votes` (`meshpar.preemption.votes_sharding`)
-    the step is `(state, tokens, votes) → (state, metrics)` and metric `stop` is the largest vote: a stop
+    `grad_norm`, `tokens` (the batch's sum of target weights). With `cfg.on_nonfinite = "skip"` a step
+    whose loss or gradient norm is not finite leaves the state as it was (metrics: `skipped` = 1). With
+    `votes` (`meshpar.preemption.votes_sharding`) the step is `(state, batch, votes) → (state, metrics)` and metric `stop` is the largest vote: a stop
     agreed by the step's own program, so its collective is ordered with the step's.
     """
 

@@ -117,7 +117,8 @@ def train_losses(directory: str, batches: list, settings: dict, masks: list | No
     """The loss of each step (before its update) of a plain PyTorch loop training the model in `directory`
     in float32 on `batches` (int tokens [steps][B, T + 1]): the mean cross-entropy of tokens[:, 1:] given
     tokens[:, :-1], from the logits (with `masks` [steps][B, T], 0 or 1 per target: the targets masked 0
-    get label -100, which the mean leaves out, as transformers' fine-tuning does); clipping by the global norm as one multiply by min(1, clip_norm / norm);
+    get label -100, which the mean leaves out, as transformers' fine-tuning does); clipping by the global
+    norm as one multiply by min(1, clip_norm / norm);
     `torch.optim.AdamW` (betas 0.9, 0.95, eps 1e-8) at `learning_rate(step, settings)`, with weight decay on
     every parameter but those with "norm" or "bias" in their name. `settings`: lr, warmup_steps, steps,
     decay_steps, weight_decay, clip_norm."""

@@ -11,8 +11,8 @@ mesh compiles its step once and runs it STEPS times.
 Measured, worst relative difference over the 20 steps, on fsdp=2,model=2 / sequence=2 (ring) / stage=2
 (1F1B): llama 5.7e-7 / 2.8e-7 / 3.6e-7, mistral 6.5e-7 / 4.4e-7 / 5.2e-7, qwen2 1.8e-6 / 6.7e-7 / 6.4e-7,
 qwen3 3.0e-7 / 4.6e-7 / 3.2e-7. Prompt-masked batches (labels -100 in the PyTorch loop), llama: 1.9e-6 on
-fsdp=2,model=2, 5.2e-7 on data=2,fsdp=2 with grad_accum=2. The comparison sees the usual slips: in the PyTorch loop, eps 1e-6 for 1e-8
-gives 1.6e-4, the schedule one step late 9.4e-2, weight decay on the norm scales 8.8e-4, no clipping
+fsdp=2,model=2, 5.2e-7 on data=2,fsdp=2 with grad_accum=2. The comparison sees the usual slips: in the
+PyTorch loop, eps 1e-6 for 1e-8 gives 1.6e-4, the schedule one step late 9.4e-2, weight decay on the norm scales 8.8e-4, no clipping
 4.1e-2, b2 0.999 6.5e-3 (llama); it cannot see clip_grad_norm_'s +1e-6 in the norm (2.7e-7).
 """
 

@@ -323,7 +323,8 @@ class _Schedule:
 
 def one_f_one_b(stack: nnx.Module, other: nnx.State, first: First, last: Last, inputs_BT: jax.Array,
                 targets: tuple[jax.Array, jax.Array], *args: jax.Array, mesh: Mesh, stages: int, microbatches: int,
-                remat: str, poison_bubbles: bool) -> tuple[jax.Array, nnx.State, nnx.State, tuple[jax.Array, jax.Array]]:
+                remat: str, poison_bubbles: bool
+                ) -> tuple[jax.Array, nnx.State, nnx.State, tuple[jax.Array, jax.Array]]:
     """The weighted loss of a batch and its gradients, as a 1F1B pipeline of the stacked layers (docstring).
 
     Per microbatch: `first(other, inputs)` on stage 0, the L layers of `stack` (each called as
