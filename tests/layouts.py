@@ -1,4 +1,8 @@
-"""A model on a mesh, for tests: the same weights and batches on any layout, and what it computes."""
+"""A model on a mesh, for tests: the same weights and batches on any layout, and what it computes.
+
+The initial state is made once per model and training config, on one device, and placed on each mesh by
+its shardings (`train.init_state` makes the same values on every mesh: test_train holds that), so a layout
+costs the compile of what it computes, not another compile of the initialisation."""
 
 import functools
 from typing import Any
@@ -7,7 +11,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from meshpar import compiler, mesh as mesh_lib, rules as rules_lib, sharding, train
+from meshpar import compiler, mesh as mesh_lib, pipeline, rules as rules_lib, sharding, train
 from meshpar.data import stdlib_tokens
 from models.transformer import Transformer, TransformerConfig
 
@@ -22,19 +26,31 @@ def tokens(step: int, cfg: train.TrainConfig = TRAIN) -> np.ndarray:
     return np.stack([CORPUS[s:s + cfg.seq_len + 1] for s in starts]).astype(np.int32)
 
 
+@functools.cache
+def initial_state(model: TransformerConfig, cfg: train.TrainConfig) -> nnx.State:
+    """The initial state (model and optimizer) as host arrays, made by `train.init_state` on one device."""
+    run = MeshRun("single", cfg, model, init_here=True)
+    return jax.tree.map(np.asarray, run.state)
+
+
 class MeshRun:
-    """One mesh ("single" is one device): the sharded state's structure, the initial state, the token
-    sharding and the compiled functions."""
+    """One mesh ("single" is one device): the sharded state's structure, the initial state (`initial_state`
+    placed on the mesh; with `init_here`, made there by `train.init_state`), the token sharding and the
+    compiled functions."""
 
     def __init__(self, spec: str, cfg: train.TrainConfig = TRAIN, model: TransformerConfig = MODEL,
-                 parallel: rules_lib.ParallelConfig = rules_lib.ParallelConfig()):
+                 parallel: rules_lib.ParallelConfig = rules_lib.ParallelConfig(), init_here: bool = False):
         devices = jax.devices()[:1] if spec == "single" else None
         self.mesh = mesh_lib.build(mesh_lib.parse("" if spec == "single" else spec), devices)
         self.cfg, self.rules = cfg, rules_lib.make(parallel)
-        make = lambda rngs: Transformer(model, dtype=cfg.dtype, rngs=rngs)
-        tx = train.optimizer(cfg)
-        self.sharded = train.sharded_abstract(make, tx, self.mesh, self.rules, cfg.seed)
-        self.state = train.init_state(make, tx, self.sharded, cfg.seed)
+        self.make_model = lambda rngs: Transformer(model, dtype=cfg.dtype, rngs=rngs)
+        self.tx = train.optimizer(cfg)
+        self.sharded = train.sharded_abstract(self.make_model, self.tx, self.mesh, self.rules, cfg.seed)
+        if init_here:
+            self.state = train.init_state(self.make_model, self.tx, self.sharded, cfg.seed)
+        else:
+            placed = jax.device_put(initial_state(model, cfg), self.sharded.shardings)
+            self.state = pipeline.to_rest(placed, self.mesh, parallel.pipeline_repeats)
         self.tokens_sharding = sharding.batch_sharding(self.mesh, self.rules, (cfg.global_batch, cfg.seq_len + 1))
 
     def batch(self, step: int) -> jax.Array:
