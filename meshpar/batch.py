@@ -43,6 +43,14 @@ def target_weights(batch: Batch) -> jax.Array:
     return batch.weights[:, 1:].astype(jnp.float32)
 
 
+def loss_weights(batch: Batch) -> jax.Array:
+    """What each target `[B, T]` weighs in the loss (a weighted sum): the given weights, or 1/(B·T) each,
+    which makes the sum a mean."""
+    if batch.weights is None:
+        return jnp.full(batch.tokens[:, 1:].shape, 1 / batch.tokens[:, 1:].size, jnp.float32)
+    return target_weights(batch)
+
+
 def normalised(batch: Batch) -> tuple[Batch, jax.Array]:
     """(the batch with its target weights divided by their sum, that sum): a loss over any part of it is then
     that part's share of the global mean. A batch with no weight at all keeps zeros (its loss is 0)."""

@@ -47,7 +47,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from meshpar import context, sharding
 from meshpar.attention import sequence_order
-from meshpar.batch import Batch, as_batch, document_positions, target_weights
+from meshpar.batch import Batch, as_batch, document_positions, loss_weights
 from meshpar.divisors import largest_divisor
 from meshpar.errors import InputError
 
@@ -266,7 +266,7 @@ def next_token_inputs(batch: Batch | jax.Array) -> NextToken:
     `attention.sequence_order`). A batch without weights weighs every target 1/(B·T): the loss is a mean."""
     batch = as_batch(batch)
     inputs_BT, targets_BT = batch.tokens[:, :-1], batch.tokens[:, 1:]
-    weights_BT = target_weights(batch) if batch.weights is not None else jnp.full(targets_BT.shape, 1 / targets_BT.size)
+    weights_BT = loss_weights(batch)
     reorder, positions_T, _ = sequence_order(inputs_BT.shape[1])
     segments_BT = None if batch.segments is None else batch.segments[:, :-1]
     positions = positions_T if segments_BT is None else reorder(document_positions(segments_BT))
@@ -291,8 +291,7 @@ def next_token_loss(model, batch: Batch | jax.Array, chunk: int = 0) -> jax.Arra
                              f"documents of this batch apart: give it positions and segments "
                              f"(model(tokens, positions, segments)), or train without packing")
         inputs_BT, targets_BT = batch.tokens[:, :-1], batch.tokens[:, 1:]
-        weights_BT = target_weights(batch) if batch.weights is not None else 1 / targets_BT.size
-        return cross_entropy(model(inputs_BT), targets_BT, jnp.broadcast_to(weights_BT, targets_BT.shape))
+        return cross_entropy(model(inputs_BT), targets_BT, loss_weights(batch))
     x = next_token_inputs(batch)
     documents = () if x.segments is None else (x.segments,)
     if hasattr(model, "hidden_states") and hasattr(model, "output_head"):
