@@ -50,6 +50,8 @@ from meshpar.attention import sequence_order
 from meshpar.batch import Batch, as_batch, document_positions, loss_weights
 from meshpar.divisors import largest_divisor
 from meshpar.errors import InputError
+from meshpar.moe import routing
+from meshpar.moe.routing import RouterStats
 
 # Per-device bytes of one chunk's float32 logits under `loss_chunk = 0` (auto): 256 MiB, a few percent
 # of an accelerator, while a chunk's head matmul keeps ≥ 1k rows at 8B sizes (b·c = 4·256 on fsdp=8).
@@ -274,9 +276,20 @@ def next_token_inputs(batch: Batch | jax.Array) -> NextToken:
     return NextToken(reorder(inputs_BT), reorder(targets_BT), reorder(weights_BT), positions, segments_BT)
 
 
-def next_token_loss(model, batch: Batch | jax.Array, chunk: int = 0) -> jax.Array:
+def next_token_loss(model, batch: Batch | jax.Array, chunk: int = 0, aux_coef: float = 0.0,
+                    z_coef: float = 0.0) -> jax.Array:
     """Weighted cross-entropy of predicting tokens[:, 1:] from tokens[:, :-1] (module docstring): the mean
-    over a batch without weights.
+    over a batch without weights; for a mixture of experts, plus its router's losses
+    (`next_token_loss_and_routing`)."""
+    return next_token_loss_and_routing(model, batch, chunk, aux_coef, z_coef)[0]
+
+
+def next_token_loss_and_routing(model, batch: Batch | jax.Array, chunk: int = 0, aux_coef: float = 0.0,
+                                z_coef: float = 0.0) -> tuple[jax.Array, RouterStats | None]:
+    """`next_token_loss`, and, for a mixture of experts (a model with `routed_hidden_states`), its router's
+    losses (`meshpar.moe.routing`), each pooled over the batch's tokens and the MoE layers and added as
+    aux_coef · load balance + z_coef · z-loss (transformers' `router_aux_loss_coef`), with the router
+    statistics summed over the rows (None for any other model).
 
     With the sequence split over `sequence` and `load_balance` on, inputs, targets and positions are
     put in zigzag order once, here: every shard then holds an early and a late chunk of each sequence,
@@ -291,10 +304,14 @@ def next_token_loss(model, batch: Batch | jax.Array, chunk: int = 0) -> jax.Arra
                              f"documents of this batch apart: give it positions and segments "
                              f"(model(tokens, positions, segments)), or train without packing")
         inputs_BT, targets_BT = batch.tokens[:, :-1], batch.tokens[:, 1:]
-        return cross_entropy(model(inputs_BT), targets_BT, loss_weights(batch))
+        return cross_entropy(model(inputs_BT), targets_BT, loss_weights(batch)), None
     x = next_token_inputs(batch)
     documents = () if x.segments is None else (x.segments,)
-    if hasattr(model, "hidden_states") and hasattr(model, "output_head"):
-        return chunked_cross_entropy(model.hidden_states(x.inputs, x.positions, *documents), model.output_head(),
-                                     x.targets, chunk, x.weights)
-    return cross_entropy(model(x.inputs, x.positions, *documents), x.targets, x.weights)
+    if not (hasattr(model, "hidden_states") and hasattr(model, "output_head")):
+        return cross_entropy(model(x.inputs, x.positions, *documents), x.targets, x.weights), None
+    routed = getattr(model, "routed_hidden_states", None)
+    hidden_BTD, stats = (routed or (lambda *a: (model.hidden_states(*a), None)))(x.inputs, x.positions, *documents)
+    value = chunked_cross_entropy(hidden_BTD, model.output_head(), x.targets, chunk, x.weights)
+    if stats is None:
+        return value, None
+    return value + aux_coef * routing.balance_loss(stats) + z_coef * routing.z_loss(stats), stats.total()

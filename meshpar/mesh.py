@@ -1,7 +1,8 @@
-"""The device mesh: five named axes, ordered from least to most communication-hungry.
+"""The device mesh: six named axes, ordered from least to most communication-hungry.
 
-`data` (replicas), `stage` (pipeline stages), `fsdp` (ZeRO/FSDP shards), `sequence` (context
-parallelism) and `model` (tensor parallelism), outer to inner. The inner axes exchange the most bytes
+`data` (replicas), `stage` (pipeline stages), `fsdp` (ZeRO/FSDP shards), `expert` (expert parallelism:
+a mixture of experts' experts, and the batch), `sequence` (context parallelism) and `model` (tensor
+parallelism), outer to inner. The inner axes exchange the most bytes
 per step, so they get the devices that sit closest together. With several processes (hosts) each axis
 is split into a part inside a host (ICI: NVLink) and a part across hosts (DCN: the network), filling a
 host from the innermost axis out: `model` and `sequence` stay inside a host whenever they fit, and
@@ -25,16 +26,17 @@ from jax.sharding import AxisType, Mesh
 
 from meshpar.errors import InputError
 
-AXES = ("data", "stage", "fsdp", "sequence", "model")
+AXES = ("data", "stage", "fsdp", "expert", "sequence", "model")
 
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """Sizes of the five mesh axes; one of them may be -1, meaning "all the devices left"."""
+    """Sizes of the six mesh axes; one of them may be -1, meaning "all the devices left"."""
 
     data: int = 1
     stage: int = 1
     fsdp: int = 1
+    expert: int = 1
     sequence: int = 1
     model: int = 1
 
@@ -105,7 +107,7 @@ def host_split(sizes: dict[str, int], devices_per_host: int) -> tuple[dict[str, 
 
 
 def device_grid(sizes: dict[str, int], devices: list) -> np.ndarray:
-    """The devices arranged in the five axes: a host's devices fill the inner part of each axis."""
+    """The devices arranged in the six axes: a host's devices fill the inner part of each axis."""
     by_process = defaultdict(list)
     for device in devices:
         by_process[device.process_index].append(device)
@@ -124,7 +126,7 @@ def device_grid(sizes: dict[str, int], devices: list) -> np.ndarray:
 
 
 def build(config: MeshConfig, devices: list | None = None) -> Mesh:
-    """A jax Mesh with the five axes over `devices` (default: all devices of all processes)."""
+    """A jax Mesh with the six axes over `devices` (default: all devices of all processes)."""
     devices = jax.devices() if devices is None else devices
     sizes = config.resolve(len(devices)).sizes()
     grid = device_grid(sizes, devices)

@@ -7,12 +7,14 @@ Every strategy is a table or a mesh shape:
 
 | logical      | params        | activations          | what it gives                                   |
 |--------------|---------------|----------------------|-------------------------------------------------|
-| batch        | –             | (data, fsdp)         | data parallelism; FSDP splits the batch too     |
+| batch        | –             | (data, fsdp, expert) | data parallelism; FSDP and EP split the batch too|
 | seq          | –             | sequence             | context parallelism                             |
 | resid_seq    | –             | sequence (+ model)   | the residual stream's T; + model with Megatron SP|
 | embed        | fsdp (ZeRO-3) | –                    | sharded at rest, gathered for compute           |
 | heads, kv_heads, mlp, vocab | model | model          | Megatron tensor parallelism                     |
 | layers       | stage         | stage                | pipeline stages                                 |
+| experts      | expert        | expert               | expert parallelism (a mixture of experts)       |
+| expert_mlp   | model         | model                | tensor parallelism inside each expert           |
 | head_dim     | –             | –                    | never split                                     |
 
 ZeRO stages differ only in which tables split `embed` over `fsdp` (the batch is split over `fsdp` in
@@ -41,7 +43,9 @@ from meshpar.mesh import AXES
 Table = tuple[tuple[str, tuple[str, ...]], ...]
 
 
-BATCH_AXES = ("data", "fsdp")  # what splits a batch: data parallelism, and FSDP (its replicas share the states)
+# What splits a batch: data parallelism, FSDP (its replicas share the states) and expert parallelism (as in
+# DeepSpeed-MoE and MaxText, so that no device idles outside the experts).
+BATCH_AXES = ("data", "fsdp", "expert")
 CONTEXT_ATTENTION = ("ring", "allgather", "ulysses")  # meshpar.attention.context_parallel
 PIPELINE_SCHEDULES = ("gpipe", "1f1b")  # meshpar.pipeline.gpipe (R > 1: circular), meshpar.pipeline.one_f_one_b
 OFFLOAD = ("none", "optimizer", "optimizer+params")  # what lives in host memory: meshpar.offload
@@ -59,6 +63,9 @@ class ParallelConfig:
     pipeline_repeats: int = 1  # R > 1: circular (interleaved) pipeline, bubble (P-1)/(R·M+P-1)
     pipeline_schedule: str = "gpipe"  # gpipe, or 1f1b: the same bubble, activation memory flat in M (R = 1)
     offload: str = "none"  # host memory: none, optimizer (Adam moments), optimizer+params (+ float32 weights)
+    # Mixture of experts: 0 is dropless (every routed token computed); c > 0 caps what each expert takes from
+    # a device's n tokens at ceil(c · n · k / E) and drops the rest (meshpar.moe.dispatch)
+    expert_capacity: float = 0.0
 
     def __post_init__(self):
         if self.zero_stage not in (0, 1, 2, 3):
@@ -79,6 +86,8 @@ class ParallelConfig:
                              f"supported; use pipeline_schedule=gpipe for the circular schedule")
         if self.offload not in OFFLOAD:
             raise InputError(f"parallel.offload = '{self.offload}' is not one of {', '.join(OFFLOAD)}")
+        if self.expert_capacity < 0:
+            raise InputError(f"parallel.expert_capacity = {self.expert_capacity} must be >= 0 (0: dropless)")
         if self.pipeline_schedule == "1f1b" and self.offload == "optimizer+params":
             raise InputError("parallel.pipeline_schedule = 1f1b does not fetch weights from host memory: "
                              "parallel.offload = 'optimizer+params' is not supported with it ('optimizer' is)")
@@ -111,7 +120,8 @@ class Rules:
 
 def _weights(embed: tuple[str, ...]) -> Table:
     return (("embed", embed), ("heads", ("model",)), ("kv_heads", ("model",)), ("head_dim", ()),
-            ("mlp", ("model",)), ("vocab", ("model",)), ("layers", ("stage",)))
+            ("mlp", ("model",)), ("vocab", ("model",)), ("layers", ("stage",)), ("experts", ("expert",)),
+            ("expert_mlp", ("model",)))
 
 
 def make(parallel: ParallelConfig = ParallelConfig()) -> Rules:

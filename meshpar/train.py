@@ -45,7 +45,8 @@ from meshpar import context, offload, pipeline, remat as remat_lib, sharding
 from meshpar.attention.kernels import KERNELS
 from meshpar.batch import Batch, as_batch, normalised
 from meshpar.errors import InputError
-from meshpar.loss import next_token_loss
+from meshpar.loss import next_token_loss_and_routing
+from meshpar.moe import routing
 from meshpar.pipeline import one_f_one_b
 from meshpar.rules import Rules
 
@@ -73,6 +74,9 @@ class TrainConfig:
     eval_batches: int = 4  # global batches of held-out tokens per evaluation (the same ones every time)
     on_nonfinite: str = "stop"  # a NaN/Inf loss or gradient norm: "stop" the run, or "skip" the update
     sample_every: int = 0  # print a greedy sample (meshpar.generate) every this many steps and at the last; 0: never
+    # A mixture of experts' router losses (meshpar.moe.routing), as transformers' router_aux_loss_coef weighs them
+    router_aux_loss_coef: float = 0.001  # × the load-balancing loss (Switch / Mixtral)
+    router_z_loss_coef: float = 0.0  # × the router z-loss (ST-MoE)
 
     def __post_init__(self):
         if self.compute_dtype not in COMPUTE_DTYPES:
@@ -96,6 +100,9 @@ class TrainConfig:
             raise InputError(f"train.decay_steps = {self.decay_steps} must be >= 0 (0: train.steps)")
         if not self.clip_norm > 0:
             raise InputError(f"train.clip_norm = {self.clip_norm} must be > 0 (a large value: no clipping)")
+        for name in ("router_aux_loss_coef", "router_z_loss_coef"):
+            if getattr(self, name) < 0:
+                raise InputError(f"train.{name} = {getattr(self, name)} must be >= 0")
         if self.warmup_steps < 0:
             raise InputError(f"train.warmup_steps = {self.warmup_steps} must be >= 0")
         if self.global_batch % self.grad_accum:
@@ -172,6 +179,11 @@ def sharded_abstract(make_model: ModelFactory, tx: optax.GradientTransformation,
     with nnx.use_eager_sharding(False):  # meshpar, not Flax, resolves logical names
         abstract_ts = nnx.eval_shape(lambda: TrainState(make_model(nnx.Rngs(seed)), tx))
     graphdef, abstract = nnx.split(abstract_ts)
+    if (mesh.shape["stage"] > 1 and rules.parallel.pipeline_schedule == "1f1b"
+            and sharding.axis_size(abstract, "experts") is not None):
+        raise InputError("parallel.pipeline_schedule = 1f1b cannot train a mixture of experts: its load-balancing "
+                         "loss pools the router statistics of the whole batch, and 1F1B starts a microbatch's "
+                         "backward pass before the last one's forward pass; use pipeline_schedule=gpipe")
     if mesh.shape["stage"] > 1 and sharding.axis_size(abstract, "layers") is None:
         raise InputError(f"mesh axis stage = {mesh.shape['stage']} pipelines a stack of layers, and this model "
                          f"names no 'layers' axis: build its blocks with meshpar.layers.scan over a stacked "
@@ -212,14 +224,21 @@ def replica_axes(mesh: Mesh, rules: Rules) -> tuple[str, ...]:
 
 
 # A loss: (model, batch) → Σ over the batch's targets of weight × loss (a scalar), the weights already divided
-# by their global sum (module docstring): the step sums it over accumulation microbatches.
-Loss = Callable[[nnx.Module, Batch], jax.Array]
-ValueAndGrad = Callable[[nnx.State, Batch], tuple[jax.Array, nnx.State]]  # (params, batch) → (loss, grads)
+# by their global sum (module docstring): the step sums it over accumulation microbatches. It may also return
+# a mixture of experts' router statistics beside it, (loss, RouterStats), which the step reports.
+Loss = Callable[[nnx.Module, Batch], jax.Array | tuple[jax.Array, routing.RouterStats | None]]
+# (params, batch) → ((loss, router statistics or None), grads)
+ValueAndGrad = Callable[[nnx.State, Batch], tuple[tuple[jax.Array, Any], nnx.State]]
 
 
-def default_loss(cfg: TrainConfig) -> Loss:
-    """Next-token cross-entropy (`meshpar.loss.next_token_loss`), chunked by `cfg.loss_chunk`."""
-    return lambda model, batch: next_token_loss(model, batch, cfg.loss_chunk)
+def default_loss(cfg: TrainConfig, router_losses: bool = True) -> Loss:
+    """Next-token cross-entropy (`meshpar.loss.next_token_loss_and_routing`), chunked by `cfg.loss_chunk`; for a
+    mixture of experts plus its router's losses (`router_losses`), each accumulation microbatch's weighed
+    1 / grad_accum (their mean)."""
+    scale = 1 / cfg.grad_accum if router_losses else 0.0
+    return lambda model, batch: next_token_loss_and_routing(model, batch, cfg.loss_chunk,
+                                                            cfg.router_aux_loss_coef * scale,
+                                                            cfg.router_z_loss_coef * scale)
 
 
 def check_accumulation(rows: int, shards: int, steps: int, batch: tuple[str, ...]) -> None:
@@ -256,31 +275,38 @@ def _accumulated(sharded: Sharded, cfg: TrainConfig, value_and_grad: ValueAndGra
     def microbatch(carry, batch_YbT):
         loss_sum, acc_Y = carry
         with context.use(local):
-            loss_Y, g_Y = per_shard(params, batch_YbT)
+            (loss_Y, stats_Y), g_Y = per_shard(params, batch_YbT)
         acc_Y = jax.lax.with_sharding_constraint(jax.tree.map(jnp.add, acc_Y, g_Y), accumulator)
-        return (loss_sum + loss_Y.sum(), acc_Y), None
+        return (loss_sum + loss_Y.sum(), acc_Y), jax.tree.map(lambda s: s.sum(0), stats_Y)
 
     zeros_Y = jax.tree.map(lambda p: jnp.zeros((Y, *p.shape), jnp.float32), params)
     zeros_Y = jax.lax.with_sharding_constraint(zeros_Y, accumulator)
-    (loss_sum, grads_Y), _ = jax.lax.scan(microbatch, (jnp.zeros((), jnp.float32), zeros_Y), batch_AYbT)
-    return loss_sum, jax.tree.map(lambda g: g.sum(0), grads_Y)  # the parts' shares of the mean: summed
+    (loss_sum, grads_Y), stats_A = jax.lax.scan(microbatch, (jnp.zeros((), jnp.float32), zeros_Y), batch_AYbT)
+    stats = jax.tree.map(lambda s: s.sum(0), stats_A)  # the microbatches' router statistics, added up
+    return (loss_sum, stats), jax.tree.map(lambda g: g.sum(0), grads_Y)  # the parts' shares of the mean: summed
+
+
+def _with_stats(out: jax.Array | tuple) -> tuple[jax.Array, Any]:
+    """A loss's value and its router statistics (None where it returns only a value)."""
+    return out if isinstance(out, tuple) else (out, None)
 
 
 def _loss_and_grads(sharded: Sharded, cfg: TrainConfig, loss: Loss | None, model: nnx.Module,
-                    batch: Batch | jax.Array) -> tuple[jax.Array, nnx.State, jax.Array]:
-    """(loss, gradients, the batch's sum of target weights)."""
+                    batch: Batch | jax.Array) -> tuple[jax.Array, nnx.State, jax.Array, Any]:
+    """(loss, gradients, the batch's sum of target weights, router statistics or None)."""
     batch, count = normalised(as_batch(batch))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     if sharded.mesh.shape["stage"] > 1 and sharded.rules.parallel.pipeline_schedule == "1f1b":  # the loss runs inside
         value_and_grad = one_f_one_b.value_and_grad(graphdef, rest, loss, cfg.loss_chunk)
     else:
         loss = loss or default_loss(cfg)
-        value_and_grad = jax.value_and_grad(lambda p, t: loss(nnx.merge(graphdef, p, rest), t))
+        value_and_grad = jax.value_and_grad(lambda p, t: _with_stats(loss(nnx.merge(graphdef, p, rest), t)),
+                                            has_aux=True)
     if cfg.grad_accum == 1:
-        loss, grads = value_and_grad(params, batch)
+        (loss, stats), grads = value_and_grad(params, batch)
     else:
-        loss, grads = _accumulated(sharded, cfg, value_and_grad, params, batch)
-    return loss, sharding.constrain_grads(grads, sharded.mesh, sharded.rules), count
+        (loss, stats), grads = _accumulated(sharded, cfg, value_and_grad, params, batch)
+    return loss, sharding.constrain_grads(grads, sharded.mesh, sharded.rules), count, stats
 
 
 def loss_and_grads(sharded: Sharded, tokens: NamedSharding, cfg: TrainConfig = TrainConfig(),
@@ -318,7 +344,7 @@ def make_step(sharded: Sharded, tokens: NamedSharding, cfg: TrainConfig = TrainC
         before = jax.tree.leaves(state)  # the arrays; the update below mutates the merged variables
         with context.use(compute_context(sharded, cfg)):
             ts = nnx.merge(sharded.graphdef, state)
-            value, grads, count = _loss_and_grads(sharded, cfg, loss, ts.model, batch)
+            value, grads, count, stats = _loss_and_grads(sharded, cfg, loss, ts.model, batch)
             offloaded, skip = sharded.rules.parallel.offload != "none", cfg.on_nonfinite == "skip"
             grad_norm = offload.global_norm(ts.model, grads) if offloaded else optax.tree.norm(grads)
             finite = jnp.isfinite(value) & jnp.isfinite(grad_norm)
@@ -328,6 +354,8 @@ def make_step(sharded: Sharded, tokens: NamedSharding, cfg: TrainConfig = TrainC
             else:
                 ts.opt.update(ts.model, grads)
             new_state, metrics = nnx.state(ts), {"loss": value, "grad_norm": grad_norm, "tokens": count}
+            if stats is not None:
+                metrics |= routing.metrics(stats)
             if skip:
                 if not offloaded:
                     after, structure = jax.tree.flatten(new_state)
@@ -346,11 +374,11 @@ def make_eval_step(sharded: Sharded, tokens: NamedSharding, cfg: TrainConfig = T
     """The jitted `(state, batch) → (loss, sum of target weights)` on held-out batches: the training step's
     loss and layout, no gradients, the state kept (not donated). Compiled once; every evaluation reuses it.
     Several batches combine as Σ loss · weight / Σ weight, the loss of all their targets together."""
-    loss = loss or default_loss(cfg)
+    loss = loss or default_loss(cfg, router_losses=False)
 
     def evaluate(state: nnx.State, batch: Batch | jax.Array) -> tuple[jax.Array, jax.Array]:
         batch, count = normalised(as_batch(batch))
         with context.use(compute_context(sharded, cfg)):
-            return loss(nnx.merge(sharded.graphdef, state).model, batch), count
+            return _with_stats(loss(nnx.merge(sharded.graphdef, state).model, batch))[0], count
 
     return jax.jit(evaluate, in_shardings=(sharded.shardings, tokens))

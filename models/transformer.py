@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from meshpar import layers
+from meshpar import layers, moe
 from meshpar.attention import attend, cached_attention, sequence_order
 from meshpar.errors import InputError
 from meshpar.loss import logits
@@ -52,6 +52,12 @@ class TransformerConfig:
     qkv_bias: bool = False  # biases on the q, k and v projections (Qwen 2)
     qk_norm: bool = False  # an RMSNorm of each query and key head before the rotation (Qwen 3)
     sliding_window: int = 0  # each query sees its W latest keys, its own included, in every layer (Mistral); 0: all
+    # A mixture of experts in every layer in place of the MLP (Mixtral, Qwen3-MoE); 0: dense
+    n_experts: int = 0
+    experts_per_token: int = 2  # k: the experts each token is routed to
+    d_expert: int = 0  # an expert's SwiGLU width; 0: d_ff
+    n_shared_experts: int = 0  # experts every token passes (DeepSeek): one SwiGLU of n_shared_experts · d_expert
+    norm_topk_prob: bool = True  # weigh the k chosen experts by their probabilities renormalised over the k
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len"):
@@ -69,11 +75,22 @@ class TransformerConfig:
                              f"model.n_kv_heads = {self.n_kv_heads} (grouped-query attention)")
         if self.head_size % 2:
             raise InputError(f"head dim {self.head_size} must be even for rotary positions")
+        for name in ("n_experts", "d_expert", "n_shared_experts"):
+            if getattr(self, name) < 0:
+                raise InputError(f"model.{name} = {getattr(self, name)} must be >= 0")
+        if self.n_experts and not 1 <= self.experts_per_token <= self.n_experts:
+            raise InputError(f"model.experts_per_token = {self.experts_per_token} must be between 1 and "
+                             f"model.n_experts = {self.n_experts}")
 
     @property
     def head_size(self) -> int:
         """H: `head_dim`, or d_model / n_heads where it is 0."""
         return self.head_dim or self.d_model // self.n_heads
+
+    @property
+    def expert_width(self) -> int:
+        """An expert's SwiGLU width: `d_expert`, or d_ff where it is 0."""
+        return self.d_expert or self.d_ff
 
     @classmethod
     def from_dict(cls, fields: dict) -> TransformerConfig:
@@ -169,10 +186,10 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """SwiGLU: down(silu(x · gate) ⊙ (x · up))."""
+    """SwiGLU: down(silu(x · gate) ⊙ (x · up)), of width `d_ff` (or `width`)."""
 
-    def __init__(self, cfg: TransformerConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
-        D, F = cfg.d_model, cfg.d_ff
+    def __init__(self, cfg: TransformerConfig, dtype: jnp.dtype, rngs: nnx.Rngs, width: int = 0):
+        D, F = cfg.d_model, width or cfg.d_ff
         self.w_gate_DF = _param(rngs, (D, F), ("embed", "mlp"), D**-0.5)
         self.w_up_DF = _param(rngs, (D, F), ("embed", "mlp"), D**-0.5)
         self.w_down_FD = _param(rngs, (F, D), ("mlp", "embed"), F**-0.5 / math.sqrt(2 * cfg.n_layers))
@@ -185,22 +202,63 @@ class MLP(nnx.Module):
         return (jax.nn.silu(gate_BTF) * up_BTF) @ cast(self.w_down_FD)
 
 
+class MoE(nnx.Module):
+    """A mixture of SwiGLU experts: a router sends each token to its top-k experts (`meshpar.moe.routing`),
+    which run where the mesh keeps them (`meshpar.moe.dispatch`); shared experts, if any, see every token.
+    Returns the output and this layer's router statistics."""
+
+    def __init__(self, cfg: TransformerConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
+        D, E, F = cfg.d_model, cfg.n_experts, cfg.expert_width
+        self.w_router_DE = _param(rngs, (D, E), ("embed", None), D**-0.5)
+        self.w_gate_EDF = _param(rngs, (E, D, F), moe.GATE_UP, D**-0.5)
+        self.w_up_EDF = _param(rngs, (E, D, F), moe.GATE_UP, D**-0.5)
+        self.w_down_EFD = _param(rngs, (E, F, D), moe.DOWN, F**-0.5 / math.sqrt(2 * cfg.n_layers))
+        if cfg.n_shared_experts:
+            self.shared = MLP(cfg, dtype, rngs, width=cfg.n_shared_experts * F)
+        self.cfg, self.dtype = cfg, dtype
+
+    def __call__(self, x_BTD: jax.Array) -> tuple[jax.Array, moe.RouterStats]:
+        cast = lambda w: gathered(w, self.dtype)
+        x_BTD = relayout(x_BTD, RESIDUAL, REGION_INPUT)
+        logits_BTE = jnp.einsum("btd,de->bte", x_BTD, cast(self.w_router_DE), preferred_element_type=jnp.float32)
+        routes = moe.route(logits_BTE, self.cfg.experts_per_token, self.cfg.norm_topk_prob)
+        y_BTD, dropped_B = moe.experts_ffn(x_BTD, routes.experts_BTK, routes.weights_BTK, cast(self.w_gate_EDF),
+                                           cast(self.w_up_EDF), cast(self.w_down_EFD), moe.capacity())
+        if self.cfg.n_shared_experts:
+            y_BTD = y_BTD + self.shared(x_BTD)
+        return y_BTD, routes.stats._replace(dropped_B=dropped_B)
+
+
+# A MoE block's router statistics: per row, as the batch.
+ROUTER_STATS = moe.RouterStats(("batch", None), ("batch", None), ("batch",), ("batch",))
+
+
 class Block(nnx.Module):
+    """Attention and an MLP (or a mixture of experts), each on a pre-normed residual. A dense block maps
+    x [B, T, D] to x; a MoE block maps (x, router statistics) to (x, the statistics with its own added)."""
+
     def __init__(self, cfg: TransformerConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
         self.attn_norm = RMSNorm(cfg, dtype)
         self.attn = Attention(cfg, dtype, rngs)
         self.mlp_norm = RMSNorm(cfg, dtype)
-        self.mlp = MLP(cfg, dtype, rngs)
+        self.mlp = MoE(cfg, dtype, rngs) if cfg.n_experts else MLP(cfg, dtype, rngs)
 
-    def __call__(self, x_BTD: jax.Array, positions: jax.Array, segments_BT: jax.Array | None = None) -> jax.Array:
+    def __call__(self, carry, positions: jax.Array, segments_BT: jax.Array | None = None):
+        x_BTD, stats = carry if isinstance(self.mlp, MoE) else (carry, None)
         x_BTD = constrain(x_BTD + self.attn(self.attn_norm(x_BTD), positions, segments_BT), RESIDUAL)
-        return constrain(x_BTD + self.mlp(self.mlp_norm(x_BTD)), RESIDUAL)
+        if stats is None:
+            return constrain(x_BTD + self.mlp(self.mlp_norm(x_BTD)), RESIDUAL)
+        y_BTD, layer_stats = self.mlp(self.mlp_norm(x_BTD))
+        stats = jax.tree.map(constrain, stats + layer_stats, ROUTER_STATS)
+        return constrain(x_BTD + y_BTD, RESIDUAL), stats
 
     def cached(self, x_BTD: jax.Array, positions_T: jax.Array, k_BSKH: jax.Array,
                v_BSKH: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         attn_BTD, k_BSKH, v_BSKH = self.attn.cached(self.attn_norm(x_BTD), positions_T, k_BSKH, v_BSKH)
         x_BTD = constrain(x_BTD + attn_BTD, RESIDUAL)
-        return constrain(x_BTD + self.mlp(self.mlp_norm(x_BTD)), RESIDUAL), k_BSKH, v_BSKH
+        y_BTD = self.mlp(self.mlp_norm(x_BTD))
+        y_BTD = y_BTD[0] if isinstance(self.mlp, MoE) else y_BTD
+        return constrain(x_BTD + y_BTD, RESIDUAL), k_BSKH, v_BSKH
 
 
 class Transformer(nnx.Module):
@@ -245,11 +303,22 @@ class Transformer(nnx.Module):
     def hidden_states(self, tokens_BT: jax.Array, positions: jax.Array | None = None,
                       segments_BT: jax.Array | None = None) -> jax.Array:
         """The final norm's output `[B, T, D]`, which the output head turns into logits."""
+        return self.routed_hidden_states(tokens_BT, positions, segments_BT)[0]
+
+    def routed_hidden_states(self, tokens_BT: jax.Array, positions: jax.Array | None = None,
+                             segments_BT: jax.Array | None = None) -> tuple[jax.Array, moe.RouterStats | None]:
+        """`hidden_states`, and the router statistics of the MoE layers summed over them (None: dense),
+        from which the training loss takes its load-balancing and z losses (`meshpar.moe.routing`)."""
         if positions is None:
             positions = jnp.arange(tokens_BT.shape[1])
         if segments_BT is not None:  # per row: laid out like the tokens
             positions, segments_BT = (constrain(x_BT, ("batch", "seq")) for x_BT in (positions, segments_BT))
-        return self.final_norm(layers.scan(self.blocks, self.embed(tokens_BT), positions, segments_BT))
+        x_BTD = self.embed(tokens_BT)
+        if not self.cfg.n_experts:
+            return self.final_norm(layers.scan(self.blocks, x_BTD, positions, segments_BT)), None
+        stats = jax.tree.map(constrain, moe.RouterStats.zeros(tokens_BT.shape[0], self.cfg.n_experts), ROUTER_STATS)
+        x_BTD, stats = layers.scan(self.blocks, (x_BTD, stats), positions, segments_BT)
+        return self.final_norm(x_BTD), stats
 
     def embed(self, tokens_BT: jax.Array) -> jax.Array:
         """The token embeddings `[B, T, D]`: the residual stream entering the first block."""

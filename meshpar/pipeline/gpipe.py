@@ -114,27 +114,32 @@ def pipeline(stack: nnx.Module, x_BTD: jax.Array, *args: jax.Array, mesh: Mesh, 
 def run(stack: nnx.Module, x_BTD: jax.Array, *args: jax.Array, mesh: Mesh, stages: int, microbatches: int,
         repeats: int = 1, remat: str = "none", poison_bubbles: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`pipeline`, also returning the buffers after the last iteration (a test's view of the bubbles): the
-    stage buffer `[P, b, T, D]` and the input/output buffer `[P, M, b, T, D]`."""
+    stage buffer `[P, b, T, D]` and the input/output buffer `[P, M, b, T, D]`.
+
+    `x_BTD` may be a tuple of arrays with the rows first, what a mixture of experts' layers carry (the
+    residual stream and its router statistics): every part moves with its rows."""
     graphdef, stacked = nnx.split(stack)
     leaves = jax.tree.leaves(stacked)
     if not leaves:
         raise InputError("pipeline: the stack has no variables")
     batch = stages_lib.batch_axes(mesh)
-    stages_lib.check(leaves[0].shape[0], x_BTD.shape[0], mesh.shape, stages=stages, microbatches=microbatches,
+    B = jax.tree.leaves(x_BTD)[0].shape[0]
+    stages_lib.check(leaves[0].shape[0], B, mesh.shape, stages=stages, microbatches=microbatches,
                      repeats=repeats, batch=batch)
     remat_lib.check(remat)
-    Z = math.prod(mesh.shape[axis] for axis in batch)
-    weights = jax.tree.map(lambda v: _stage_view(v, mesh, stages, repeats, Z, batch or None), stacked,
+    lanes = stages_lib.lane_axes(batch)
+    Z = math.prod(mesh.shape[axis] for axis in lanes)
+    weights = jax.tree.map(lambda v: _stage_view(v, mesh, stages, repeats, Z, lanes or None), stacked,
                            is_leaf=lambda v: isinstance(v, nnx.Variable))
-    all_stages = _all_stages(graphdef, args, remat, repeats, Z, batch or None)
-    rows = stages_lib.row_args(args, x_BTD.shape[0])
+    all_stages = _all_stages(graphdef, args, remat, repeats, Z, lanes or None, batch)
+    rows = stages_lib.row_args(args, B)
     return _schedule(all_stages, weights, x_BTD, rows, mesh, stages, microbatches, repeats, batch or None,
                      poison_bubbles)
 
 
-def _stage_view(variable: nnx.Variable, mesh: Mesh, P: int, R: int, Z: int, batch: tuple[str, ...] | None):
+def _stage_view(variable: nnx.Variable, mesh: Mesh, P: int, R: int, Z: int, lanes: tuple[str, ...] | None):
     """A stacked weight [L, ...] as the stages use it: [Z, R, P, J, ...] with P on `stage`, gathered over
-    fsdp here, ONCE per step, then one copy per batch shard (Z over the batch axes: still one copy per
+    fsdp here, ONCE per step, then one copy per batch shard (Z over the `lanes`: still one copy per
     device), so that each shard accumulates its own weight gradients over the iterations and they are
     reduced once, after."""
     compute, p = context.active(), mesh.shape["stage"]
@@ -149,15 +154,15 @@ def _stage_view(variable: nnx.Variable, mesh: Mesh, P: int, R: int, Z: int, batc
     value = constrain(value, mesh, "stage", None, None, None, *rest).swapaxes(0, 1)
     value = constrain(value.reshape(R, P, J, *value.shape[4:]), mesh, None, "stage", None, *rest)
     value = jnp.broadcast_to(value, (Z, *value.shape))
-    return variable.replace(constrain(value, mesh, batch, None, "stage", None, *rest))
+    return variable.replace(constrain(value, mesh, lanes, None, "stage", None, *rest))
 
 
-def _all_stages(graphdef: nnx.GraphDef, args: tuple, remat: str, R: int, Z: int,
-                batch: tuple[str, ...] | None) -> Callable:
+def _all_stages(graphdef: nnx.GraphDef, args: tuple, remat: str, R: int, Z: int, lanes: tuple[str, ...] | None,
+                batch: tuple[str, ...]) -> Callable:
     """`(weights [Z, R, P, J, ...], repeat_P, x [P, b, T, D], rows [P, b, ...]) → [P, b, T, D]`: every stage's
     J layers of its repeat on its microbatch (with its rows of the per-row `args`), vmapped over stages and
     (inside) over batch shards."""
-    local = stages_lib.lane_context(batch)
+    local = stages_lib.lane_context(lanes, batch)
 
     def one_shard(weights_RJ: nnx.State, repeat: jax.Array, x_bTD: jax.Array, rows: tuple) -> jax.Array:
         """One stage step on one batch shard: the stage's J layers of `repeat` on its rows of a microbatch."""
@@ -173,11 +178,10 @@ def _all_stages(graphdef: nnx.GraphDef, args: tuple, remat: str, R: int, Z: int,
             return jax.lax.scan(one_layer, x_bTD, chunk)[0]
 
     def one_stage(weights_ZRJ: nnx.State, repeat: jax.Array, x_bTD: jax.Array, rows: tuple) -> jax.Array:
-        b, T, D = x_bTD.shape
-        shards = lambda a: a.reshape(Z, b // Z, *a.shape[1:])  # local: the microbatch is split over the batch axes
-        y_ZbTD = jax.vmap(one_shard, in_axes=(0, None, 0, 0), spmd_axis_name=batch)(
-            weights_ZRJ, repeat, shards(x_bTD), jax.tree.map(shards, rows))
-        return y_ZbTD.reshape(b, T, D)
+        shards = lambda a: a.reshape(Z, a.shape[0] // Z, *a.shape[1:])  # local: the microbatch is split over the lanes
+        y_ZbTD = jax.vmap(one_shard, in_axes=(0, None, 0, 0), spmd_axis_name=lanes)(
+            weights_ZRJ, repeat, jax.tree.map(shards, x_bTD), jax.tree.map(shards, rows))
+        return jax.tree.map(lambda y: y.reshape(-1, *y.shape[2:]), y_ZbTD)
 
     all_stages = jax.vmap(one_stage, in_axes=(2, 0, 0, 0), spmd_axis_name="stage")
     if remat != "none":
@@ -187,22 +191,26 @@ def _all_stages(graphdef: nnx.GraphDef, args: tuple, remat: str, R: int, Z: int,
 
 def _schedule(all_stages: Callable, weights: nnx.State, x_BTD: jax.Array, rows: tuple, mesh: Mesh, P: int, M: int,
               R: int, batch: tuple[str, ...] | None, poison_bubbles: bool) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The scan over the schedule's iterations (module docstring): (y [B, T, D], stage buffer, I/O buffer)."""
-    B, T, D = x_BTD.shape
+    """The scan over the schedule's iterations (module docstring): (y [B, T, D], stage buffer, I/O buffer), each
+    a tuple where x is (`run`)."""
+    B = jax.tree.leaves(x_BTD)[0].shape[0]
     b = B // M
     period = max(M, P)  # stage 0 starts microbatch m of repeat r at iteration r·period + m
     fill = jnp.nan if poison_bubbles else 0.0
     # Microbatch m = rows m, M + m, …: a local reshape when the batch is split over data × fsdp.
     microbatched = lambda a: constrain(a.reshape(b, M, *a.shape[1:]).swapaxes(0, 1), mesh, None, batch,
                                        *(U,) * (a.ndim - 1))
-    x_MbTD, rows_Mb = microbatched(x_BTD), jax.tree.map(microbatched, rows)
+    x_MbTD, rows_Mb = jax.tree.map(microbatched, x_BTD), jax.tree.map(microbatched, rows)
     stage_P = jnp.arange(P)
-    first = (stage_P == 0)[:, None, None, None]
-    io = jnp.broadcast_to(x_MbTD, (P, M, b, T, D))  # only stage 0's copy is read (per device: one copy)
+    per_stage = lambda mask_P, a: mask_P.reshape(P, *(1,) * (a.ndim - 1))  # [P] against a buffer [P, ...]
+    at_stages = lambda a: constrain(a, mesh, "stage", batch, *(U,) * (a.ndim - 2))  # [P, b, ...]
+    in_io = lambda a: constrain(a, mesh, "stage", None, batch, *(U,) * (a.ndim - 3))  # [P, M, b, ...]
+    first = stage_P == 0
+    io = jax.tree.map(lambda a: jnp.broadcast_to(a, (P, *a.shape)), x_MbTD)  # only stage 0's copy is read
     if poison_bubbles:
-        io = jnp.where(first[..., None], io, jnp.nan)
-    io = constrain(io, mesh, "stage", None, batch, U, U)
-    state = constrain(jnp.full((P, b, T, D), fill, x_BTD.dtype), mesh, "stage", batch, U, U)
+        io = jax.tree.map(lambda a: jnp.where(per_stage(first, a), a, jnp.nan), io)
+    io = jax.tree.map(in_io, io)
+    state = jax.tree.map(lambda a: at_stages(jnp.full((P, *a.shape[1:]), fill, a.dtype)), x_MbTD)
 
     def slot(j: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """Item j (= iteration − stage) of a stage's work: its repeat, its microbatch, whether it is real."""
@@ -213,22 +221,27 @@ def _schedule(all_stages: Callable, weights: nnx.State, x_BTD: jax.Array, rows: 
     def iteration(carry, i):
         state, io = carry
         repeat_P, m_P, real_P = slot(i - stage_P)
-        real = real_P[:, None, None, None]
         _, m_in, _ = slot(i)
-        stage_in = jnp.where(first, jax.lax.dynamic_index_in_dim(io, m_in, 1, False), state)
-        rows_Pb = jax.tree.map(lambda a: constrain(a[m_P], mesh, "stage", batch, *(U,) * (a.ndim - 2)), rows_Mb)
-        out = all_stages(weights, repeat_P, jnp.where(real, stage_in, 0.0), rows_Pb)  # bubbles compute on zeros
+        stage_in = jax.tree.map(lambda a, s: jnp.where(per_stage(first, s), jax.lax.dynamic_index_in_dim(a, m_in, 1,
+                                                                                                          False), s),
+                                io, state)
+        rows_Pb = jax.tree.map(lambda a: at_stages(a[m_P]), rows_Mb)
+        out = all_stages(weights, repeat_P, jax.tree.map(lambda a: jnp.where(per_stage(real_P, a), a, 0.0), stage_in),
+                         rows_Pb)  # bubbles compute on zeros
         if poison_bubbles:
-            out = jnp.where(real, out, jnp.nan)
-        out = constrain(out, mesh, "stage", batch, U, U)
-        state = constrain(stages_lib.shift(out, mesh), mesh, "stage", batch, U, U)  # q → q+1: collective-permute
+            out = jax.tree.map(lambda a: jnp.where(per_stage(real_P, a), a, jnp.nan), out)
+        out = jax.tree.map(at_stages, out)
+        state = jax.tree.map(lambda a: at_stages(stages_lib.shift(a, mesh)), out)  # q → q+1: collective-permute
         # state[0] now holds what stage P−1 finished: the next repeat's input, or the result.
         _, m_out, real_out = slot(i - (P - 1))
-        keep = jax.lax.dynamic_index_in_dim(io, m_out, 1, False)
-        written = jnp.where(first & real_out, state, keep)
-        io = constrain(jax.lax.dynamic_update_index_in_dim(io, written, m_out, 1), mesh, "stage", None, batch, U, U)
-        return (state, io), None
+
+        def write(a_io, s):
+            keep = jax.lax.dynamic_index_in_dim(a_io, m_out, 1, False)
+            written = jnp.where(per_stage(first & real_out, s), s, keep)
+            return in_io(jax.lax.dynamic_update_index_in_dim(a_io, written, m_out, 1))
+
+        return (state, jax.tree.map(write, io, state)), None
 
     (state, io), _ = jax.lax.scan(iteration, (state, io), jnp.arange(schedule.iterations(P, M, R)))
-    y_MbTD = constrain(io[0], mesh, None, batch, U, U)
-    return y_MbTD.swapaxes(0, 1).reshape(B, T, D), state, io
+    y = jax.tree.map(lambda a: constrain(a[0], mesh, None, batch, *(U,) * (a.ndim - 3)), io)
+    return jax.tree.map(lambda a: a.swapaxes(0, 1).reshape(B, *a.shape[2:]), y), state, io

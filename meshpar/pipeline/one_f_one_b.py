@@ -372,19 +372,21 @@ def model_loss_and_grads(model: nnx.Module, batch: Batch | jax.Array, *, mesh: M
 
 
 def value_and_grad(graphdef: nnx.GraphDef, rest: nnx.State, loss: Any = None,
-                   chunk: int = 0) -> Callable[[nnx.State, jax.Array], tuple[jax.Array, nnx.State]]:
-    """The training step's `(params, tokens) → (loss, gradients)` for the model `graphdef`, `rest` by 1F1B,
+                   chunk: int = 0) -> Callable[[nnx.State, jax.Array], tuple[tuple[jax.Array, None], nnx.State]]:
+    """The training step's `(params, tokens) → ((loss, None), gradients)` for the model `graphdef`, `rest` by 1F1B
+    (None: no router statistics, as `jax.value_and_grad(..., has_aux=True)` of the step's loss gives them),
     on the active Compute: P = its mesh's `stage` size, M = `schedule.microbatches`, its remat.
     `loss` must be None (next-token cross-entropy): a custom loss cannot run inside the pipeline."""
     if loss is not None:
         raise InputError("parallel.pipeline_schedule = 1f1b computes the next-token loss inside the pipeline, "
                          "microbatch by microbatch; a custom loss cannot run there: use pipeline_schedule=gpipe")
 
-    def fn(params: nnx.State, batch: Batch) -> tuple[jax.Array, nnx.State]:
+    def fn(params: nnx.State, batch: Batch) -> tuple[tuple[jax.Array, None], nnx.State]:
         compute = context.active()
         P = compute.mesh.shape["stage"]
-        return model_loss_and_grads(nnx.merge(graphdef, params, rest), batch, mesh=compute.mesh, stages=P,
-                                    microbatches=schedule.microbatches(compute.rules.parallel.microbatches, P),
-                                    remat=compute.remat, chunk=chunk)[:2]
+        loss, grads = model_loss_and_grads(nnx.merge(graphdef, params, rest), batch, mesh=compute.mesh, stages=P,
+                                           microbatches=schedule.microbatches(compute.rules.parallel.microbatches, P),
+                                           remat=compute.remat, chunk=chunk)[:2]
+        return (loss, None), grads
 
     return fn

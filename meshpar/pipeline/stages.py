@@ -55,16 +55,24 @@ def weight_spec(variable: nnx.Variable, mesh: Mesh, *, stacked: bool) -> tuple[A
     return tuple(spec) + (None,) * (len(shape) - len(spec))
 
 
-def lane_context(batch: tuple[str, ...] | None) -> context.Compute | None:
-    """The active Compute as seen inside the vmaps over stages and batch shards: those mesh axes belong to
-    the vmapped dimensions, the weights are already in their compute layout (their at-rest one there: jax
-    0.11 rejects a vmapped axis such as fsdp in a constraint), and each shard's weight gradients stay in the
-    compute layout (reduced once, after the loop)."""
+def lane_axes(batch: tuple[str, ...]) -> tuple[str, ...]:
+    """The batch axes a schedule vmaps over with one copy of the stage weights per shard (its lanes): all but
+    `expert`, which also splits a mixture of experts' weights, so the rows of a lane stay split over it."""
+    return tuple(axis for axis in batch if axis != "expert")
+
+
+def lane_context(lanes: tuple[str, ...] | None, batch: tuple[str, ...] = ()) -> context.Compute | None:
+    """The active Compute as seen inside the vmaps over stages and batch shards (`lanes`): those mesh axes
+    belong to the vmapped dimensions (the rows stay split over the other `batch` axes), the weights are
+    already in their compute layout (their at-rest one there: jax 0.11 rejects a vmapped axis such as fsdp
+    in a constraint), and each shard's weight gradients stay in the compute layout (reduced once, after
+    the loop)."""
     compute = context.active()
     if compute is None:
         return None
-    activations = tuple((name, () if name == "batch" else axes) for name, axes in compute.rules.activations)
-    return dataclasses.replace(compute, vmapped=compute.vmapped + ("stage",) + (batch or ()),
+    inside = tuple(axis for axis in batch if axis not in (lanes or ()))
+    activations = tuple((name, inside if name == "batch" else axes) for name, axes in compute.rules.activations)
+    return dataclasses.replace(compute, vmapped=compute.vmapped + ("stage",) + (lanes or ()),
                                rules=dataclasses.replace(compute.rules, params=activations,
                                                          activations=activations, grads=activations))
 
