@@ -2,7 +2,8 @@
 
 Only process 0 shows progress and writes files, so a multi-host run logs once. The JSON lines are strict
 JSON: a non-finite number (a diverged loss) is written as `null`. TensorBoard event files are written
-with tensorboardX (`--tensorboard-dir`): scalars under `train/`, `eval/` and `perf/`, samples as text.
+with tensorboardX (`--tensorboard-dir`): scalars under `train/`, `eval/`, `perf/` and (a mixture of
+experts' routing) `moe/`, samples as text.
 """
 
 from __future__ import annotations
@@ -16,10 +17,13 @@ from typing import Any, TextIO
 import jax
 from tqdm import tqdm
 
+from meshpar.moe.routing import ROUTER_METRICS
+
 # metrics key → TensorBoard tag
 TAGS = {"loss": "train/loss", "grad_norm": "train/grad_norm", "lr": "train/lr", "eval_loss": "eval/loss",
         "eval_perplexity": "eval/perplexity", "trained_tokens": "train/trained_tokens",
-        "tokens_per_s": "perf/tokens_per_s", "step_time_s": "perf/step_time_s", "mfu": "perf/mfu"}
+        "tokens_per_s": "perf/tokens_per_s", "step_time_s": "perf/step_time_s", "mfu": "perf/mfu",
+        **{key: f"moe/{key}" for key in ROUTER_METRICS}}
 
 
 def is_logger() -> bool:

@@ -47,6 +47,7 @@ from meshpar.data import Batches, Corpus, DataConfig, load_corpus, split
 from meshpar.errors import InputError, TrainingStopped
 from meshpar.generate import generate
 from meshpar.mfu import mfu
+from meshpar.moe.routing import ROUTER_METRICS
 from meshpar.preemption import StopRequests, Stopping
 from meshpar.rules import Rules
 from meshpar.train import (Loss, ModelFactory, Sharded, TrainConfig, init_state, make_eval_step, make_step, optimizer,
@@ -408,6 +409,7 @@ class _Loop:
                                self.throughput.peak_flops_per_device)
         if "skipped" in values:
             entry["skipped"] = int(values["skipped"])
+        entry |= {key: values[key] for key in ROUTER_METRICS if key in values}
         return entry
 
     def _publish(self, entry: dict[str, Any]) -> None:

@@ -254,7 +254,8 @@ def _accumulated(sharded: Sharded, cfg: TrainConfig, value_and_grad: ValueAndGra
     """Loss and gradients over `grad_accum` microbatches into a sharded accumulator (module docstring)."""
     mesh, rules = sharded.mesh, sharded.rules
     batch_axes = tuple(axis for axis in rules.table("activations")["batch"] if mesh.shape[axis] > 1)
-    replicas = replica_axes(mesh, rules)
+    # A mixture of experts pools its router statistics over the whole microbatch: no replica keeps its own sum.
+    replicas = () if sharding.axis_size(params, "experts") is not None else replica_axes(mesh, rules)
     others = tuple(axis for axis in batch_axes if axis not in replicas)  # still split the rows of a microbatch
     Y, X = math.prod(mesh.shape[a] for a in replicas), math.prod(mesh.shape[a] for a in others)
     A, (B, T) = cfg.grad_accum, batch.tokens.shape
@@ -268,7 +269,11 @@ def _accumulated(sharded: Sharded, cfg: TrainConfig, value_and_grad: ValueAndGra
     outer = context.active()
     local = dataclasses.replace(outer, vmapped=outer.vmapped + replicas, rules=dataclasses.replace(
         rules, activations=tuple((name, others if name == "batch" else axes) for name, axes in rules.activations)))
-    per_shard = jax.vmap(value_and_grad, in_axes=(None, 0), spmd_axis_name=replicas or None)
+    if replicas:
+        per_shard = jax.vmap(value_and_grad, in_axes=(None, 0), spmd_axis_name=replicas)
+    else:  # one replica: no vmap, which a mixture of experts' grouped matmul could not be batched by
+        first, one = lambda tree: jax.tree.map(lambda x: x[0], tree), lambda tree: jax.tree.map(lambda x: x[None], tree)
+        per_shard = lambda params, batch_1bT: one(value_and_grad(params, first(batch_1bT)))
     accumulator = jax.tree.map(lambda spec: NamedSharding(mesh, P(replicas or None, *spec)),
                                sharding.state_specs(params, mesh, rules, "grads"), is_leaf=lambda x: isinstance(x, P))
 

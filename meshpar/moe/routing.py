@@ -79,10 +79,14 @@ def z_loss(stats: RouterStats) -> jax.Array:
     return stats.z_B.sum() / assignments(stats)
 
 
+# What a step of a mixture of experts reports beside its loss (`metrics`), in this order.
+ROUTER_METRICS = ("router_aux_loss", "router_z_loss", "expert_share_min", "expert_share_max", "dropped_fraction")
+
+
 def metrics(stats: RouterStats) -> dict[str, jax.Array]:
     """What a step reports of its routing: both losses, the smallest and largest expert's share of the
     assignments (1/E each at a perfect balance), and the fraction of assignments dropped at capacity."""
     counts_E = stats.counts_BE.sum(0)
     share_E = counts_E / counts_E.sum()
-    return {"router_aux_loss": balance_loss(stats), "router_z_loss": z_loss(stats), "expert_share_min": share_E.min(),
-            "expert_share_max": share_E.max(), "dropped_fraction": stats.dropped_B.sum() / counts_E.sum()}
+    values = (balance_loss(stats), z_loss(stats), share_E.min(), share_E.max(), stats.dropped_B.sum() / counts_E.sum())
+    return dict(zip(ROUTER_METRICS, values))
