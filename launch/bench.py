@@ -2,6 +2,7 @@
 
     python -m launch.bench                      # every layout, tiny, 8 fake CPU devices
     python -m launch.bench --layouts fsdp8,tp8 --steps 30 --set train.seq_len=256
+    python -m launch.bench --config tiny_moe --layouts single,single+capacity,ep8,ep8+capacity
 
 Each layout trains the same config for `--steps` steps (the first step is left out of the medians) and
 reports the median step time and tokens/s, the per-device argument bytes (parameters + optimizer
@@ -39,6 +40,12 @@ LAYOUTS = {  # name → (mesh, overrides)
     "dp2+cp4": ("data=2,sequence=4", []),
     "pp2+dp4": ("stage=2,data=4", ["parallel.microbatches=4"]),
     "pp2+fsdp2+tp2": ("stage=2,fsdp=2,model=2", ["parallel.microbatches=4"]),
+    # a mixture of experts (--config tiny_moe): dropless, and at capacity 1.25
+    "single+capacity": ("", ["parallel.expert_capacity=1.25"]),
+    "ep8": ("expert=8", []),
+    "ep8+capacity": ("expert=8", ["parallel.expert_capacity=1.25"]),
+    "dp2+ep4": ("data=2,expert=4", []),
+    "ep2+fsdp2+tp2": ("expert=2,fsdp=2,model=2", []),
 }
 SHORT = {"all-reduce": "AR", "all-gather": "AG", "reduce-scatter": "RS", "collective-permute": "CP", "all-to-all": "A2A"}
 

@@ -72,7 +72,7 @@ def next_token(logits_BV: jax.Array, sampling: Sampling, key: jax.Array) -> jax.
 def _check_mesh(mesh: Mesh) -> None:
     for axis in ("sequence", "stage"):
         if mesh.shape.get(axis, 1) > 1:
-            raise InputError(f"generation runs on the data, fsdp and model axes; this mesh has {axis} = "
+            raise InputError(f"generation runs on the data, fsdp, expert and model axes; this mesh has {axis} = "
                              f"{mesh.shape[axis]}")
 
 

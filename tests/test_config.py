@@ -135,7 +135,7 @@ def test_load_every_preset(name):
 
 
 def test_load_unknown_preset():
-    with pytest.raises(ValueError, match=r"^unknown config 'nope'; presets: (\w+, )*llama_70b, (\w+, )*tiny$"):
+    with pytest.raises(ValueError, match=r"^unknown config 'nope'; presets: (\w+, )*llama_70b, (\w+, )*tiny(, \w+)*$"):
         configs.load("nope")
     with pytest.raises(ValueError, match=r"unknown config 'Tiny'"):
         configs.load("Tiny")
@@ -155,7 +155,9 @@ def abstract_param_count(cfg: TransformerConfig) -> int:
 def formula_param_count(cfg: TransformerConfig) -> int:
     D, N, K, H, F, V, L = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_size, cfg.d_ff, cfg.vocab_size,
                            cfg.n_layers)
-    per_layer = D * N * H + 2 * D * K * H + N * H * D + 3 * D * F + 2 * D
+    E, Fe = cfg.n_experts, cfg.expert_width  # a router, E experts and the shared ones in place of the MLP
+    mlp = D * E + 3 * E * D * Fe + 3 * D * cfg.n_shared_experts * Fe if E else 3 * D * F
+    per_layer = D * N * H + 2 * D * K * H + N * H * D + mlp + 2 * D
     per_layer += (N + 2 * K) * H * cfg.qkv_bias + 2 * H * cfg.qk_norm  # Qwen 2's biases, Qwen 3's q/k norm scales
     return V * D * (1 if cfg.tie_embeddings else 2) + L * per_layer + D
 

@@ -12,12 +12,12 @@ from conftest import require_devices
 
 
 def sizes(**given):
-    """All five axes, the unnamed ones 1."""
+    """All six axes, the unnamed ones 1."""
     return {axis: given.get(axis, 1) for axis in AXES}
 
 
 def test_axes_are_ordered_outer_to_inner():
-    assert AXES == ("data", "stage", "fsdp", "sequence", "model")
+    assert AXES == ("data", "stage", "fsdp", "expert", "sequence", "model")
 
 
 # --- MeshConfig ---------------------------------------------------------------------------------------
@@ -90,7 +90,7 @@ def test_parse_names_some_axes_and_leaves_the_rest_one():
 
 def test_parse_unknown_axis():
     with pytest.raises(ValueError, match=r"unknown mesh axis 'tensor' in 'data=2,tensor=4': the axes are "
-                                         r"data, stage, fsdp, sequence, model"):
+                                         r"data, stage, fsdp, expert, sequence, model"):
         parse("data=2,tensor=4")
 
 
@@ -143,13 +143,13 @@ def eight():
 
 
 @pytest.mark.parametrize("text", ["data=2,fsdp=4", "fsdp=8", "data=2,stage=2,model=2", "sequence=2,model=4"])
-def test_build_has_five_named_axes_of_the_sizes_asked(eight, text):
+def test_build_has_six_named_axes_of_the_sizes_asked(eight, text):
     mesh = build(parse(text), eight)
     assert isinstance(mesh, Mesh)
-    assert mesh.axis_names == ("data", "stage", "fsdp", "sequence", "model")
+    assert mesh.axis_names == ("data", "stage", "fsdp", "expert", "sequence", "model")
     assert dict(mesh.shape) == parse(text).sizes()  # size-1 axes are kept
     assert mesh.devices.shape == tuple(parse(text).sizes().values())
-    assert mesh.axis_types == (AxisType.Auto,) * 5
+    assert mesh.axis_types == (AxisType.Auto,) * 6
     assert sorted(d.id for d in mesh.devices.flat) == sorted(d.id for d in eight)
 
 

@@ -78,7 +78,7 @@ def test_spec_for_drops_size_one_axes(fsdp8):
 
 def test_spec_for_unknown_logical_name(dfm):
     with pytest.raises(ValueError, match=r"^thing: unknown logical axis 'bogus' on dimension 1 of shape \(4, 4\); "
-                                         r"known: embed, head_dim, heads, kv_heads, layers, mlp, vocab$"):
+                                         r"known: embed, expert_mlp, experts, head_dim, heads, kv_heads, layers, mlp, vocab$"):
         sharding.spec_for(("embed", "bogus"), (4, 4), PARAMS, dfm.shape, "thing")
 
 
@@ -124,7 +124,7 @@ def test_spec_for_one_mesh_axis_twice_in_one_array(dfm):
 def test_state_specs_name_the_parameter_with_an_unknown_logical_name(dfm):
     state = abstract_state(w=((4, 4), ("embed", "bogus")))
     with pytest.raises(ValueError, match=r"^parameter 'w': unknown logical axis 'bogus' on dimension 1 of "
-                                         r"shape \(4, 4\); known: embed, head_dim"):
+                                         r"shape \(4, 4\); known: embed, expert_mlp, experts, head_dim"):
         sharding.state_specs(state, dfm, RULES)
 
 
