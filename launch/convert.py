@@ -1,7 +1,8 @@
-"""Convert between Hugging Face checkpoints (Llama, Mistral, Qwen 2, Qwen 3) and meshpar parameters.
+"""Convert between Hugging Face checkpoints (Llama, Mistral, Qwen 2, Qwen 3, Mixtral, Qwen3-MoE) and meshpar parameters.
 
     python -m launch.convert from-hf --hf-dir llama-3.2-1b --out runs/llama-1b --cpu-devices 8
     python -m launch.convert from-hf --hf-dir qwen3-0.6b --out runs/qwen3 --mesh fsdp=2,model=4
+    python -m launch.convert from-hf --hf-dir qwen3-30b-a3b --out runs/qwen3-moe --mesh expert=8
     python -m launch.convert to-hf --checkpoint runs/ckpt --out runs/hf --cpu-devices 8 [--family mistral]
 
 `from-hf` reads `config.json` and the safetensors weights (float32, bfloat16 or float16; one file or
@@ -11,7 +12,8 @@ takes such a directory or a training checkpoint (`launch.train --checkpoint-dir`
 that `transformers.AutoModelForCausalLM.from_pretrained` loads: config.json and float32 safetensors, of
 the family `--family` names, else the one the parameters were imported from, else the one the model's
 options name (`models.hf.families.family_of`). The mesh (default: fsdp over all devices) only decides
-where the parameters live while converting.
+where the parameters live while converting. A mixture of experts' `router_aux_loss_coef` is a training
+setting in meshpar (`train.router_aux_loss_coef`): `from-hf` prints the `--set` that trains with it.
 
 Errors found by meshpar's own checks (an unsupported config option, a missing tensor, a wrong shape)
 print as one line and exit 1.
@@ -21,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import resource
 import sys
 import time
@@ -41,8 +42,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                               "directory")
     to_hf.add_argument("--checkpoint", required=True, help="a parameters directory or a training checkpoint directory")
     to_hf.add_argument("--out", required=True, help="the Hugging Face directory to write")
-    to_hf.add_argument("--family", help="the model_type to write: llama, mistral, qwen2 or qwen3 (default: the "
-                                        "family imported from, else the one the model's options name)")
+    to_hf.add_argument("--family", help="the model_type to write: llama, mistral, qwen2, qwen3, mixtral or qwen3_moe "
+                                        "(default: the family imported from, else the one the model's options name)")
     for command in (from_hf, to_hf):
         command.add_argument("--mesh", help="axis sizes while converting, e.g. fsdp=2,model=4 (default: fsdp over "
                                             "all devices)")
@@ -83,15 +84,22 @@ def main(argv: list[str] | None = None) -> None:
 
 def from_hf(args: argparse.Namespace, mesh, rules):
     """--hf-dir's config and weights → a parameters directory at --out; (config, parameter count)."""
-    from meshpar import checkpoint
+    import jax
+
+    from meshpar import checkpoint, train
     from models import hf
     from meshpar.run import param_count
 
     cfg = hf.load_config(args.hf_dir)
     params = hf.import_params(args.hf_dir, cfg, mesh, rules)
-    source = {"hf_dir": str(Path(args.hf_dir).absolute()),  # to-hf writes the family back
-              "model_type": json.loads((Path(args.hf_dir) / "config.json").read_text())["model_type"]}
+    hf_config = hf.read_config_json(args.hf_dir)
+    source = {"hf_dir": str(Path(args.hf_dir).absolute()), "model_type": hf_config["model_type"]}  # to-hf's family
     checkpoint.export_params(args.out, params, config={"model": dataclasses.asdict(cfg), "source": source})
+    coef = hf_config.get("router_aux_loss_coef")
+    if cfg.n_experts and coef is not None and jax.process_index() == 0:  # a training setting, not the model's
+        print(f"config.json: router_aux_loss_coef = {coef} weighs the load-balancing loss in training; meshpar's is "
+              f"train.router_aux_loss_coef (default {train.TrainConfig().router_aux_loss_coef}): to train with "
+              f"this checkpoint's, --set train.router_aux_loss_coef={coef}", flush=True)
     return cfg, param_count(params)
 
 

@@ -39,7 +39,8 @@ README_FIGURES_APPLY = jax.__version_info__[:2] == (0, 10)
 LONGEST_FIRST = ("test_parallel.py", "test_readme.py", "test_fit.py", "test_faults.py", "test_hf_training.py",
                  "test_pipeline.py", "test_documents.py", "test_offload.py", "test_run.py", "test_pipeline_1f1b.py",
                  "test_checkpoint.py", "test_window.py", "test_attention.py", "test_train.py", "test_plan.py",
-                 "test_own_model.py", "test_distributed.py", "test_hf.py", "test_generate.py", "test_flash.py")
+                 "test_own_model.py", "test_distributed.py", "test_hf.py", "test_hf_moe.py",
+                 "test_generate.py", "test_flash.py")
 
 
 def pytest_collection_modifyitems(items):

@@ -38,6 +38,15 @@ FAMILIES = {
     # q/k norms, a head dim of its own, linear scaling
     "qwen3": {**SMALL, "head_dim": 32, "rope_scaling": {"rope_type": "linear", "factor": 2.0}},
 }
+# The mixtures of experts: 4 experts (expert=2 and expert=4 divide them), each token routed to 2 of width 64
+# (model=2 divides it). Mixtral with a sliding window; Qwen3-MoE with q/k norms, its own head dim, and its
+# top-2 probabilities renormalised (the tests also run it without: transformers' default).
+MOE_FAMILIES = {
+    "mixtral": {**SMALL, "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 64,
+                "sliding_window": 8},
+    "qwen3_moe": {**SMALL, "head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                  "norm_topk_prob": True},
+}
 
 
 def hf_config(model_type: str, fields: dict) -> dict:
@@ -121,7 +130,8 @@ def train_losses(directory: str, batches: list, settings: dict, masks: list | No
     norm as one multiply by min(1, clip_norm / norm);
     `torch.optim.AdamW` (betas 0.9, 0.95, eps 1e-8) at `learning_rate(step, settings)`, with weight decay on
     every parameter but those with "norm" or "bias" in their name. `settings`: lr, warmup_steps, steps,
-    decay_steps, weight_decay, clip_norm."""
+    decay_steps, weight_decay, clip_norm; for a mixture of experts also router_aux_loss_coef, the weight of
+    its load-balancing loss (`output_router_logits`), added as transformers' models add it to their loss."""
     import torch
 
     model = _load(directory).train()
@@ -135,9 +145,13 @@ def train_losses(directory: str, batches: list, settings: dict, masks: list | No
     for step, batch in enumerate(batches):
         tokens = torch.tensor(batch)
         labels = tokens[:, 1:] if masks is None else torch.where(torch.tensor(masks[step]) > 0, tokens[:, 1:], -100)
-        logits = model(input_ids=tokens[:, :-1]).logits.float()
+        aux_coef = settings.get("router_aux_loss_coef")
+        out = model(input_ids=tokens[:, :-1], **({"output_router_logits": True} if aux_coef is not None else {}))
+        logits = out.logits.float()
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
                                                  ignore_index=-100)
+        if aux_coef is not None:
+            loss = loss + aux_coef * out.aux_loss
         opt.zero_grad(set_to_none=True)
         loss.backward()
         with torch.no_grad():

@@ -165,7 +165,7 @@ def test_the_family_written_is_the_models_unless_asked():
         hf.config_to_hf(configs["qwen2"], "llama")
     with pytest.raises(InputError, match=r"model.qk_norm = false: a qwen3 checkpoint cannot hold it"):
         hf.config_to_hf(configs["llama"], "qwen3")
-    with pytest.raises(InputError, match="--family gemma: not one of llama, mistral, qwen2, qwen3"):
+    with pytest.raises(InputError, match="--family gemma: not one of llama, mistral, qwen2, qwen3, mixtral, qwen3_moe"):
         hf.family_of(configs["llama"], "gemma")
 
 

@@ -5,15 +5,16 @@ shards listed by `model.safetensors.index.json`. Which tensors it holds and how 
 parameter is its family's (`models.hf.families`).
 
 Import is lazy: every parameter is made with `jax.make_array_from_callback`, whose callback reads from
-the memory-mapped files only the block one device owns (layer by layer for the stacked arrays), so a
-sharded parameter is never whole on one device nor on the host. Export goes the other way, one parameter
-(one layer of it) at a time on the host, and writes float32.
+the memory-mapped files only the block one device owns (layer by layer, and expert by expert, for the
+stacked arrays), so a sharded parameter is never whole on one device nor on the host. Export goes the other
+way, one parameter (one layer, or one expert of one layer, of it) at a time on the host, and writes float32.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import json
 import math
 from pathlib import Path
@@ -29,7 +30,7 @@ from safetensors.numpy import save_file
 from meshpar.errors import InputError
 from meshpar.rules import Rules
 from meshpar.sharding import state_shardings
-from models.hf.families import Tensor, config_from_hf, config_to_hf, tensors
+from models.hf.families import FAMILIES, STACKED, Family, Tensor, config_from_hf, config_to_hf, family_of, tensors
 from models.transformer import Transformer, TransformerConfig
 
 SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
@@ -44,13 +45,27 @@ _DERIVED_SUFFIX = ".rotary_emb.inv_freq"
 
 def load_config(hf_dir: str | Path) -> TransformerConfig:
     """The TransformerConfig of a Hugging Face model directory's `config.json` (`families.config_from_hf`)."""
+    return config_from_hf(read_config_json(hf_dir))
+
+
+def read_config_json(hf_dir: str | Path) -> dict:
+    """A Hugging Face model directory's `config.json`, as it is."""
     path = Path(hf_dir) / "config.json"
     try:
-        return config_from_hf(json.loads(path.read_text()))
+        return json.loads(path.read_text())
     except OSError as err:
         raise InputError(f"cannot read {path}: {err.strerror}") from None
     except json.JSONDecodeError as err:
         raise InputError(f"{path} is not JSON: {err}") from None
+
+
+def _family(hf_dir: Path) -> Family:
+    """The family of a model directory (its config.json's model_type), which names its tensors."""
+    model_type = read_config_json(hf_dir).get("model_type")
+    if model_type not in FAMILIES:
+        raise InputError(f"{hf_dir / 'config.json'}: model_type = {model_type!r} is not one meshpar can convert: "
+                         f"{', '.join(FAMILIES)}")
+    return FAMILIES[model_type]
 
 
 # ---------------------------------------------------------------------------------------------- layouts
@@ -135,8 +150,16 @@ def _weight_map(hf_dir: Path) -> dict[str, Path]:
                      f"re-save them with transformers' save_pretrained, which writes safetensors)")
 
 
-def _names_of(tensor: Tensor, n_layers: int) -> list[str]:
-    return [tensor.name.format(l=l) for l in range(n_layers)] if tensor.stacked else [tensor.name]
+def _every(cfg: TransformerConfig) -> dict[str, range]:
+    """The values each placeholder of a name takes (`families.STACKED`): every layer, every expert."""
+    return dict(zip(STACKED, (range(cfg.n_layers), range(cfg.n_experts))))
+
+
+def _names_of(tensor: Tensor, ranges: dict[str, range]) -> list[tuple[str, tuple[int, ...]]]:
+    """The Hugging Face tensors of `tensor`'s placeholders over `ranges`, each with its index on the leading
+    axes of the meshpar parameter ((): one tensor, the whole parameter)."""
+    indices = itertools.product(*(ranges[p] for p in tensor.stacked))
+    return [(tensor.name.format(**dict(zip(tensor.stacked, index))), index) for index in indices]
 
 
 def import_params(hf_dir: str | Path, cfg: TransformerConfig, mesh: Mesh, rules: Rules) -> nnx.State:
@@ -149,8 +172,9 @@ def import_params(hf_dir: str | Path, cfg: TransformerConfig, mesh: Mesh, rules:
     weight_map = _weight_map(hf_dir)
     _, abstract = Transformer.abstract(cfg)
     shardings = dict(nnx.to_flat_state(state_shardings(abstract, mesh, rules)))
-    rows = tensors(cfg)
-    expected = {name for t in rows for name in _names_of(t, cfg.n_layers)}
+    rows = tensors(cfg, _family(hf_dir))
+    everything = _every(cfg)
+    expected = {name for t in rows for name, _ in _names_of(t, everything)}
     missing = sorted(expected - set(weight_map))
     ignored = {"lm_head.weight"} if cfg.tie_embeddings else set()  # tied: the embedding is the head
     unexpected = sorted(n for n in set(weight_map) - expected - ignored if not n.endswith(_DERIVED_SUFFIX))
@@ -165,8 +189,8 @@ def import_params(hf_dir: str | Path, cfg: TransformerConfig, mesh: Mesh, rules:
     with contextlib.ExitStack() as stack:
         files = {f: stack.enter_context(_open(f)) for f in set(weight_map.values())}
         for t in rows:
-            layer_shape = flat[t.path].shape[1:] if t.stacked else flat[t.path].shape
-            for name in _names_of(t, cfg.n_layers):
+            layer_shape = flat[t.path].shape[len(t.stacked):]
+            for name, _ in _names_of(t, everything):
                 part = files[weight_map[name]].get_slice(name)
                 if tuple(part.get_shape()) != _hf_shape(t.kind, layer_shape):
                     raise InputError(f"{hf_dir}: tensor {name} has shape {tuple(part.get_shape())}, the model "
@@ -184,28 +208,30 @@ def import_params(hf_dir: str | Path, cfg: TransformerConfig, mesh: Mesh, rules:
 
 def _read_block(files: dict, weight_map: dict[str, Path], t: Tensor, shape: tuple[int, ...],
                 index: tuple[slice, ...]) -> np.ndarray:
-    """The block `index` of a meshpar parameter of `shape`: what one device holds."""
+    """The block `index` of a meshpar parameter of `shape`: what one device holds, read tensor by tensor over
+    its stacked leading axes (layers, experts)."""
     box = [s.indices(n)[:2] for s, n in zip(index, shape)]
-    if not t.stacked:
-        return _from_hf(t.kind, files[weight_map[t.name]].get_slice(t.name), box, shape)
-    (l0, l1), layer_box = box[0], box[1:]
-    return np.stack([_from_hf(t.kind, files[weight_map[name]].get_slice(name), layer_box, shape[1:])
-                     for name in (t.name.format(l=l) for l in range(l0, l1))])
+    n = len(t.stacked)
+    ranges = {p: range(*bounds) for p, bounds in zip(t.stacked, box[:n])}
+    blocks = [_from_hf(t.kind, files[weight_map[name]].get_slice(name), box[n:], shape[n:])
+              for name, _ in _names_of(t, ranges)]
+    return np.stack(blocks).reshape(*(len(r) for r in ranges.values()), *blocks[0].shape) if n else blocks[0]
 
 
 # ---------------------------------------------------------------------------------------------- export
 
 @functools.partial(jax.jit, static_argnums=2)
-def _replicated(x, layer, to: NamedSharding):
-    return jax.lax.with_sharding_constraint(x if layer is None else x[layer], to)
+def _replicated(x, index, to: NamedSharding):
+    return jax.lax.with_sharding_constraint(x[index], to)
 
 
-def _on_host(x: jax.Array, layer: int | None) -> np.ndarray:
-    """One parameter (one layer of a stacked one) whole on the host, in float32. Every process must call it."""
+def _on_host(x: jax.Array, index: tuple[int, ...]) -> np.ndarray:
+    """One parameter, or its entry `index` on the stacked leading axes (a layer; an expert of a layer), whole
+    on the host, in float32. Every process must call it."""
     if x.is_fully_addressable:  # one process: copy its shards
-        return np.asarray(x if layer is None else x[layer], dtype=np.float32)
+        return np.asarray(x[index], dtype=np.float32)
     # several processes: replicate it on every device (a collective), then copy one device's
-    whole = _replicated(x, layer, NamedSharding(x.sharding.mesh, P()))
+    whole = _replicated(x, index, NamedSharding(x.sharding.mesh, P()))
     return np.asarray(whole.addressable_data(0), dtype=np.float32)
 
 
@@ -219,11 +245,12 @@ def export(params: nnx.State, cfg: TransformerConfig, out_dir: str | Path, max_s
     out_dir = Path(out_dir)
     hf_config = config_to_hf(cfg, model_type)  # refuses a family that cannot hold the model before writing
     flat = {path: v.get_value() for path, v in nnx.to_flat_state(params)}
-    rows = tensors(cfg)
-    whole = [(t.name, t, None) for t in rows if not t.stacked]
-    per_layer = [(t.name.format(l=l), t, l) for l in range(cfg.n_layers) for t in rows if t.stacked]
+    rows = tensors(cfg, family_of(cfg, model_type))
+    whole = [(t.name, t, ()) for t in rows if not t.stacked]
+    per_layer = [(name, t, index) for l in range(cfg.n_layers) for t in rows if t.stacked
+                 for name, index in _names_of(t, {**_every(cfg), "l": range(l, l + 1)})]
     entries = whole[:1] + per_layer + whole[1:]  # transformers' order: embedding, layer by layer, norm, head
-    sizes = {name: 4 * math.prod(flat[t.path].shape) // (cfg.n_layers if t.stacked else 1) for name, t, _ in entries}
+    sizes = {name: 4 * math.prod(flat[t.path].shape[len(t.stacked):]) for name, t, _ in entries}
     shards, room = [], 0
     for entry in entries:
         if not shards or sizes[entry[0]] > room:
@@ -239,8 +266,8 @@ def export(params: nnx.State, cfg: TransformerConfig, out_dir: str | Path, max_s
         (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     for file, shard in zip(files, shards):
         host = {}  # one shard's tensors: at most max_shard_bytes
-        for name, t, l in shard:
-            w = _on_host(flat[t.path], l)
+        for name, t, index in shard:
+            w = _on_host(flat[t.path], index)
             if writer:
                 host[name] = _to_hf(t.kind, w)
         if writer:

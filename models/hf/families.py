@@ -1,13 +1,22 @@
 """The Hugging Face model families meshpar's transformer computes, each as its `config.json` and its tensors.
 
-| model_type | architecture      | its options (TransformerConfig)                  | tensors beyond Llama's           |
-|------------|-------------------|--------------------------------------------------|----------------------------------|
-| llama      | LlamaForCausalLM  | rope scaling (linear, llama3, yarn), head_dim    | –                                |
-| mistral    | MistralForCausalLM| as llama; `sliding_window` (every layer)         | –                                |
-| qwen2      | Qwen2ForCausalLM  | `qkv_bias` (always on)                           | self_attn.{q,k,v}_proj.bias      |
-| qwen3      | Qwen3ForCausalLM  | `qk_norm` (always on), head_dim                  | self_attn.{q,k}_norm.weight      |
+| model_type | architecture        | its options (TransformerConfig)                | tensors beyond Llama's         |
+|------------|---------------------|------------------------------------------------|--------------------------------|
+| llama      | LlamaForCausalLM    | rope scaling (linear, llama3, yarn), head_dim  | –                              |
+| mistral    | MistralForCausalLM  | as llama; `sliding_window` (every layer)       | –                              |
+| qwen2      | Qwen2ForCausalLM    | `qkv_bias` (always on)                         | self_attn.{q,k,v}_proj.bias    |
+| qwen3      | Qwen3ForCausalLM    | `qk_norm` (always on), head_dim                | self_attn.{q,k}_norm.weight    |
+| mixtral    | MixtralForCausalLM  | as mistral; `n_experts` (every layer)          | block_sparse_moe.* for mlp.*   |
+| qwen3_moe  | Qwen3MoeForCausalLM | as qwen3; `n_experts` (every layer), `norm_topk_prob` | mlp.gate, mlp.experts.* |
 
-Every family shares Llama's names and layouts (`LLAMA`) and adds its own rows. Hugging Face tensors are
+The mixtures of experts (`n_experts`, `experts_per_token`, `d_expert`) read `num_local_experts` (mixtral)
+or `num_experts` (qwen3_moe), `num_experts_per_tok`, and an expert's width from `intermediate_size`
+(mixtral) or `moe_intermediate_size` (qwen3_moe, whose `intermediate_size`, the width of its optional dense
+layers, is kept as d_ff). transformers' `router_aux_loss_coef` is a training setting in meshpar
+(`train.router_aux_loss_coef`), not the model's: `launch.convert from-hf` prints it.
+
+Every family shares Llama's names and layouts (`LLAMA`), has an MLP (`SWIGLU`) or experts
+(`MIXTRAL_EXPERTS`, `QWEN3_MOE_EXPERTS`) and adds its own rows. Hugging Face tensors are
 torch `nn.Linear` weights, [out, in], one per layer; meshpar's are [in, out] with the heads split out and
 the layers stacked on a leading L axis:
 
@@ -23,9 +32,17 @@ the layers stacked on a leading L axis:
 | self_attn.o_proj.weight [D, N·H]        | blocks.attn.wo_NHD [L, N, H, D]    | heads_out: W.T.reshape(N, H, D)  |
 | mlp.gate_proj, up_proj [F, D]           | blocks.mlp.w_gate_DF, w_up_DF      | transpose                        |
 | mlp.down_proj [D, F]                    | blocks.mlp.w_down_FD [L, F, D]     | transpose                        |
+| mlp.gate.weight [E, D] (qwen3_moe)      | blocks.mlp.w_router_DE [L, D, E]   | transpose                        |
+| mlp.experts.{e}.gate_proj, up_proj      | blocks.mlp.w_gate_EDF, w_up_EDF    | transpose, stacked over L and E  |
+|   [F, D], per expert e                  |   [L, E, D, F]                     |                                  |
+| mlp.experts.{e}.down_proj [D, F]        | blocks.mlp.w_down_EFD [L, E, F, D] | transpose, stacked over L and E  |
 | self_attn.q_proj.bias [N·H] (qwen2)     | blocks.attn.q_bias_NH [L, N, H]    | heads_bias: b.reshape(N, H)      |
 | self_attn.k_proj, v_proj.bias [K·H]     | blocks.attn.k_bias_KH, v_bias_KH   | heads_bias: b.reshape(K, H)      |
 | self_attn.q_norm, k_norm.weight [H]     | blocks.attn.q_norm.scale, k_norm…  | same, stacked (qwen3)            |
+
+Mixtral names its experts `block_sparse_moe.gate` and `block_sparse_moe.experts.{e}.w1` (gate), `w3` (up),
+`w2` (down). These per-expert tensors are what the Hub's checkpoints hold and what transformers 5
+`save_pretrained` writes (it fuses the experts only in memory), so meshpar reads and writes them.
 
 All rotate the pairs (i, i + H/2) ("rotate half"), as meshpar does, so q and k need no permutation.
 Anything a config.json sets that the model does not implement is refused, naming the key.
@@ -44,15 +61,20 @@ from models.transformer import TransformerConfig
 @dataclasses.dataclass(frozen=True)
 class Tensor:
     """One meshpar parameter and its Hugging Face tensor; `{l}` in the name marks a per-layer tensor,
-    stacked on meshpar's leading L axis. `kind` says how the layouts relate (module docstring)."""
+    stacked on meshpar's leading L axis, and `{e}` a per-expert one, stacked on the E axis after it.
+    `kind` says how the layouts relate (module docstring)."""
 
     path: tuple[str, ...]
     name: str
     kind: str  # same, transpose, heads_in, heads_out, heads_bias
 
     @property
-    def stacked(self) -> bool:
-        return "{l}" in self.name
+    def stacked(self) -> tuple[str, ...]:
+        """The placeholders in the name, in the order of the leading axes they stack: (), ("l",), ("l", "e")."""
+        return tuple(p for p in STACKED if "{" + p + "}" in self.name)
+
+
+STACKED = ("l", "e")  # the placeholders a name may have: layer, expert
 
 
 _LAYER = "model.layers.{l}."
@@ -64,16 +86,37 @@ LLAMA = (
     Tensor(("blocks", "attn", "wv_DKH"), _LAYER + "self_attn.v_proj.weight", "heads_in"),
     Tensor(("blocks", "attn", "wo_NHD"), _LAYER + "self_attn.o_proj.weight", "heads_out"),
     Tensor(("blocks", "mlp_norm", "scale"), _LAYER + "post_attention_layernorm.weight", "same"),
-    Tensor(("blocks", "mlp", "w_gate_DF"), _LAYER + "mlp.gate_proj.weight", "transpose"),
-    Tensor(("blocks", "mlp", "w_up_DF"), _LAYER + "mlp.up_proj.weight", "transpose"),
-    Tensor(("blocks", "mlp", "w_down_FD"), _LAYER + "mlp.down_proj.weight", "transpose"),
     Tensor(("final_norm", "scale"), "model.norm.weight", "same"),
     Tensor(("head_DV",), "lm_head.weight", "transpose"),
 )
+SWIGLU = tuple(Tensor(("blocks", "mlp", f"w_{w}"), _LAYER + f"mlp.{hf}.weight", "transpose")
+               for w, hf in (("gate_DF", "gate_proj"), ("up_DF", "up_proj"), ("down_FD", "down_proj")))
+
+
+def _experts(module: str, gate: str, up: str, down: str) -> tuple[Tensor, ...]:
+    """A mixture of experts under `module` of each layer: its router `gate` and each expert's three matrices."""
+    prefix = _LAYER + module
+    return (Tensor(("blocks", "mlp", "w_router_DE"), prefix + ".gate.weight", "transpose"),
+            *(Tensor(("blocks", "mlp", f"w_{w}"), prefix + ".experts.{e}." + hf + ".weight", "transpose")
+              for w, hf in (("gate_EDF", gate), ("up_EDF", up), ("down_EFD", down))))
+
+
+MIXTRAL_EXPERTS = _experts("block_sparse_moe", "w1", "w3", "w2")
+QWEN3_MOE_EXPERTS = _experts("mlp", "gate_proj", "up_proj", "down_proj")
 QKV_BIASES = tuple(Tensor(("blocks", "attn", f"{x}_bias_{X}H"), _LAYER + f"self_attn.{x}_proj.bias", "heads_bias")
                    for x, X in (("q", "N"), ("k", "K"), ("v", "K")))
 QK_NORMS = tuple(Tensor(("blocks", "attn", f"{x}_norm", "scale"), _LAYER + f"self_attn.{x}_norm.weight", "same")
                  for x in ("q", "k"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Experts:
+    """How a family's config.json and tensors hold the mixture of experts it has in every layer."""
+
+    count_keys: tuple[str, ...]  # config.json's number of experts: the first is written, any is read
+    width_key: str  # config.json's width of one expert
+    tensors: tuple[Tensor, ...]
+    renormalised: bool | None = None  # the top-k probabilities always are (True); None: norm_topk_prob says
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,19 +129,36 @@ class Family:
     # config.json keys whose value must be what the model computes (e.g. no sliding window), and the
     # values a checkpoint of this family written by meshpar carries for them
     fixed: tuple[tuple[str, object], ...] = ()
+    experts: Experts | None = None  # a mixture of experts in every layer in place of the MLP
 
+
+# Why meshpar needs a `fixed` key's value, where the key's name does not say it
+_WHY_FIXED = {"decoder_sparse_step": "meshpar's layers are one scanned stack, a mixture of experts in every layer",
+              "mlp_only_layers": "meshpar's layers are one scanned stack, a mixture of experts in every layer",
+              "router_jitter_noise": "meshpar's router adds no noise"}
 
 FAMILIES = {family.model_type: family for family in (
     Family("llama", "LlamaForCausalLM", fixed=(("attention_bias", False), ("mlp_bias", False))),
     Family("mistral", "MistralForCausalLM", windowed=True),
     Family("qwen2", "Qwen2ForCausalLM", qkv_bias=True, fixed=(("use_sliding_window", False),)),
     Family("qwen3", "Qwen3ForCausalLM", qk_norm=True, fixed=(("attention_bias", False), ("use_sliding_window", False))),
+    Family("mixtral", "MixtralForCausalLM", windowed=True, fixed=(("router_jitter_noise", 0.0),),
+           experts=Experts(("num_local_experts",), "intermediate_size", MIXTRAL_EXPERTS, renormalised=True)),
+    # the Hub's checkpoints (and transformers 4) name the count num_experts, transformers 5 num_local_experts
+    Family("qwen3_moe", "Qwen3MoeForCausalLM", qk_norm=True,
+           fixed=(("attention_bias", False), ("use_sliding_window", False), ("decoder_sparse_step", 1),
+                  ("mlp_only_layers", [])),
+           experts=Experts(("num_experts", "num_local_experts"), "moe_intermediate_size", QWEN3_MOE_EXPERTS)),
 )}
 
 
-def tensors(cfg: TransformerConfig) -> list[Tensor]:
-    """The tensors of a checkpoint of the model `cfg`: Llama's, and the rows of the options it has on."""
-    rows = [*LLAMA, *(QKV_BIASES if cfg.qkv_bias else ()), *(QK_NORMS if cfg.qk_norm else ())]
+def tensors(cfg: TransformerConfig, family: Family) -> list[Tensor]:
+    """The tensors of a `family` checkpoint of the model `cfg`: Llama's, its MLP's or its experts', and the
+    rows of the options it has on."""
+    if cfg.n_experts and family.experts is None:
+        raise InputError(f"model.n_experts = {cfg.n_experts}: a {family.model_type} checkpoint holds no experts")
+    mlp = family.experts.tensors if cfg.n_experts else SWIGLU
+    rows = [*LLAMA, *mlp, *(QKV_BIASES if cfg.qkv_bias else ()), *(QK_NORMS if cfg.qk_norm else ())]
     return [t for t in rows if not (cfg.tie_embeddings and t.path == ("head_DV",))]
 
 
@@ -129,7 +189,26 @@ def config_from_hf(d: dict) -> TransformerConfig:
         rope_theta=float(theta), rope_scaling=scaling, norm_eps=float(d.get("rms_norm_eps", 1e-6)),
         head_dim=0 if d.get("head_dim") in (None, hidden // heads) else d["head_dim"],
         qkv_bias=family.qkv_bias, qk_norm=family.qk_norm,
-        sliding_window=(d.get("sliding_window") or 0) if family.windowed else 0)
+        sliding_window=(d.get("sliding_window") or 0) if family.windowed else 0, **_experts_from_hf(d, family))
+
+
+def _experts_from_hf(d: dict, family: Family) -> dict:
+    """The TransformerConfig fields of a family's mixture of experts (none for a dense family)."""
+    experts = family.experts
+    if experts is None:
+        return {}
+    count = next((d[k] for k in experts.count_keys if d.get(k) is not None), None)
+    missing = [k for k, v in ((experts.count_keys[0], count), ("num_experts_per_tok", d.get("num_experts_per_tok")),
+                              (experts.width_key, d.get(experts.width_key))) if v is None]
+    if missing:
+        raise InputError(f"config.json lacks {', '.join(missing)}")
+    if count < 1:
+        raise InputError(f"config.json: {experts.count_keys[0]} = {count} is not implemented: meshpar converts "
+                         f"{family.model_type} checkpoints with experts in every layer")
+    # transformers' default where a config.json leaves norm_topk_prob out (Qwen3-MoE's: False)
+    renormalised = experts.renormalised if experts.renormalised is not None else d.get("norm_topk_prob", False)
+    return {"n_experts": count, "experts_per_token": d["num_experts_per_tok"], "d_expert": d[experts.width_key],
+            "norm_topk_prob": bool(renormalised)}
 
 
 def _refuse_what_is_not_implemented(d: dict, family: Family) -> None:
@@ -137,9 +216,10 @@ def _refuse_what_is_not_implemented(d: dict, family: Family) -> None:
         raise InputError(f"config.json: hidden_act = {d['hidden_act']!r} is not implemented: meshpar's MLP is "
                          f"SwiGLU (silu)")
     for key, value in family.fixed:
-        if d.get(key, value) != value:
+        if d.get(key) is not None and d[key] != value:  # null: transformers' default, which is `value`
+            why = f" ({_WHY_FIXED[key]})" if key in _WHY_FIXED else ""
             raise InputError(f"config.json: {key} = {json.dumps(d[key])} is not implemented: meshpar converts "
-                             f"{family.model_type} checkpoints with {key} = {json.dumps(value)}")
+                             f"{family.model_type} checkpoints with {key} = {json.dumps(value)}{why}")
     windowed = [kind for kind in d.get("layer_types") or () if kind != "full_attention"]
     if windowed:
         raise InputError(f"config.json: layer_types has {windowed[0]!r} layers, which are not implemented: meshpar's "
@@ -183,14 +263,17 @@ def _rope(d: dict) -> tuple[float, RopeScaling]:
 
 def family_of(cfg: TransformerConfig, model_type: str | None = None) -> Family:
     """The family a checkpoint of `cfg` is written as: `model_type` if given, else the one its options
-    name (qkv_bias: qwen2, qk_norm: qwen3, sliding_window: mistral, none: llama); refused where the family
-    cannot hold them."""
-    if model_type is None:
+    name (with experts: qk_norm qwen3_moe, else mixtral; without: qkv_bias qwen2, qk_norm qwen3,
+    sliding_window mistral, none llama); refused where the family cannot hold them."""
+    if model_type is None and cfg.n_experts:
+        model_type = "qwen3_moe" if cfg.qk_norm else "mixtral"
+    elif model_type is None:
         model_type = ("qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "mistral" if cfg.sliding_window
                       else "llama")
     family = FAMILIES.get(model_type)
     if family is None:
         raise InputError(f"--family {model_type}: not one of {', '.join(FAMILIES)}")
+    _refuse_experts_it_cannot_hold(cfg, family)
     for option in ("qkv_bias", "qk_norm"):
         if getattr(cfg, option) != getattr(family, option):
             raise InputError(f"model.{option} = {str(getattr(cfg, option)).lower()}: a {model_type} checkpoint "
@@ -201,6 +284,20 @@ def family_of(cfg: TransformerConfig, model_type: str | None = None) -> Family:
         raise InputError(f"model.sliding_window = {cfg.sliding_window}: a {model_type} checkpoint cannot hold it "
                          f"(of the families meshpar writes, one window for every layer: {windowed})")
     return family
+
+
+def _refuse_experts_it_cannot_hold(cfg: TransformerConfig, family: Family) -> None:
+    name, experts = family.model_type, family.experts
+    if bool(cfg.n_experts) != (experts is not None):
+        raise InputError(f"model.n_experts = {cfg.n_experts}: a {name} checkpoint cannot hold it "
+                         f"({family.architecture} has {'experts in every layer' if experts else 'no experts'})")
+    if cfg.n_shared_experts and experts:
+        raise InputError(f"model.n_shared_experts = {cfg.n_shared_experts}: a {name} checkpoint cannot hold it "
+                         f"({family.architecture} has no shared experts)")
+    if experts and experts.renormalised not in (None, cfg.norm_topk_prob):
+        raise InputError(f"model.norm_topk_prob = {str(cfg.norm_topk_prob).lower()}: a {name} checkpoint cannot "
+                         f"hold it ({family.architecture} {'always' if experts.renormalised else 'never'} "
+                         f"renormalises the top-k probabilities)")
 
 
 def config_to_hf(cfg: TransformerConfig, model_type: str | None = None) -> dict:
@@ -223,8 +320,19 @@ def config_to_hf(cfg: TransformerConfig, model_type: str | None = None) -> dict:
         "max_position_embeddings": cfg.max_seq_len, "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps,
         "tie_word_embeddings": cfg.tie_embeddings, **dict(family.fixed),
         **({"sliding_window": cfg.sliding_window or None} if family.windowed else {}),
+        **_experts_to_hf(cfg, family),
         # transformers ≥ 5 reads rope_parameters and dtype; 4.x reads rope_theta, rope_scaling and torch_dtype
         "rope_parameters": {"rope_type": rope_type, "rope_theta": cfg.rope_theta, **(scaling or {})},
         "rope_theta": cfg.rope_theta, "rope_scaling": scaling and {"rope_type": rope_type, **scaling},
         "dtype": "float32", "torch_dtype": "float32",
     }
+
+
+def _experts_to_hf(cfg: TransformerConfig, family: Family) -> dict:
+    """The config.json keys of a family's mixture of experts (none for a dense family)."""
+    experts = family.experts
+    if experts is None:
+        return {}
+    return {experts.count_keys[0]: cfg.n_experts, "num_experts_per_tok": cfg.experts_per_token,
+            experts.width_key: cfg.expert_width,
+            **({"norm_topk_prob": cfg.norm_topk_prob} if experts.renormalised is None else {})}
