@@ -197,13 +197,13 @@ def _experts_from_hf(d: dict, family: Family) -> dict:
     experts = family.experts
     if experts is None:
         return {}
-    count = next((d[k] for k in experts.count_keys if d.get(k) is not None), None)
-    missing = [k for k, v in ((experts.count_keys[0], count), ("num_experts_per_tok", d.get("num_experts_per_tok")),
-                              (experts.width_key, d.get(experts.width_key))) if v is None]
+    count_key = next((k for k in experts.count_keys if d.get(k) is not None), experts.count_keys[0])
+    missing = [k for k in (count_key, "num_experts_per_tok", experts.width_key) if d.get(k) is None]
     if missing:
         raise InputError(f"config.json lacks {', '.join(missing)}")
+    count = d[count_key]
     if count < 1:
-        raise InputError(f"config.json: {experts.count_keys[0]} = {count} is not implemented: meshpar converts "
+        raise InputError(f"config.json: {count_key} = {count} is not implemented: meshpar converts "
                          f"{family.model_type} checkpoints with experts in every layer")
     # transformers' default where a config.json leaves norm_topk_prob out (Qwen3-MoE's: False)
     renormalised = experts.renormalised if experts.renormalised is not None else d.get("norm_topk_prob", False)
