@@ -94,6 +94,9 @@ def experts_ffn(x_BTD: jax.Array, experts_BTK: jax.Array, weights_BTK: jax.Array
     expert_axis = "expert" if "expert" in sharding.spec_axes(gate_up) else None
     model = tuple(a for a in sharding.spec_axes(gate_up[2:]))
     body = functools.partial(local, expert_axis=expert_axis, model=model, vmapped=bool(compute.vmapped))
+    # Manual over the size-1 axes too: in a partly manual region jax pins the psums' reducers with sharding
+    # constraints, which XLA:CPU's widening of bfloat16 all-reduces cannot clone (a crash at compile time).
+    names |= {axis for axis, size in mesh.shape.items() if size == 1}
     return jax.shard_map(body, mesh=mesh, axis_names=names, in_specs=(tokens, routes, routes, gate_up, gate_up, down),
                          out_specs=(tokens, rows), check_vma=not compute.vmapped)(
         x_BTD, experts_BTK, weights_BTK, w_gate_EDF, w_up_EDF, w_down_EFD)
