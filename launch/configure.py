@@ -41,13 +41,14 @@ def configure(name: str, mesh_text: str | None, overrides: list[str], hardware: 
 
 
 def shape(cfg: configs.Config) -> plan.Shape:
-    """The planner's view of the config's model (built abstractly)."""
-    return plan.Shape.of_model(cfg.model_factory())
+    """The planner's view of the config's model (built abstractly), a mixture's k beside it."""
+    return plan.Shape.of_model(cfg.model_factory(), cfg.model.experts_per_token if cfg.model.n_experts else 0)
 
 
 def flops_per_token(cfg: configs.Config) -> float:
     """The model FLOPs of one trained token of the config's run (PaLM's, what MFU counts): with a sliding
-    window each query sees its W latest keys, not the whole sequence."""
+    window each query sees its W latest keys, not the whole sequence; of a mixture of experts, the active
+    parameters (k of the E experts, and the router)."""
     return shape(cfg).model_flops_per_token(cfg.train.seq_len, getattr(cfg.model, "sliding_window", 0))
 
 

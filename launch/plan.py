@@ -29,9 +29,10 @@ import time
 
 from meshpar.errors import InputError
 
+# chosen by the search (a capacity only with --mesh); train.attention_kernel is not (it is a what-if)
 SETTINGS = ("parallel.zero_stage", "parallel.sequence_parallel", "parallel.context_attention",
             "parallel.load_balance", "parallel.microbatches", "parallel.pipeline_repeats", "parallel.offload",
-            "train.remat", "train.grad_accum")  # chosen by the search; train.attention_kernel is not (it is a what-if)
+            "parallel.expert_capacity", "train.remat", "train.grad_accum")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -179,16 +179,22 @@ def sharded_abstract(make_model: ModelFactory, tx: optax.GradientTransformation,
     with nnx.use_eager_sharding(False):  # meshpar, not Flax, resolves logical names
         abstract_ts = nnx.eval_shape(lambda: TrainState(make_model(nnx.Rngs(seed)), tx))
     graphdef, abstract = nnx.split(abstract_ts)
-    if (mesh.shape["stage"] > 1 and rules.parallel.pipeline_schedule == "1f1b"
-            and sharding.axis_size(abstract, "experts") is not None):
-        raise InputError("parallel.pipeline_schedule = 1f1b cannot train a mixture of experts: its load-balancing "
-                         "loss pools the router statistics of the whole batch, and 1F1B starts a microbatch's "
-                         "backward pass before the last one's forward pass; use pipeline_schedule=gpipe")
+    if mesh.shape["stage"] > 1:
+        check_schedule(rules.parallel.pipeline_schedule, sharding.axis_size(abstract, "experts") is not None)
     if mesh.shape["stage"] > 1 and sharding.axis_size(abstract, "layers") is None:
         raise InputError(f"mesh axis stage = {mesh.shape['stage']} pipelines a stack of layers, and this model "
                          f"names no 'layers' axis: build its blocks with meshpar.layers.scan over a stacked "
                          f"'layers' axis, or use a mesh without 'stage'")
     return Sharded(graphdef, abstract, sharding.state_shardings(abstract, mesh, rules), mesh, rules)
+
+
+def check_schedule(schedule: str, experts: bool) -> None:
+    """Refuse a pipeline schedule that cannot train this model (`experts`: a mixture of experts). The training
+    step and the planner both ask this."""
+    if schedule == "1f1b" and experts:
+        raise InputError("parallel.pipeline_schedule = 1f1b cannot train a mixture of experts: its load-balancing "
+                         "loss pools the router statistics of the whole batch, and 1F1B starts a microbatch's "
+                         "backward pass before the last one's forward pass; use pipeline_schedule=gpipe")
 
 
 def init_state(make_model: ModelFactory, tx: optax.GradientTransformation, sharded: Sharded, seed: int = 0,

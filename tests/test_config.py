@@ -155,8 +155,9 @@ def abstract_param_count(cfg: TransformerConfig) -> int:
 def formula_param_count(cfg: TransformerConfig) -> int:
     D, N, K, H, F, V, L = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_size, cfg.d_ff, cfg.vocab_size,
                            cfg.n_layers)
-    E, Fe = cfg.n_experts, cfg.expert_width  # a router, E experts and the shared ones in place of the MLP
-    mlp = D * E + 3 * E * D * Fe + 3 * D * cfg.n_shared_experts * Fe if E else 3 * D * F
+    mlp = 3 * D * F
+    if cfg.n_experts:  # the router, the experts, the shared experts
+        mlp = D * cfg.n_experts + (cfg.n_experts + cfg.n_shared_experts) * 3 * D * cfg.expert_width
     per_layer = D * N * H + 2 * D * K * H + N * H * D + mlp + 2 * D
     per_layer += (N + 2 * K) * H * cfg.qkv_bias + 2 * H * cfg.qk_norm  # Qwen 2's biases, Qwen 3's q/k norm scales
     return V * D * (1 if cfg.tie_embeddings else 2) + L * per_layer + D
@@ -174,6 +175,7 @@ def test_param_count_matches_the_formula(name):
     ("llama_70b", 70.55e9, 0.01),
     # the open families' published sizes, their biases and q/k norms included
     ("llama3_8b", 8.03e9, 0.001), ("qwen2_5_7b", 7.62e9, 0.001), ("qwen3_8b", 8.19e9, 0.001), ("mistral_7b", 7.25e9, 0.001),
+    ("mixtral_8x7b", 46.70e9, 0.001), ("qwen3_30b_a3b", 30.53e9, 0.001),  # mixtures of experts: every expert counted
 ])
 def test_param_count_of_the_named_shapes(name, expected, rel):
     assert abstract_param_count(configs.load(name).model) == pytest.approx(expected, rel=rel)

@@ -33,7 +33,7 @@ from models.transformer import Transformer, TransformerConfig
 
 @functools.cache
 def shape_of(model: TransformerConfig) -> plan.Shape:
-    return plan.Shape.of_model(Transformer.factory(model))
+    return plan.Shape.of_model(Transformer.factory(model), model.experts_per_token if model.n_experts else 0)
 
 
 def layout(remat: str = "none", grad_accum: int = 1, *, mesh: str | MeshConfig = "", **parallel) -> Layout:
@@ -51,10 +51,15 @@ def test_the_planner_reads_the_models_dimensions(name):
     PaLM's matmul parameters are the closed form of meshpar's transformer, L·(2DNH + 2DKH + 3DF) + DV."""
     cfg = configs.load(name).model
     shape = shape_of(cfg)
+    dense_width = cfg.n_shared_experts * cfg.expert_width if cfg.n_experts else cfg.d_ff
     assert (shape.vocab, shape.d_model, shape.layers, shape.heads, shape.kv_heads, shape.head_dim, shape.d_ff) == (
-        cfg.vocab_size, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_size, cfg.d_ff)
+        cfg.vocab_size, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_size, dense_width)
     D, N, K, H, F = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_size, cfg.d_ff
-    assert shape.matmul_params == cfg.n_layers * (2 * D * N * H + 2 * D * K * H + 3 * D * F) + D * cfg.vocab_size
+    mlp = 3 * D * F  # a mixture: its router and the k experts a token computes with (the active parameters)
+    if cfg.n_experts:
+        assert (shape.experts, shape.expert_width) == (cfg.n_experts, cfg.expert_width)
+        mlp = D * cfg.n_experts + (cfg.experts_per_token + cfg.n_shared_experts) * 3 * D * cfg.expert_width
+    assert shape.matmul_params == cfg.n_layers * (2 * D * N * H + 2 * D * K * H + mlp) + D * cfg.vocab_size
 
 
 def test_parameter_count_with_tied_embeddings_drops_the_head():

@@ -1,7 +1,7 @@
 """Mixtures of experts: routing (top-k, the router's losses and statistics) and the dispatch of tokens to
 their experts over the `expert` mesh axis (all-to-all, grouped matmuls or capacity buffers)."""
 
-from meshpar.moe.dispatch import DOWN, GATE_UP, capacity, experts_ffn
+from meshpar.moe.dispatch import DOWN, GATE_UP, capacity, experts_ffn, rows_per_shard
 from meshpar.moe.routing import RouterStats, Routes, metrics, route
 
-__all__ = ["DOWN", "GATE_UP", "RouterStats", "Routes", "capacity", "experts_ffn", "metrics", "route"]
+__all__ = ["DOWN", "GATE_UP", "RouterStats", "Routes", "capacity", "experts_ffn", "metrics", "route", "rows_per_shard"]

@@ -5,7 +5,8 @@ one device (what `meshpar.compiler.hlo` counts); time uses the wire bytes of a r
 into its part inside a host (NVLink) and across hosts (network), as `meshpar.mesh.host_split` lays them
 out: all-reduce 2(n−1)/n·size, all-gather / reduce-scatter (n−1)/n·size, all-to-all (n−1)/n·size,
 collective-permute size.
-- gradient sync over the weight-replica axes data × fsdp × sequence: ZeRO 0 all-reduce of 4Ψ_l; ZeRO 1
+- gradient sync over the weight-replica axes data × fsdp × expert × sequence (the experts' weights, split over
+  `expert`, over data × fsdp × sequence only): ZeRO 0 all-reduce of 4Ψ_l; ZeRO 1
   all-reduce + all-gather of the updated float32 params over fsdp; ZeRO 2 reduce-scatter over fsdp,
   all-reduce over data × sequence, all-gather of params; ZeRO 3 reduce-scatter + all-reduce and the
   weights all-gathered for compute (in e bytes): once per step for embedding/head, per microbatch for the
@@ -23,6 +24,14 @@ collective-permute size.
   sequence- and head-split layouts: `SP_ALL_TO_ALL`·a per layer, measured on model=8. The
   vocab-parallel loss all-reduces its softmax statistics [b, t] forward and the hidden states' float32
   gradient backward. Not overlapped (critical path).
+- expert parallelism (`meshpar.moe.dispatch`'s table) per MoE layer per microbatch: all-to-alls over `expert`
+  of ep·R·D·e, the rows out and back, forward 2 and backward 2 (their transposes), + 1 of the rows' int32
+  expert ids ep·R·4 forward (dropless); every remat policy but `none` runs the forward's again in the
+  backward pass (they are no matmul results: measured on the compiled step). Under tensor parallelism a MoE
+  layer's MLP all-reduces are the experts' output [b·t, D] forward, and backward the gradient of the rows
+  received, per row ep·R·D·e, twice (gate and up), and of the combine weights (n·k float32), in place of the
+  dense MLP's. XLA:CPU widens the bfloat16 all-to-alls to float32 (`cpu=True`). Exposed (the experts wait
+  for their rows).
 - context parallelism per layer per microbatch: all-gather K, V (2·b·T·K_l·H·e) + reduce-scatter of
   their gradients; ring: 2(n−1) collective-permutes of 2·b·t·K_l·H·e (forward K/V, backward dK/dV),
   overlapped with the block matmuls, + the zigzag reorder (load_balance) ~2·b·t·(N_l+K_l)·H·e each way;
@@ -44,7 +53,8 @@ import math
 
 from meshpar.hardware import Hardware
 from meshpar.mesh import AXES, host_split
-from meshpar.plan.layout import PRECISIONS, Layout, Run, layer_applications, local_dims, local_elements, passes
+from meshpar.plan.layout import (PRECISIONS, Layout, Run, expert_rows, layer_applications, local_dims, local_elements,
+                                 local_tensors, passes)
 from meshpar.plan.memory import host_layer_bytes_per_token
 from meshpar.plan.shape import Shape
 
@@ -58,7 +68,7 @@ class Collective:
     op: str  # all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute
     bytes: float  # result bytes per device, one call (what meshpar.compiler.hlo counts)
     count: float
-    kind: str  # dp (overlapped), tp, cp, ring (overlapped with its blocks), pp
+    kind: str  # dp (overlapped), tp, ep, cp, ring (overlapped with its blocks), pp
 
 
 def weight_passes(lay: Layout) -> int:
@@ -90,6 +100,8 @@ def collectives(shape: Shape, lay: Layout, run: Run, *, cpu: bool = False) -> li
     out = _data_parallel(shape, lay, run, cpu)
     if lay.mesh.model > 1:
         out += _tensor_parallel(shape, lay, run, cpu)
+    if shape.experts and lay.mesh.expert > 1:
+        out += _expert_parallel(shape, lay, run, cpu)
     if lay.mesh.sequence > 1:
         out += _context_parallel(shape, lay, run)
     if lay.mesh.stage > 1:  # gpipe.py's table: the shifts, the result leaving stage 0 (and its gradient)
@@ -108,26 +120,31 @@ def _data_parallel(shape: Shape, lay: Layout, run: Run, cpu: bool) -> list[Colle
     pb, gb, _ = PRECISIONS[run.precision]
     whole = local_elements(shape, lay, "activations")
     layer_whole = local_elements(shape, lay, "activations", only_layers=True)
+    experts = sum(n for n, (_, names) in zip(local_tensors(shape, lay, "activations"), shape.elements())
+                  if "experts" in names)
     head = shape.d_model * shape.vocab
-    replicas = tuple(a for a in ("data", "sequence") if lay.sizes[a] > 1)
+    replicas = tuple(a for a in ("data", "expert", "sequence") if lay.sizes[a] > 1)
     fsdp = ("fsdp",) if lay.mesh.fsdp > 1 else ()
     zero = lay.parallel.zero_stage
     split = bool(fsdp) and zero >= 2
-    G = gb * (whole - (head if split else 0))
-    if not split:
-        if replicas + fsdp:
-            out.append(Collective(replicas + fsdp, "all-reduce", G, 1, "dp"))
-    else:
+    G = gb * (whole - experts - (head if split else 0))
+    # (axes the gradient is whole over, its bytes): the experts' is split over `expert`, not a replica of it
+    groups = [(replicas, G)] + ([(tuple(a for a in replicas if a != "expert"), gb * experts)] if experts else [])
+    if split:
         rows = lay.mesh.fsdp * math.prod(lay.sizes[a] for a in replicas)
         out.append(Collective(replicas + fsdp, "reduce-scatter", gb * head / rows, 1, "dp"))
         if replicas:
             out.append(Collective(replicas, "all-gather", gb * head / lay.mesh.fsdp, 1, "dp"))
-        if cpu:
-            out.append(Collective(replicas + fsdp, "all-reduce", G, 1, "dp"))
+    for axes, grads in groups:
+        if not split:
+            if axes + fsdp:
+                out.append(Collective(axes + fsdp, "all-reduce", grads, 1, "dp"))
+        elif cpu:
+            out.append(Collective(axes + fsdp, "all-reduce", grads, 1, "dp"))
         else:
-            out.append(Collective(fsdp, "reduce-scatter", G / lay.mesh.fsdp, 1, "dp"))
-            if replicas:
-                out.append(Collective(replicas, "all-reduce", G / lay.mesh.fsdp, 1, "dp"))
+            out.append(Collective(fsdp, "reduce-scatter", grads / lay.mesh.fsdp, 1, "dp"))
+            if axes:
+                out.append(Collective(axes, "all-reduce", grads / lay.mesh.fsdp, 1, "dp"))
     if fsdp and zero in (1, 2):
         out.append(Collective(fsdp, "all-gather", pb * whole, 1, "dp"))  # the updated parameters
     if fsdp and zero == 3:
@@ -147,6 +164,11 @@ def _tensor_parallel(shape: Shape, lay: Layout, run: Run, cpu: bool) -> list[Col
     fwd, bwd = TP_ALL_REDUCES
     reduces = fwd + bwd + (1 if lay.remat == "full" else 0)  # recompute: attention output (x1) again
     mb = passes(lay) if lay.mesh.stage > 1 else lay.grad_accum
+    if shape.experts:  # the rows' input gradients (gate, up) and the combine weights' replace dgate, dup
+        reduces -= 2
+        R, *_ = expert_rows(shape, lay, run)
+        out.append(Collective(("model",), "all-reduce", lay.mesh.expert * R * D * run.e, 2 * layer_steps, "tp"))
+        out.append(Collective(("model",), "all-reduce", b * t * shape.experts_per_token * 4, layer_steps, "tp"))
     rs, rs_bytes = ("all-reduce", a) if cpu else ("reduce-scatter", a / m)
     if lay.parallel.sequence_parallel:
         gathers = 6 + (2 if lay.remat != "none" else 0)  # recompute re-gathers both region inputs
@@ -161,6 +183,17 @@ def _tensor_parallel(shape: Shape, lay: Layout, run: Run, cpu: bool) -> list[Col
     # the vocab-parallel loss: max, sum of exponentials and target logit [b, t] forward; the hidden
     # states' float32 gradient [b, t, D] backward (meshpar.loss)
     out.append(Collective(("model",), "all-reduce", 3 * b * t * 4 + b * t * D * 4, mb, "tp"))
+    return out
+
+
+def _expert_parallel(shape: Shape, lay: Layout, run: Run, cpu: bool) -> list[Collective]:
+    """The dispatch's all-to-alls over `expert`, per MoE layer per microbatch pass."""
+    R, *_ = expert_rows(shape, lay, run)
+    ep, e, layer_steps = lay.mesh.expert, 4 if cpu else run.e, layer_applications(shape, lay)
+    forward = 2 if lay.remat == "none" else 4  # remat replays the forward's in the backward pass
+    out = [Collective(("expert",), "all-to-all", ep * R * shape.d_model * e, (forward + 2) * layer_steps, "ep")]
+    if not lay.parallel.expert_capacity:  # the rows' expert ids
+        out.append(Collective(("expert",), "all-to-all", ep * R * 4, forward // 2 * layer_steps, "ep"))
     return out
 
 

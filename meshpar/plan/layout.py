@@ -6,9 +6,11 @@ so the planner mirrors none of them, and what is valid is what they and the trai
 (`check`). A `Run` is the rest of what the cost model needs: batch, sequence, dtype, precision of the model
 states, efficiency, attention kernel.
 
-Letters: B global batch, T sequence, b = B/(data·fsdp·M·A) rows of one microbatch on one device (M
+Letters: B global batch, T sequence, b = B/(data·fsdp·expert·M·A) rows of one microbatch on one device (M
 pipeline microbatches, A accumulation steps), t = T/sequence positions per device, e bytes per element of
-the compute dtype; N, K, F, V heads, kv heads, d_ff, vocab split over `model`.
+the compute dtype; N, K, F, V heads, kv heads, d_ff, vocab split over `model`. A mixture of experts: n = b·t
+tokens a device routes, ep = the `expert` axis, R the rows it sends to each expert shard
+(`meshpar.moe.dispatch`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import dataclasses
 import functools
 import math
 
-from meshpar import mesh as mesh_lib, offload, remat as remat_lib, sharding
+from meshpar import mesh as mesh_lib, moe, offload, remat as remat_lib, sharding
 from meshpar.attention import context_parallel
 from meshpar.attention.kernels import resolve_kernel
 from meshpar.errors import InputError
@@ -25,7 +27,7 @@ from meshpar.mesh import MeshConfig
 from meshpar.pipeline import schedule, stages
 from meshpar.plan.shape import Shape
 from meshpar.rules import BATCH_AXES, ParallelConfig, make as make_rules
-from meshpar.train import check_accumulation
+from meshpar.train import check_accumulation, check_schedule
 
 PRECISIONS = {"fp32": (4, 4, 8), "mixed": (2, 2, 12)}  # bytes per element: params, grads, optimizer
 EFFICIENCY = 0.6  # achieved / peak matmul FLOP/s: a stated default, not fitted (see the published-run tests)
@@ -79,6 +81,8 @@ class Layout:
                                                   else ""))
         if self.mesh.stage > 1:
             parts.append(f"M={self.M},R={self.R}" + (",1f1b" if par.pipeline_schedule == "1f1b" else ""))
+        if par.expert_capacity:
+            parts.append(f"capacity={par.expert_capacity:g}")
         parts.append(f"remat={self.remat}")
         if par.offload != "none":
             parts.append(f"offload={par.offload}")
@@ -93,7 +97,8 @@ class Layout:
                 "parallel.context_attention": par.context_attention, "parallel.load_balance": par.load_balance,
                 "parallel.microbatches": self.M if self.mesh.stage > 1 else 0,
                 "parallel.pipeline_repeats": self.R, "parallel.pipeline_schedule": par.pipeline_schedule,
-                "parallel.offload": par.offload, "train.remat": self.remat, "train.grad_accum": self.grad_accum}
+                "parallel.offload": par.offload, "parallel.expert_capacity": par.expert_capacity,
+                "train.remat": self.remat, "train.grad_accum": self.grad_accum}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,9 +129,11 @@ def check(shape: Shape, lay: Layout, run: Run) -> list[str]:
     `meshpar.offload`), every parameter's split under each rules table and the token batch's
     (`sharding.spec_for`: a dimension its mesh axes do not divide), the residual stream's positions
     (Megatron SP splits them over `model` too), gradient accumulation's (`train.check_accumulation`), the
-    pipeline's (`pipeline.stages.check`) and context attention's (`attention.context_parallel.check`).
+    pipeline's (`pipeline.stages.check`, and `train.check_schedule` for a mixture of experts) and context
+    attention's (`attention.context_parallel.check`). The experts' split over `expert` is a parameter's.
     """
-    problems = list(parameter_problems(shape, lay.parallel.zero_stage, lay.mesh.stage, lay.mesh.fsdp, lay.mesh.model))
+    problems = list(parameter_problems(shape, lay.parallel.zero_stage, lay.mesh.stage, lay.mesh.fsdp, lay.mesh.model,
+                                       lay.mesh.expert))
 
     def ask(check_, *args, **kwargs) -> None:
         try:
@@ -143,6 +150,7 @@ def check(shape: Shape, lay: Layout, run: Run) -> list[str]:
     ask(check_accumulation, B, lay.batch_ways, A, table["batch"])
     if lay.mesh.stage > 1:
         ask(stages.check, shape.layers, B // A, sizes, stages=lay.mesh.stage, microbatches=lay.M, repeats=lay.R)
+        ask(check_schedule, par.pipeline_schedule, bool(shape.experts))
     if lay.mesh.sequence > 1:
         ways = lambda name: math.prod(sizes[axis] for axis in table[name])
         ask(context_parallel.check, par.context_attention, T, (shape.heads, shape.kv_heads), lay.mesh.sequence,
@@ -151,10 +159,10 @@ def check(shape: Shape, lay: Layout, run: Run) -> list[str]:
 
 
 @functools.lru_cache(maxsize=65536)
-def parameter_problems(shape: Shape, zero: int, stage: int, fsdp: int, model: int) -> tuple[str, ...]:
+def parameter_problems(shape: Shape, zero: int, stage: int, fsdp: int, model: int, expert: int = 1) -> tuple[str, ...]:
     """What `sharding.spec_for` refuses of the parameters under the rules of ZeRO stage `zero` (parameters
-    are split over stage, fsdp and model only), first problem per tensor."""
-    sizes = dict(MeshConfig(stage=stage, fsdp=fsdp, model=model).sizes())
+    are split over stage, fsdp, expert and model only), first problem per tensor."""
+    sizes = dict(MeshConfig(stage=stage, fsdp=fsdp, expert=expert, model=model).sizes())
     problems = []
     for path, tensor_shape, names in shape.tensors:
         for table in _tables(ParallelConfig(zero_stage=zero)).values():
@@ -174,35 +182,54 @@ def _tables(parallel: ParallelConfig) -> dict[str, dict[str, tuple[str, ...]]]:
 
 def local_elements(shape: Shape, lay: Layout, kind: str, only_layers: bool = False) -> float:
     """Parameter elements on one device under a rules table (`activations`: the gathered compute form)."""
-    return _local_elements(shape, lay.parallel.zero_stage, lay.mesh.stage, lay.mesh.fsdp, lay.mesh.model, kind,
-                           only_layers)
+    return _local_elements(shape, lay.parallel.zero_stage, lay.mesh.stage, lay.mesh.fsdp, lay.mesh.model,
+                           lay.mesh.expert, kind, only_layers)
 
 
 def local_tensors(shape: Shape, lay: Layout, kind: str) -> tuple[float, ...]:
     """Elements on one device of each parameter tensor (`Shape.tensors` order) under a rules table."""
-    return _local_tensors(shape, lay.parallel.zero_stage, lay.mesh.stage, lay.mesh.fsdp, lay.mesh.model, kind)
+    return _local_tensors(shape, lay.parallel.zero_stage, lay.mesh.stage, lay.mesh.fsdp, lay.mesh.model,
+                          lay.mesh.expert, kind)
 
 
 @functools.lru_cache(maxsize=65536)
-def _local_tensors(shape: Shape, zero: int, stage: int, fsdp: int, model: int, kind: str) -> tuple[float, ...]:
-    table, sizes = _tables(ParallelConfig(zero_stage=zero))[kind], {"stage": stage, "fsdp": fsdp, "model": model}
+def _local_tensors(shape: Shape, zero: int, stage: int, fsdp: int, model: int, expert: int,
+                   kind: str) -> tuple[float, ...]:
+    table = _tables(ParallelConfig(zero_stage=zero))[kind]
+    sizes = {"stage": stage, "fsdp": fsdp, "model": model, "expert": expert}
     # params are never split over data or sequence
     return tuple(n / math.prod(sizes.get(a, 1) for name in names if name for a in table.get(name, ()))
                  for n, names in shape.elements())
 
 
 @functools.lru_cache(maxsize=65536)
-def _local_elements(shape: Shape, zero: int, stage: int, fsdp: int, model: int, kind: str, only_layers: bool) -> float:
-    tensors = _local_tensors(shape, zero, stage, fsdp, model, kind)
+def _local_elements(shape: Shape, zero: int, stage: int, fsdp: int, model: int, expert: int, kind: str,
+                    only_layers: bool) -> float:
+    tensors = _local_tensors(shape, zero, stage, fsdp, model, expert, kind)
     return sum(n for n, (_, names) in zip(tensors, shape.elements()) if not only_layers or "layers" in names)
 
 
-def layer_matmul_params(shape: Shape, lay: Layout) -> float:
-    """The parameters of one layer that enter matmuls, as one device computes with them (heads and mlp
-    split over `model`, embed whole)."""
+def layer_matmul_params(shape: Shape, lay: Layout, run: Run) -> float:
+    """The parameters of one layer that enter matmuls, as one device computes with them per local token
+    (heads and mlp split over `model`, embed whole); its experts' once per row it computes per token
+    (`expert_rows`: k where the grouped matmuls skip the empty rows, more with capacity padding)."""
     tensors = local_tensors(shape, lay, "activations")
-    here = sum(n for n, (_, names) in zip(tensors, shape.elements()) if "layers" in names and shape.is_matmul(names))
+    per_expert = expert_rows(shape, lay, run)[1] / (shape.experts / lay.mesh.expert) if shape.experts else 0.0
+    here = sum(n * (per_expert if "experts" in names else 1) for n, (_, names) in zip(tensors, shape.elements())
+               if "layers" in names and shape.is_matmul(names))
     return here / (shape.layers / lay.mesh.stage)
+
+
+def expert_rows(shape: Shape, lay: Layout, run: Run) -> tuple[int, float, float]:
+    """A mixture of experts on one device per microbatch (`meshpar.moe.dispatch`): (R, the rows its experts
+    compute per local token, the rows of its dispatch buffers per local token). Dropless the experts compute
+    the k rows of each token that arrive (the buffers hold ep·R = ep·n·min(k, El)); at capacity every row of
+    the [El, ep·C] buffers, C = ceil(c·n·k/E)."""
+    b, t, *_ = local_dims(shape, lay, run)
+    n, k, E, ep = int(b * t), shape.experts_per_token, shape.experts, lay.mesh.expert
+    capacity = lay.parallel.expert_capacity
+    R = moe.rows_per_shard(n, k, E, ep, capacity)
+    return R, (ep * R / n if capacity else k), ep * R / n
 
 
 def local_dims(shape: Shape, lay: Layout, run: Run) -> tuple[float, float, float, float, float, float]:

@@ -28,6 +28,14 @@ peak to 10% on the layouts it was fitted on and, apart, on layouts it was not):
   Remat `offload` keeps on the device what `full` keeps (each layer's input) and in host memory (host
   temp) what `dots` keeps beyond it (q, k, v, the attention projection, gate and up); one layer's come
   back for its backward pass, which otherwise works as with `dots`.
+- a mixture of experts (`moe_bytes_per_token`): the dense MLP's terms cover only its shared experts (F =
+  their width); the experts work on the rows of the dispatch buffers, ep·R per microbatch on a device
+  (`layout.expert_rows`), each D wide in the buffers and Fe = expert_mlp / model wide inside the experts.
+  Remat `none` keeps per row the rows received and the experts' outputs (2·D) and gate, up and their product
+  (3·Fe), and per token its k gathered outputs (the combine weights' gradient) and the float32 router
+  probabilities; `dots` the matmuls' results (the outputs, gate and up); `full` and `offload` nothing
+  beyond the layer's input. A layer's backward pass works with the buffers both ways and their gradients
+  (`MOE_WORKING`). Derived from meshpar.moe.dispatch, not fitted.
 
 Letters as in `meshpar.plan.layout`; the widths: D (d_model), Dsp (D / model under Megatron SP: the
 residual stream), F (d_ff / model), Q (N·H / model) and KV (K·H / model).
@@ -41,7 +49,8 @@ import functools
 import jax
 
 from meshpar.pipeline import schedule
-from meshpar.plan.layout import PRECISIONS, Layout, Run, layer_applications, local_dims, local_elements, local_tensors
+from meshpar.plan.layout import (PRECISIONS, Layout, Run, expert_rows, layer_applications, local_dims, local_elements,
+                                 local_tensors)
 from meshpar.plan.shape import Shape
 
 
@@ -102,6 +111,9 @@ SAVED_NONE = {"Dsp": 15, "D": 4.5, "F": 12.75, "Q": 15, "KV": 1.5}  # one layer,
 WORKING = {"none": {}, "dots": {"D": 13, "F": 3, "Q": 19, "KV": 8},  # one layer's backward pass
            "full": {"D": 17, "F": 14, "Q": 12, "KV": 2}}
 HEAD_BYTES = 6  # per element of the output head: its whole float32 gradient and its gathered compute copy
+# A mixture of experts' layer, elements per row of its dispatch buffers (D wide or Fe wide: module docstring)
+MOE_SAVED = {"none": {"D": 2, "Fe": 3}, "dots": {"D": 1, "Fe": 2}}
+MOE_WORKING = {"D": 8, "Fe": 6}
 
 
 def _widths(shape: Shape, lay: Layout) -> dict[str, float]:
@@ -141,15 +153,34 @@ def layer_bytes_per_token(shape: Shape, lay: Layout, run: Run, *, saved: bool = 
     """Activation bytes of one layer per local token on the device: what the backward pass keeps of it
     under the layout's remat (`saved`), or what its backward pass works with (`saved=False`)."""
     w, e = _widths(shape, lay), run.e
+    moe = moe_bytes_per_token(shape, lay, run, saved=saved)
     if not saved:  # offload's backward pass is dots', with the layer's projections fetched back
         remat = "dots" if lay.remat == "offload" else lay.remat
         return (_weighted(WORKING[remat], w, run) + host_layer_bytes_per_token(shape, lay, run)
-                + (attention_bytes_per_token(shape, lay, run) if remat != "none" else 0.0))
+                + (attention_bytes_per_token(shape, lay, run) if remat != "none" else 0.0) + moe)
     if lay.remat in ("full", "offload"):  # the layer's input (offload: the rest is in host memory)
         return e * w["Dsp"]
     if lay.remat == "dots":
-        return e * w["Dsp"] + _projections(w, e)
-    return _weighted(SAVED_NONE, w, run) + attention_bytes_per_token(shape, lay, run)
+        return e * w["Dsp"] + _projections(w, e) + moe
+    return _weighted(SAVED_NONE, w, run) + attention_bytes_per_token(shape, lay, run) + moe
+
+
+def moe_bytes_per_token(shape: Shape, lay: Layout, run: Run, *, saved: bool = True) -> float:
+    """A mixture of experts' layer beyond its shared experts, per local token (module docstring): what the
+    backward pass keeps of it under the layout's remat (`saved`), or what its backward pass works with."""
+    if not shape.experts:
+        return 0.0
+    _, _, rows = expert_rows(shape, lay, run)
+    widths = {"D": shape.d_model, "Fe": shape.expert_width / lay.mesh.model}
+    per_row = lambda counts: sum(k * widths[name] for name, k in counts.items()) * rows * run.e
+    if not saved:
+        return per_row(MOE_WORKING)
+    if lay.remat in ("full", "offload"):  # the layer's input only (offload: activations on the device)
+        return 0.0
+    kept = per_row(MOE_SAVED[lay.remat])
+    if lay.remat == "none":  # the combine's gathered outputs and the router's float32 probabilities
+        kept += shape.experts_per_token * shape.d_model * run.e + 4 * shape.experts
+    return kept
 
 
 def host_layer_bytes_per_token(shape: Shape, lay: Layout, run: Run) -> float:

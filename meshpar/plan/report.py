@@ -12,7 +12,8 @@ from meshpar.plan.time import Estimate, estimate
 from meshpar.rules import ParallelConfig
 
 GB = 1e9
-KINDS = {"tp": "tensor-parallel", "cp": "context-parallel", "pp": "pipeline", "dp": "data-parallel/ZeRO"}
+KINDS = {"tp": "tensor-parallel", "ep": "expert-parallel", "cp": "context-parallel", "pp": "pipeline",
+         "dp": "data-parallel/ZeRO"}
 
 
 def _attention(lay: Layout) -> str:
@@ -36,7 +37,8 @@ def header(shape: Shape, run: Run, hw: Hardware, devices: int, devices_per_host:
     hosts = max(1, devices // devices_per_host)
     host = (f"; host memory {hw.host_mem * mem_fraction / GB:.1f} per device, host↔device {hw.host_bw / GB:.0f} "
             f"GB/s each way (offload: only when nothing fits without it)" if hw.offloads else "")
-    return (f"{name} ({shape.params / 1e9:.2f}B parameters) on {devices} × {hw.name} ({hosts} host(s) of "
+    active = f", {shape.matmul_params / 1e9:.2f}B active per token" if shape.experts else ""
+    return (f"{name} ({shape.params / 1e9:.2f}B parameters{active}) on {devices} × {hw.name} ({hosts} host(s) of "
             f"{min(devices, devices_per_host)}), global batch {run.global_batch} × {run.seq_len} tokens, "
             f"{run.compute_dtype} compute, "
             f"{'fp32 master weights + Adam' if run.precision == 'fp32' else 'mixed precision (ZeRO paper)'}\n"

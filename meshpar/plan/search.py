@@ -1,8 +1,9 @@
 """The layout search: which mesh and settings train a model fastest on a given cluster, before renting it.
 
-`search` enumerates every factorisation of the device count into the five mesh axes (data, stage, fsdp,
-sequence, model) and every setting that changes memory or speed (ZeRO stage, Megatron SP, context
-attention mode, pipeline microbatches and repeats, remat, gradient accumulation), keeps the layouts that
+`search` enumerates every factorisation of the device count into the six mesh axes (data, stage, fsdp,
+expert, sequence, model; `expert` only for a mixture of experts, and dividing its experts) and every
+setting that changes memory or speed (ZeRO stage, Megatron SP, context attention mode, pipeline
+microbatches and repeats, remat, gradient accumulation), keeps the layouts that
 meshpar can build (`meshpar.plan.layout.check`: the training step's own checks), prunes what does not fit
 in memory, and ranks the rest by predicted step time (`meshpar.plan.time.estimate`). `best_layout` gives
 the winner as a mesh and `--set`-style overrides (for `launch.train --mesh auto`); `model_states` is the
@@ -14,8 +15,9 @@ and may cross hosts, priced at the network's bandwidth; ZeRO 2 and 3 over `fsdp`
 axis; ZeRO 1 holds more than 2 and sends more: meshpar all-reduces its whole gradient, then all-gathers
 the parameters); the zigzag order for context attention (balanced causal work); the GPipe/circular
 schedule with microbatches M ∈ {P, 2P, 4P, 8P} (the two largest the batch allows) and repeats R ∈ {1, 2,
-4}; and per layout only the fastest (remat, grad_accum) pair that fits. Layouts that differ only in how
-the batch ways split into data × fsdp are ranked once, by their fastest split. Host offload
+4}; a mixture's dispatch dropless (the default; `launch.plan --mesh` prices a capacity); and per layout
+only the fastest (remat, grad_accum) pair that fits. Layouts that differ only in how the batch ways split
+into data × fsdp are ranked once, by their fastest split. Host offload
 (`parallel.offload`, remat `offload`) only when no layout fits without it: its copies are priced as an
 upper bound (`meshpar.plan.time`), and the host's memory must hold what it moves there.
 """
@@ -102,15 +104,20 @@ def _meshes(shape: Shape, devices: int, dph: int, run: Run):
                 if shape.layers % stage:
                     continue
                 batch_ways = rest // (seq * stage)
-                for fsdp in divisors(batch_ways):
-                    if run.global_batch % batch_ways or (fsdp > 1 and parameter_problems(shape, 3, 1, fsdp, 1)):
-                        continue
-                    mesh = MeshConfig(data=batch_ways // fsdp, stage=stage, fsdp=fsdp, sequence=seq, model=model)
-                    try:
-                        host_split(mesh.sizes(), dph)
-                    except InputError:
-                        continue
-                    yield mesh
+                if run.global_batch % batch_ways:
+                    continue
+                # a dense model's batch needs no `expert` axis (it would be one more data-parallel axis)
+                for expert in [e for e in divisors(batch_ways) if shape.experts % e == 0] if shape.experts else [1]:
+                    for fsdp in divisors(batch_ways // expert):
+                        if fsdp > 1 and parameter_problems(shape, 3, 1, fsdp, 1):
+                            continue
+                        mesh = MeshConfig(data=batch_ways // (fsdp * expert), stage=stage, fsdp=fsdp, expert=expert,
+                                          sequence=seq, model=model)
+                        try:
+                            host_split(mesh.sizes(), dph)
+                        except InputError:
+                            continue
+                        yield mesh
 
 
 def _settings(shape: Shape, mesh: MeshConfig, run: Run):
@@ -119,7 +126,7 @@ def _settings(shape: Shape, mesh: MeshConfig, run: Run):
     sps = (False, True) if mesh.model > 1 else (False,)
     modes = CONTEXT_ATTENTION if mesh.sequence > 1 else ("ring",)
     P = mesh.stage
-    rows = run.global_batch // (mesh.data * mesh.fsdp)
+    rows = run.global_batch // (mesh.data * mesh.fsdp * mesh.expert)
     # the two largest microbatch counts (more microbatches: a smaller bubble and smaller passes)
     counts = [M for M in (8 * P, 4 * P, 2 * P, P) if rows % M == 0][:2]
     pipes = [(0, 1)] if P == 1 else [(M, R) for M in counts for R in (1, 2, 4) if shape.layers % (P * R) == 0]
@@ -142,7 +149,8 @@ class SearchResult:
 
 def _family(lay: Layout) -> tuple:
     """A layout up to its data × fsdp split (ranked once: the table lists the fastest split)."""
-    return lay.mesh.stage, lay.mesh.sequence, lay.mesh.model, dataclasses.replace(lay.parallel, offload="none")
+    return (lay.mesh.stage, lay.mesh.expert, lay.mesh.sequence, lay.mesh.model,
+            dataclasses.replace(lay.parallel, offload="none"))
 
 
 def _rank(e: Estimate) -> tuple[float, float]:

@@ -2,9 +2,12 @@
 
 The planner never restates the model: `Shape.of_model` builds it abstractly (nothing is allocated) and
 keeps, per parameter, its shape and the logical names it declares (`embed`, `heads`, `kv_heads`,
-`head_dim`, `mlp`, `vocab`, `layers`). The dimensions the formulas need are the sizes of those names:
-D = embed, N = heads, K = kv_heads, H = head_dim, F = mlp, V = vocab, L = layers. Which device holds which
-part of a tensor then follows from the same rules the training step uses (`meshpar.plan.layout`).
+`head_dim`, `mlp`, `vocab`, `layers`, and a mixture of experts' `experts`, `expert_mlp`). The dimensions the
+formulas need are the sizes of those names: D = embed, N = heads, K = kv_heads, H = head_dim, F = mlp, V =
+vocab, L = layers, E = experts, Fe = expert_mlp. Which device holds which part of a tensor then follows from
+the same rules the training step uses (`meshpar.plan.layout`). The one figure no parameter shape holds, a
+mixture's k (the experts each token is routed to), is given beside them: a token computes with k of the E
+experts, so its FLOPs count the experts' weights k/E times (the active parameters).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from collections.abc import Callable
 from flax import nnx
 
 from meshpar import sharding
+from meshpar.errors import InputError
 from meshpar.mfu import palm_flops_per_token
 
 Tensor = tuple[str, tuple[int, ...], tuple[str | None, ...]]  # (path, shape, logical axes)
@@ -24,18 +28,19 @@ Tensor = tuple[str, tuple[int, ...], tuple[str | None, ...]]  # (path, shape, lo
 @dataclasses.dataclass(frozen=True)
 class Shape:
     tensors: tuple[Tensor, ...]
+    experts_per_token: int = 0  # k of a mixture of experts (not read for a dense model)
 
     @classmethod
-    def of(cls, abstract_params: nnx.State) -> Shape:
+    def of(cls, abstract_params: nnx.State, experts_per_token: int = 0) -> Shape:
         """From a (possibly abstract) state of parameters that declare their logical axes."""
         return cls(tuple((sharding.path_name(path), tuple(v.shape), sharding.logical_axes(v, path))
-                         for path, v in nnx.to_flat_state(nnx.state(abstract_params, nnx.Param))))
+                         for path, v in nnx.to_flat_state(nnx.state(abstract_params, nnx.Param))), experts_per_token)
 
     @classmethod
-    def of_model(cls, make_model: Callable[[nnx.Rngs], nnx.Module]) -> Shape:
+    def of_model(cls, make_model: Callable[[nnx.Rngs], nnx.Module], experts_per_token: int = 0) -> Shape:
         """From a model factory (`rngs → model`), built abstractly: nothing is allocated."""
         with nnx.use_eager_sharding(False):  # meshpar, not Flax, resolves logical names
-            return cls.of(nnx.state(nnx.eval_shape(lambda: make_model(nnx.Rngs(0))), nnx.Param))
+            return cls.of(nnx.state(nnx.eval_shape(lambda: make_model(nnx.Rngs(0))), nnx.Param), experts_per_token)
 
     def __post_init__(self):
         # Derived once: the planner's search asks for them hundreds of thousands of times.
@@ -45,6 +50,10 @@ class Shape:
                 sizes.setdefault(name, dim)
         object.__setattr__(self, "_sizes", sizes)
         object.__setattr__(self, "_elements", tuple((math.prod(shape), names) for _, shape, names in self.tensors))
+        if self.experts and not 1 <= self.experts_per_token <= self.experts:
+            raise InputError(f"the model has {self.experts} experts (its 'experts' axis): give experts_per_token, the "
+                             f"experts each token is routed to, between 1 and {self.experts} (got "
+                             f"{self.experts_per_token})")
 
     def size(self, logical: str) -> int:
         """The size of the logical axis `logical` (1 if no parameter names it)."""
@@ -76,7 +85,22 @@ class Shape:
 
     @property
     def d_ff(self) -> int:
-        return self.size("mlp")
+        """The dense MLP's width (a mixture's shared experts'; 0 where no parameter names `mlp`)."""
+        return self._sizes.get("mlp", 0)
+
+    @property
+    def experts(self) -> int:
+        """E: a mixture's experts per layer (0: a dense model)."""
+        return self._sizes.get("experts", 0)
+
+    @property
+    def expert_width(self) -> int:
+        """Fe: an expert's SwiGLU width (0: a dense model)."""
+        return self._sizes.get("expert_mlp", 0)
+
+    def active(self, names: tuple[str | None, ...]) -> float:
+        """The share of a tensor with these logical axes that one token computes with: k/E of the experts."""
+        return self.experts_per_token / self.experts if "experts" in names else 1.0
 
     def elements(self) -> tuple[tuple[int, tuple[str | None, ...]], ...]:
         """(elements, logical axes) of every parameter, stacked layer tensors whole."""
@@ -96,12 +120,13 @@ class Shape:
         the output head too (tied)."""
         if names == ("vocab", "embed"):
             return not any(other == ("embed", "vocab") for *_, other in self.tensors)
-        return "embed" in names and len([n for n in names if n not in (None, "layers")]) > 1
+        return "embed" in names and len(names) - names.count("layers") > 1  # a router's [D, E] too
 
     @property
     def matmul_params(self) -> int:
-        """Parameters that take part in a matmul (`is_matmul`): PaLM's N."""
-        return sum(n for n, names in self.elements() if self.is_matmul(names))
+        """Parameters that take part in a token's matmuls (`is_matmul`; of the experts, the k active): PaLM's N."""
+        return sum(n * self.experts_per_token // self.experts if "experts" in names else n
+                   for n, names in self.elements() if self.is_matmul(names))
 
     def model_flops_per_token(self, seq_len: int, window: int = 0) -> float:
         """PaLM's 6Ψ + 12·L·N·H·T (`meshpar.mfu`); with a sliding window W < T, each query sees W keys, not T."""

@@ -1,18 +1,19 @@
 """Step time of one layout from its FLOPs, HBM traffic and collectives (`meshpar.plan.comm`).
 
-Overlap, stated: tensor-parallel, Ulysses / all-gather context-parallel and pipeline transfers are on the
-critical path (the next matmul needs them); ring attention's K/V permutes hide behind the block matmuls
-(exposed: what exceeds the attention compute); data-parallel / ZeRO traffic (gradient reduction, ZeRO-3
-weight gathers) runs asynchronously beside compute — exposed is what exceeds the step's compute, and at
-least one layer's share (the last gradients are reduced after the last backward layer).
+Overlap, stated: tensor-parallel, expert-parallel (the all-to-alls), Ulysses / all-gather context-parallel and
+pipeline transfers are on the critical path (the next matmul needs them); ring attention's K/V permutes hide
+behind the block matmuls (exposed: what exceeds the attention compute); data-parallel / ZeRO traffic
+(gradient reduction, ZeRO-3 weight gathers) runs asynchronously beside compute — exposed is what exceeds the
+step's compute, and at least one layer's share (the last gradients are reduced after the last backward layer).
 
 Compute: model FLOPs per token 6Ψ + 12·L·N·H·T (`meshpar.mfu`: PaLM's; the full T×T attention square, not
-halved for the causal mask — the convention MFU is reported in). What a device executes: forward
-2·Ψ_l + 4·N_l·H·T_kv per token (local, all-gather and Ulysses attention compute the masked half too;
-zigzag ring only the visible blocks, ≈ half), backward twice that, +1 forward of the layers with full
-remat, +1 attention forward with dots and with ring (its steps are rematerialised). Time = FLOPs / (peak ·
-efficiency) + HBM traffic of the non-matmul tensors (3 passes over the activations, / HBM bandwidth) per
-microbatch, for every pass of the pipeline schedule, plus the exposed communication, plus the optimizer
+halved for the causal mask — the convention MFU is reported in; Ψ of a mixture of experts: the active
+parameters, k of the E experts). What a device executes: forward 2·Ψ_l + 4·N_l·H·T_kv per token (the experts'
+weights once per row they compute per token: `layout.layer_matmul_params`; local, all-gather and Ulysses
+attention compute the masked half too; zigzag ring only the visible blocks, ≈ half), backward twice that,
++1 forward of the layers with full remat, +1 attention forward with dots and with ring (its steps are
+rematerialised). Time = FLOPs / (peak · efficiency) + HBM traffic of the non-matmul tensors (3 passes over
+the activations, / HBM bandwidth) per microbatch, for every pass of the pipeline schedule, plus the exposed communication, plus the optimizer
 update (memory-bound), plus the host↔device copies of offload.
 
 Host offload's copies (`comm.host_traffic`) are charged in full at `host_bw`·`net_efficiency`, one
@@ -32,8 +33,8 @@ from meshpar.hardware import Hardware
 from meshpar.mfu import mfu
 from meshpar.pipeline import schedule
 from meshpar.plan.comm import collective_time, collectives, host_traffic
-from meshpar.plan.layout import (PRECISIONS, Layout, Run, check, layer_applications, layer_matmul_params, local_dims,
-                                 local_elements)
+from meshpar.plan.layout import (PRECISIONS, Layout, Run, check, expert_rows, layer_applications, layer_matmul_params,
+                                 local_dims, local_elements)
 from meshpar.plan.memory import Memory, attention_bytes_per_token, memory
 from meshpar.plan.shape import Shape
 
@@ -92,7 +93,7 @@ def layer_flops_per_token(shape: Shape, lay: Layout, run: Run) -> tuple[float, f
     """(projection, attention) matmul FLOPs of one layer's forward pass per local token, on one device."""
     H, T, n = shape.head_dim, run.seq_len, lay.mesh.sequence
     _, _, N, *_ = local_dims(shape, lay, run)
-    proj = 2 * layer_matmul_params(shape, lay)
+    proj = 2 * layer_matmul_params(shape, lay, run)
     if run.flash_attention:
         keys = T / 2  # a fused kernel skips the masked blocks
     elif n > 1 and lay.parallel.context_attention == "ring" and lay.parallel.load_balance:
@@ -105,11 +106,16 @@ def layer_flops_per_token(shape: Shape, lay: Layout, run: Run) -> tuple[float, f
 def layer_traffic_per_token(shape: Shape, lay: Layout, run: Run) -> float:
     """Bytes one layer's non-matmul work writes per local token, on a GPU: the residual stream and two
     norms (float32 statistics and outputs), the region inputs, q, k, v and the attention output, SwiGLU's
-    three [F] tensors and their products, and what attention keeps of its scores."""
+    three [F] tensors and their products, and what attention keeps of its scores; a mixture's experts the
+    same per row of its buffers, and the buffers (send, receive, sorted, each way: 6 of D)."""
     D, H, e = shape.d_model, shape.head_dim, run.e
     _, _, N, K, F, _ = local_dims(shape, lay, run)
     sp = lay.mesh.model if lay.parallel.sequence_parallel else 1
-    return ((2 * e + 16) * D / sp + 2 * D * e + 2 * (N + K) * H * e + 6 * F * e
+    experts = 0.0
+    if shape.experts:
+        rows = expert_rows(shape, lay, run)[2]
+        experts = rows * (6 * shape.expert_width / lay.mesh.model + 6 * D) * e
+    return ((2 * e + 16) * D / sp + 2 * D * e + 2 * (N + K) * H * e + 6 * F * e + experts
             + attention_bytes_per_token(shape, lay, run))
 
 
@@ -152,8 +158,9 @@ def estimate(shape: Shape, lay: Layout, run: Run, hw: Hardware, devices_per_host
     compute, attn_s = compute_seconds(shape, lay, run, hw)
     timed = [(x, *collective_time(x, lay, hw, devices_per_host)) for x in collectives(shape, lay, run)]
     kind_s = {kind: sum(sec * x.count for x, _, sec in timed if x.kind == kind)
-              for kind in ("dp", "tp", "cp", "ring", "pp")}
-    exposed = {"tp": kind_s["tp"], "cp": kind_s["cp"] + max(0.0, kind_s["ring"] - attn_s), "pp": kind_s["pp"]}
+              for kind in ("dp", "tp", "ep", "cp", "ring", "pp")}
+    exposed = {"tp": kind_s["tp"], "ep": kind_s["ep"], "cp": kind_s["cp"] + max(0.0, kind_s["ring"] - attn_s),
+               "pp": kind_s["pp"]}
     critical = sum(exposed.values())
     dp = kind_s["dp"]
     exposed["dp"] = max(dp / max(1.0, shape.layers / lay.mesh.stage), dp - compute - critical)
