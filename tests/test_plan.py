@@ -541,7 +541,7 @@ def test_cli_json_and_one_mesh(capsys):
                    "--set", "train.grad_accum=8"])
     out = json.loads(capsys.readouterr().out)
     (row,) = out["layouts"]
-    assert row["mesh"] == {"data": 1, "stage": 1, "fsdp": 8, "sequence": 1, "model": 8}
+    assert row["mesh"] == {"data": 1, "stage": 1, "fsdp": 8, "expert": 1, "sequence": 1, "model": 8}
     assert row["sequence_parallel"] and row["remat"] == "full" and row["grad_accum"] == 8
     assert set(row["comm"]) == {"fsdp", "model"} and row["step_s"] > 0
 

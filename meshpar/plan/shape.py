@@ -98,10 +98,6 @@ class Shape:
         """Fe: an expert's SwiGLU width (0: a dense model)."""
         return self._sizes.get("expert_mlp", 0)
 
-    def active(self, names: tuple[str | None, ...]) -> float:
-        """The share of a tensor with these logical axes that one token computes with: k/E of the experts."""
-        return self.experts_per_token / self.experts if "experts" in names else 1.0
-
     def elements(self) -> tuple[tuple[int, tuple[str | None, ...]], ...]:
         """(elements, logical axes) of every parameter, stacked layer tensors whole."""
         return self._elements
