@@ -57,7 +57,7 @@ def test_train_writes_the_report(trained):
             "compile_s"} <= report.keys()
     assert report["devices"] == 8
     assert report["processes"] == 1
-    assert report["mesh"] == {"data": 2, "stage": 1, "fsdp": 4, "sequence": 1, "model": 1}
+    assert report["mesh"] == {"data": 2, "stage": 1, "fsdp": 4, "expert": 1, "sequence": 1, "model": 1}
     # tiny with one layer: 2·V·D embeddings + one block + the final norm
     model = config_lib.apply(configs.load("tiny"), ["model.n_layers=1"]).model
     D, F, V = model.d_model, model.d_ff, model.vocab_size
