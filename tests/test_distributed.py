@@ -174,12 +174,13 @@ def processes_along(grid: np.ndarray, axis: str) -> set[int]:
 def test_model_and_sequence_stay_inside_a_host():
     sizes = mesh_lib.parse("data=4,fsdp=2,sequence=2,model=2").resolve(32).sizes()
     grid = mesh_lib.device_grid(sizes, hosts(4, 8))
-    assert grid.shape == (4, 1, 2, 2, 2)
+    assert grid.shape == (4, 1, 2, 1, 2, 2)
     assert processes_along(grid, "model") == {1} and processes_along(grid, "sequence") == {1}
     assert processes_along(grid, "fsdp") == {1} and processes_along(grid, "data") == {4}
     assert sorted(d.id for d in grid.flat) == list(range(32))
-    assert mesh_lib.host_split(sizes, 8) == ({"data": 1, "stage": 1, "fsdp": 2, "sequence": 2, "model": 2},
-                                             {"data": 4, "stage": 1, "fsdp": 1, "sequence": 1, "model": 1})
+    assert mesh_lib.host_split(sizes, 8) == (
+        {"data": 1, "stage": 1, "fsdp": 2, "expert": 1, "sequence": 2, "model": 2},
+        {"data": 4, "stage": 1, "fsdp": 1, "expert": 1, "sequence": 1, "model": 1})
 
 
 def test_an_axis_larger_than_a_host_is_split_inside_and_across():
@@ -202,7 +203,7 @@ def test_model_spanning_hosts_warns(monkeypatch):
 
 def test_unequal_hosts_are_refused():
     with pytest.raises(ValueError, match=r"processes hold different numbers of devices \(\[2, 4\]\)"):
-        mesh_lib.device_grid({"data": 6, "stage": 1, "fsdp": 1, "sequence": 1, "model": 1},
+        mesh_lib.device_grid({"data": 6, "stage": 1, "fsdp": 1, "expert": 1, "sequence": 1, "model": 1},
                              hosts(1, 4) + [FakeDevice(10, 1), FakeDevice(11, 1)])
 
 
