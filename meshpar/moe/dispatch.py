@@ -27,12 +27,14 @@ Two ways to size R (`parallel.expert_capacity`):
   El · C and the buffer is the GShard layout [ep, El, C, D]: the experts run as one batched matmul over
   [El, ep · C, D], no sort on arrival.
 
-Collectives per MoE layer per device (forward; the backward pass runs the transposes, as many again):
-| what                          | collective           | count | bytes each                        |
-|-------------------------------|----------------------|-------|-----------------------------------|
-| rows to their experts, back   | all-to-all (expert)  | 2     | ep · R · D · bytes (a 1/ep stays) |
-| the rows' expert ids          | all-to-all (expert)  | 1     | ep · R · 4 (dropless only)        |
-| TP: the experts' outputs      | all-reduce (model)   | 1     | n · D · bytes                     |
+Collectives per MoE layer per device (a remat policy other than `none` runs the forward ones again in the
+backward pass; `meshpar.plan.comm` counts them so, and the tests hold it to the compiled step):
+| what                                | collective           | count fwd + bwd | bytes each                        |
+|-------------------------------------|----------------------|-----------------|-----------------------------------|
+| rows to their experts, back         | all-to-all (expert)  | 2 + 2           | ep · R · D · bytes (a 1/ep stays) |
+| the rows' expert ids                | all-to-all (expert)  | 1 + 0           | ep · R · 4 (dropless only)        |
+| TP: the experts' outputs            | all-reduce (model)   | 1 + 0           | n · D · bytes                     |
+| TP: the received rows' gradient     | all-reduce (model)   | 0 + 2           | ep · R · D · bytes (gate, up)     |
 
 When it pays. An expert's weights (3·D·F) stay on their devices and only tokens move: per token and layer
 2·k·D values each way, against 6·k·D·F FLOPs of expert compute, so the all-to-all hides behind the
