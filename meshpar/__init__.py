@@ -6,6 +6,7 @@ The map (one idea per module; a wing is a folder):
     context, layers, remat     how a step computes: the active mesh and rules, the layer scan, remat policies
     attention/                 kernels (dense, blockwise, cuDNN), zigzag order, ring / all-gather / Ulysses
     pipeline/                  schedule arithmetic, shared stage machinery, order at rest, GPipe, 1F1B
+    moe/                       routing and the router's losses; the dispatch to the experts over `expert`
     loss, offload, train       chunked cross-entropy; host memory; the state, init and the jitted step
     run, data, checkpoint      the loop and its hooks; batches; orbax save/restore onto any mesh
     distributed, generate      several processes; a KV-cache decoder
@@ -25,4 +26,7 @@ Shape letters, one meaning each across the engine (suffixes of array names, `x_B
     J  layers per stage and repeat      W  1F1B stash entries
     A  gradient-accumulation steps      Z  batch shards (data × fsdp); Y the replicas among them, X the rest
     C  chunks of a sequence             Ψ  parameters       e  bytes per element of the compute dtype (planner)
+    E  experts (in a device's dispatch: its share)          k  experts per token        n  a device's tokens
+    Q  a device's assignments (n·k)     r  rows it sends each expert shard (x: the shards)   I  rows it receives
+    U  an expert's capacity
 """

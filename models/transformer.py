@@ -222,7 +222,7 @@ class MoE(nnx.Module):
         x_BTD = relayout(x_BTD, RESIDUAL, REGION_INPUT)
         logits_BTE = jnp.einsum("btd,de->bte", x_BTD, cast(self.w_router_DE), preferred_element_type=jnp.float32)
         routes = moe.route(logits_BTE, self.cfg.experts_per_token, self.cfg.norm_topk_prob)
-        y_BTD, dropped_B = moe.experts_ffn(x_BTD, routes.experts_BTK, routes.weights_BTK, cast(self.w_gate_EDF),
+        y_BTD, dropped_B = moe.experts_ffn(x_BTD, routes.experts_BTk, routes.weights_BTk, cast(self.w_gate_EDF),
                                            cast(self.w_up_EDF), cast(self.w_down_EFD), moe.capacity())
         if self.cfg.n_shared_experts:
             y_BTD = y_BTD + self.shared(x_BTD)

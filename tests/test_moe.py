@@ -13,7 +13,7 @@ import pytest
 
 from conftest import require_devices
 from layouts import MeshRun, max_relative_error, param_bytes
-from meshpar import compiler, context, mesh as mesh_lib, rules as rules_lib, train
+from meshpar import context, mesh as mesh_lib, rules as rules_lib, train
 from meshpar.errors import InputError
 from meshpar.moe import dispatch, routing
 from models.transformer import TransformerConfig

@@ -1,40 +1,41 @@
 """The experts' feed-forward: tokens sent to the devices of their experts, computed, sent back, combined.
 
-Letters: E experts, El = E / ep of them on each device (ep: the `expert` mesh axis), k choices per token,
-n tokens on a device, S = n·k assignments, R rows a device sends to each expert shard, D d_model, F an
-expert's width (F / model under tensor parallelism).
+Letters (`meshpar/__init__.py`): E experts, El = E / ep of them on each device (ep: the `expert` mesh
+axis), k experts per token, n tokens on a device, Q = n·k its assignments, r rows a device sends to each
+expert shard (x: the expert shards, in a buffer's name), I = ep · r rows it receives, U an expert's capacity,
+D d_model, F an expert's width (F / model under tensor parallelism).
 
 What is sharded. The expert weights [E, D, F] are split over `expert` (E) and `model` (F, Megatron inside
 each expert); at rest also over `fsdp` (D, ZeRO-3: gathered for compute like any weight). The batch is
 split over `expert` too (with `data` and `fsdp`), so every device routes its own n tokens.
 
 The dispatch, per MoE layer, inside one `jax.shard_map` (manual over the batch, sequence, expert and model
-axes): each device sorts its S assignments by expert, writes them into a send buffer [ep, R, D] (row block
+axes): each device sorts its Q assignments by expert, writes them into a send buffer [ep, r, D] (row block
 j for the experts of expert shard j), and ONE all-to-all over `expert` swaps the blocks, so each device
 holds the rows for its own El experts from every device. It computes them and a second all-to-all sends
 the results back, where each assignment's output is weighed and added to its token. Under tensor
 parallelism each `model` shard computes its F / model slice of every expert and the token outputs are
 summed over `model` (one all-reduce of [n, D]).
 
-Two ways to size R (`parallel.expert_capacity`):
+Two ways to size r (`parallel.expert_capacity`):
 - dropless (0, the default): no assignment is ever dropped. The rows a device sends to one expert shard
-  are at most n · min(k, El) (a token's k experts are distinct), so R is that, the rows are packed in
+  are at most n · min(k, El) (a token's k experts are distinct), so r is that, the rows are packed in
   expert order, and the experts run as grouped matmuls over the sorted rows (`jax.lax.ragged_dot`,
   group sizes from the counts). The buffers are sized for the worst case: with ep > 1 a device sends and
-  receives ep · R rows, up to ep times the rows that carry a token.
-- capacity c > 0: each expert takes at most C = ceil(c · n · k / E) assignments of a device's tokens (in
-  token order; the rest are dropped, their tokens keep only the residual and any shared expert), so R =
-  El · C and the buffer is the GShard layout [ep, El, C, D]: the experts run as one batched matmul over
-  [El, ep · C, D], no sort on arrival.
+  receives ep · r rows, up to ep times the rows that carry a token.
+- capacity c > 0: each expert takes at most U = ceil(c · n · k / E) assignments of a device's tokens (in
+  token order; the rest are dropped, their tokens keep only the residual and any shared expert), so r =
+  El · U and the buffer is the GShard layout [ep, El, U, D]: the experts run as one batched matmul over
+  [El, ep · U, D], no sort on arrival.
 
 Collectives per MoE layer per device (a remat policy other than `none` runs the forward ones again in the
 backward pass; `meshpar.plan.comm` counts them so, and the tests hold it to the compiled step):
 | what                                | collective           | count fwd + bwd | bytes each                        |
 |-------------------------------------|----------------------|-----------------|-----------------------------------|
-| rows to their experts, back         | all-to-all (expert)  | 2 + 2           | ep · R · D · bytes (a 1/ep stays) |
-| the rows' expert ids                | all-to-all (expert)  | 1 + 0           | ep · R · 4 (dropless only)        |
+| rows to their experts, back         | all-to-all (expert)  | 2 + 2           | ep · r · D · bytes (a 1/ep stays) |
+| the rows' expert ids                | all-to-all (expert)  | 1 + 0           | ep · r · 4 (dropless only)        |
 | TP: the experts' outputs            | all-reduce (model)   | 1 + 0           | n · D · bytes                     |
-| TP: the received rows' gradient     | all-reduce (model)   | 0 + 2           | ep · R · D · bytes (gate, up)     |
+| TP: the received rows' gradient     | all-reduce (model)   | 0 + 2           | ep · r · D · bytes (gate, up)     |
 
 When it pays. An expert's weights (3·D·F) stay on their devices and only tokens move: per token and layer
 2·k·D values each way, against 6·k·D·F FLOPs of expert compute, so the all-to-all hides behind the
@@ -66,17 +67,17 @@ def capacity() -> float:
 
 
 def rows_per_shard(n: int, k: int, experts: int, shards: int, capacity: float) -> int:
-    """R: the rows a device sends to each expert shard (module docstring)."""
+    """r: the rows a device sends to each expert shard (module docstring)."""
     local = experts // shards
     return n * min(k, local) if not capacity else local * expert_capacity(n, k, experts, capacity)
 
 
 def expert_capacity(n: int, k: int, experts: int, capacity: float) -> int:
-    """C: the assignments of a device's n tokens one expert takes at capacity factor `capacity`."""
+    """U: the assignments of a device's n tokens one expert takes at capacity factor `capacity`."""
     return min(n * k, math.ceil(capacity * n * k / experts))
 
 
-def experts_ffn(x_BTD: jax.Array, experts_BTK: jax.Array, weights_BTK: jax.Array, w_gate_EDF: jax.Array,
+def experts_ffn(x_BTD: jax.Array, experts_BTk: jax.Array, weights_BTk: jax.Array, w_gate_EDF: jax.Array,
                 w_up_EDF: jax.Array, w_down_EFD: jax.Array, capacity: float = 0.0) -> tuple[jax.Array, jax.Array]:
     """Σ over each token's k experts of weight · SwiGLU_e(x), and the assignments dropped per row [B].
 
@@ -85,14 +86,14 @@ def experts_ffn(x_BTD: jax.Array, experts_BTK: jax.Array, weights_BTK: jax.Array
     compute = context.active()
     local = functools.partial(_local, capacity=capacity, experts=w_gate_EDF.shape[0])
     if compute is None:
-        return local(x_BTD, experts_BTK, weights_BTK, w_gate_EDF, w_up_EDF, w_down_EFD, expert_axis=None, model=())
+        return local(x_BTD, experts_BTk, weights_BTk, w_gate_EDF, w_up_EDF, w_down_EFD, expert_axis=None, model=())
     mesh, table = compute.mesh, compute.rules.table("activations")
     spec = lambda logical, x: sharding.spec_for(logical, x.shape, table, mesh.shape, f"MoE input {logical}")
     tokens, gate_up, down = spec(TOKENS, x_BTD), spec(GATE_UP, w_gate_EDF), spec(DOWN, w_down_EFD)
     routes, rows = P(*tokens[:2], None), P(tokens[0])
     names = set(sharding.spec_axes(tokens) + sharding.spec_axes(gate_up) + compute.vmapped)
     if not names:
-        return local(x_BTD, experts_BTK, weights_BTK, w_gate_EDF, w_up_EDF, w_down_EFD, expert_axis=None, model=())
+        return local(x_BTD, experts_BTk, weights_BTk, w_gate_EDF, w_up_EDF, w_down_EFD, expert_axis=None, model=())
     expert_axis = "expert" if "expert" in sharding.spec_axes(gate_up) else None
     model = tuple(a for a in sharding.spec_axes(gate_up[2:]))
     body = functools.partial(local, expert_axis=expert_axis, model=model, vmapped=bool(compute.vmapped))
@@ -101,66 +102,66 @@ def experts_ffn(x_BTD: jax.Array, experts_BTK: jax.Array, weights_BTK: jax.Array
     names |= {axis for axis, size in mesh.shape.items() if size == 1}
     return jax.shard_map(body, mesh=mesh, axis_names=names, in_specs=(tokens, routes, routes, gate_up, gate_up, down),
                          out_specs=(tokens, rows), check_vma=not compute.vmapped)(
-        x_BTD, experts_BTK, weights_BTK, w_gate_EDF, w_up_EDF, w_down_EFD)
+        x_BTD, experts_BTk, weights_BTk, w_gate_EDF, w_up_EDF, w_down_EFD)
 
 
-def grouped_matmul(x_MD: jax.Array, w_eDF: jax.Array, sizes_e: jax.Array, vmapped: bool) -> jax.Array:
-    """Rows [M, D] in groups of `sizes_e` consecutive rows, group e times w_eDF[e] (rows past the groups: 0):
+def grouped_matmul(x_ID: jax.Array, w_EDF: jax.Array, sizes_E: jax.Array, vmapped: bool) -> jax.Array:
+    """Rows [I, D] in groups of `sizes_E` consecutive rows, group e times w_EDF[e] (rows past the groups: 0):
     `jax.lax.ragged_dot`. Under a vmap (`vmapped`: the pipeline's lanes, accumulation's replicas), whose
     batching rule ragged_dot lacks for these layouts, as one matmul of the rows masked per group — what
     XLA:CPU runs for ragged_dot anyway, but El times the FLOPs of a GPU's grouped kernel."""
     if not vmapped:
-        return jax.lax.ragged_dot(x_MD, w_eDF, sizes_e)
-    group_M = jnp.searchsorted(jnp.cumsum(sizes_e), jnp.arange(x_MD.shape[0]), side="right")
-    x_eMD = jnp.where((group_M == jnp.arange(w_eDF.shape[0])[:, None])[..., None], x_MD, 0)
-    return jnp.einsum("emd,edf->mf", x_eMD, w_eDF)
+        return jax.lax.ragged_dot(x_ID, w_EDF, sizes_E)
+    group_I = jnp.searchsorted(jnp.cumsum(sizes_E), jnp.arange(x_ID.shape[0]), side="right")
+    x_EID = jnp.where((group_I == jnp.arange(w_EDF.shape[0])[:, None])[..., None], x_ID, 0)
+    return jnp.einsum("eid,edf->if", x_EID, w_EDF)
 
 
-def _local(x_btD, experts_btK, weights_btK, w_gate_eDF, w_up_eDF, w_down_eFD, *, capacity: float, experts: int,
+def _local(x_btD, experts_btk, weights_btk, w_gate_EDF, w_up_EDF, w_down_EFD, *, capacity: float, experts: int,
            expert_axis: str | None, model: tuple[str, ...], vmapped: bool = False) -> tuple[jax.Array, jax.Array]:
-    """One device's dispatch (module docstring); `e` = El local experts."""
+    """One device's dispatch (module docstring): its El experts' weights, E / El = ep expert shards."""
     b, t, D = x_btD.shape
-    K, E, El = experts_btK.shape[-1], experts, w_gate_eDF.shape[0]
+    k, E, El = experts_btk.shape[-1], experts, w_gate_EDF.shape[0]
     ep, n = E // El, b * t
-    S, R = n * K, rows_per_shard(n, K, E, E // El, capacity)
+    Q, r = n * k, rows_per_shard(n, k, E, ep, capacity)
     # The assignments sorted by expert (stable: in token order within an expert).
-    expert_S = experts_btK.reshape(S)
-    order_S = jnp.argsort(expert_S, stable=True)
-    expert_S, token_S = expert_S[order_S], order_S // K
-    counts_E = jnp.zeros((E,), jnp.int32).at[expert_S].add(1)
-    rank_S = jnp.arange(S) - (jnp.cumsum(counts_E) - counts_E)[expert_S]  # place within its expert
-    shard_S, local_S = expert_S // El, expert_S % El
+    expert_Q = experts_btk.reshape(Q)
+    order_Q = jnp.argsort(expert_Q, stable=True)
+    expert_Q, token_Q = expert_Q[order_Q], order_Q // k
+    counts_E = jnp.zeros((E,), jnp.int32).at[expert_Q].add(1)
+    rank_Q = jnp.arange(Q) - (jnp.cumsum(counts_E) - counts_E)[expert_Q]  # place within its expert
+    shard_Q, local_Q = expert_Q // El, expert_Q % El
     if capacity:
-        C = R // El
-        kept_S = rank_S < C
-        row_S = jnp.where(kept_S, local_S * C + rank_S, R)
+        U = r // El
+        kept_Q = rank_Q < U
+        row_Q = jnp.where(kept_Q, local_Q * U + rank_Q, r)
     else:  # packed in expert order within each expert shard's block
-        kept_S = jnp.ones((S,), bool)
-        first_S = (jnp.cumsum(counts_E) - counts_E).reshape(ep, El)[:, 0]
-        row_S = jnp.arange(S) - first_S[shard_S]
+        kept_Q = jnp.ones((Q,), bool)
+        first_Q = (jnp.cumsum(counts_E) - counts_E).reshape(ep, El)[:, 0]
+        row_Q = jnp.arange(Q) - first_Q[shard_Q]
     x_nD = x_btD.reshape(n, D)
-    send_xRD = jnp.zeros((ep, R, D), x_btD.dtype).at[shard_S, row_S].set(x_nD[token_S], mode="drop")
+    send_xrD = jnp.zeros((ep, r, D), x_btD.dtype).at[shard_Q, row_Q].set(x_nD[token_Q], mode="drop")
     swap = (lambda a: jax.lax.all_to_all(a, expert_axis, 0, 0)) if expert_axis else (lambda a: a)
-    recv_xRD = swap(send_xRD)
-    if capacity:  # [ep, El, C, D] → [El, ep·C, D]: one batched matmul per expert
-        x_eCD = recv_xRD.reshape(ep, El, C, D).swapaxes(0, 1).reshape(El, ep * C, D)
-        gate, up = (jnp.einsum("ecd,edf->ecf", x_eCD, w) for w in (w_gate_eDF, w_up_eDF))
-        y_eCD = jnp.einsum("ecf,efd->ecd", jax.nn.silu(gate) * up, w_down_eFD)
-        y_xRD = y_eCD.reshape(El, ep, C, D).swapaxes(0, 1).reshape(ep, R, D)
+    recv_xrD = swap(send_xrD)
+    if capacity:  # [ep, El, U, D] → [El, ep·U, D]: one batched matmul per expert
+        x_EUD = recv_xrD.reshape(ep, El, U, D).swapaxes(0, 1).reshape(El, ep * U, D)
+        gate, up = (jnp.einsum("eud,edf->euf", x_EUD, w) for w in (w_gate_EDF, w_up_EDF))
+        y_EUD = jnp.einsum("euf,efd->eud", jax.nn.silu(gate) * up, w_down_EFD)
+        y_xrD = y_EUD.reshape(El, ep, U, D).swapaxes(0, 1).reshape(ep, r, D)
     else:  # rows from every device, sorted by local expert (unfilled rows: El, last), grouped matmuls
-        local_xR = swap(jnp.full((ep, R), El, jnp.int32).at[shard_S, row_S].set(local_S, mode="drop"))
-        local_M = local_xR.reshape(ep * R)
-        arrival_M = jnp.argsort(local_M, stable=True)
-        sizes_e = jnp.zeros((El + 1,), jnp.int32).at[local_M].add(1)[:El]
-        x_MD = recv_xRD.reshape(ep * R, D)[arrival_M]
-        gate, up = (grouped_matmul(x_MD, w, sizes_e, vmapped) for w in (w_gate_eDF, w_up_eDF))
-        y_MD = grouped_matmul(jax.nn.silu(gate) * up, w_down_eFD, sizes_e, vmapped)
-        y_xRD = jnp.zeros_like(y_MD).at[arrival_M].set(y_MD).reshape(ep, R, D)
-    back_xRD = swap(y_xRD)
-    y_SD = back_xRD.at[shard_S, row_S].get(mode="fill", fill_value=0)
-    y_SD = y_SD * weights_btK.reshape(S)[order_S][:, None].astype(y_SD.dtype)
-    y_nD = jnp.zeros((n, D), y_SD.dtype).at[token_S].add(y_SD)
+        local_xr = swap(jnp.full((ep, r), El, jnp.int32).at[shard_Q, row_Q].set(local_Q, mode="drop"))
+        local_I = local_xr.reshape(ep * r)
+        arrival_I = jnp.argsort(local_I, stable=True)
+        sizes_E = jnp.zeros((El + 1,), jnp.int32).at[local_I].add(1)[:El]
+        x_ID = recv_xrD.reshape(ep * r, D)[arrival_I]
+        gate, up = (grouped_matmul(x_ID, w, sizes_E, vmapped) for w in (w_gate_EDF, w_up_EDF))
+        y_ID = grouped_matmul(jax.nn.silu(gate) * up, w_down_EFD, sizes_E, vmapped)
+        y_xrD = jnp.zeros_like(y_ID).at[arrival_I].set(y_ID).reshape(ep, r, D)
+    back_xrD = swap(y_xrD)
+    y_QD = back_xrD.at[shard_Q, row_Q].get(mode="fill", fill_value=0)
+    y_QD = y_QD * weights_btk.reshape(Q)[order_Q][:, None].astype(y_QD.dtype)
+    y_nD = jnp.zeros((n, D), y_QD.dtype).at[token_Q].add(y_QD)
     if model:  # each model shard summed its F slice
         y_nD = jax.lax.psum(y_nD, model)
-    dropped_b = jnp.zeros((b,), jnp.float32).at[token_S // t].add((~kept_S).astype(jnp.float32))
+    dropped_b = jnp.zeros((b,), jnp.float32).at[token_Q // t].add((~kept_Q).astype(jnp.float32))
     return y_nD.reshape(b, t, D), dropped_b

@@ -43,8 +43,8 @@ class RouterStats(NamedTuple):
 
 
 class Routes(NamedTuple):
-    experts_BTK: jax.Array  # int32 expert ids, best first
-    weights_BTK: jax.Array  # what each chosen expert's output is multiplied by (float32)
+    experts_BTk: jax.Array  # int32 expert ids, best first
+    weights_BTk: jax.Array  # what each chosen expert's output is multiplied by (float32)
     stats: RouterStats  # this layer's share (dropped: 0, the dispatch counts it)
 
 
@@ -52,14 +52,14 @@ def route(logits_BTE: jax.Array, k: int, norm_topk_prob: bool) -> Routes:
     """The top-k experts of every token and their weights, from router logits [B, T, E]."""
     logits_BTE = logits_BTE.astype(jnp.float32)
     probs_BTE = jax.nn.softmax(logits_BTE, axis=-1)
-    top_BTK, experts_BTK = jax.lax.top_k(probs_BTE, k)
+    top_BTk, experts_BTk = jax.lax.top_k(probs_BTE, k)
     if norm_topk_prob:
-        top_BTK = top_BTK / top_BTK.sum(-1, keepdims=True)
+        top_BTk = top_BTk / top_BTk.sum(-1, keepdims=True)
     E = logits_BTE.shape[-1]
-    counts_BE = jnp.sum(jax.nn.one_hot(experts_BTK, E, dtype=jnp.float32), axis=(1, 2))
+    counts_BE = jnp.sum(jax.nn.one_hot(experts_BTk, E, dtype=jnp.float32), axis=(1, 2))
     z_B = jnp.sum(jnp.square(jax.nn.logsumexp(logits_BTE, axis=-1)), axis=1)
     stats = RouterStats(counts_BE, probs_BTE.sum(1), z_B, jnp.zeros_like(z_B))
-    return Routes(experts_BTK.astype(jnp.int32), top_BTK, stats)
+    return Routes(experts_BTk.astype(jnp.int32), top_BTk, stats)
 
 
 def assignments(stats: RouterStats) -> jax.Array:
