@@ -4,17 +4,19 @@ Token embedding, pre-norm blocks (RMSNorm → grouped-query causal attention wit
 RMSNorm → SwiGLU MLP), a final RMSNorm and an output head, tied to the embedding or not. The options of
 the open families are config fields, not other models: biases on q, k and v (Qwen 2), an RMSNorm of each
 query and key head before the rotation (Qwen 3), a head dim of its own (Qwen 3), scaled rotary positions
-(Llama 3.1: `models/rope.py`), tied embeddings, each family's RoPE base and norm epsilon. The blocks are
+(Llama 3.1: `models/rope.py`), tied embeddings, each family's RoPE base and norm epsilon, and a mixture of
+experts in place of every MLP (Mixtral, Qwen3-MoE: `MoE`, routed by `meshpar.moe`). The blocks are
 stacked along a leading `layers` axis and run with `lax.scan`, so compile time does not grow with depth
 and the pipeline can split that axis into stages. Its forward pass also comes in the parts the 1F1B
 schedule takes (`embed`, `blocks`, `final_norm`, `output_head`: `meshpar.pipeline.one_f_one_b`).
 
-The model names LOGICAL axes only (`embed`, `heads`, `kv_heads`, `head_dim`, `mlp`, `vocab`, `layers`
-for parameters; `batch`, `seq` for activations); meshpar's rules decide where they live. Parameters are
+The model names LOGICAL axes only (`embed`, `heads`, `kv_heads`, `head_dim`, `mlp`, `vocab`, `layers`,
+`experts`, `expert_mlp` for parameters; `batch`, `seq` for activations); meshpar's rules decide where they
+live. Parameters are
 float32; `dtype` is the compute dtype, to which parameters are cast where they are used.
 
-Shape letters: B batch, T sequence, D d_model, N query heads, K kv heads, H head dim, F d_ff, V vocab, X
-query or kv heads.
+Shape letters: B batch, T sequence, D d_model, N query heads, K kv heads, H head dim, F d_ff (or an expert's
+width), V vocab, X query or kv heads, E experts, k experts per token.
 """
 
 from __future__ import annotations
