@@ -124,6 +124,9 @@ LAYOUTS = [
     pytest.param("data=2,expert=4", rules_lib.ParallelConfig(), id="dp2-ep4"),
     pytest.param("expert=2,fsdp=2,model=2", rules_lib.ParallelConfig(), id="ep2-fsdp2-tp2"),
     pytest.param("expert=2,sequence=2,data=2", rules_lib.ParallelConfig(context_attention="ring"), id="ep2-ring-cp2"),
+    pytest.param("expert=2,sequence=2,data=2", rules_lib.ParallelConfig(context_attention="ulysses"),
+                 id="ep2-ulysses-cp2"),
+    pytest.param("expert=2,data=2,model=2", rules_lib.ParallelConfig(sequence_parallel=True), id="ep2-tp2-sp"),
     pytest.param("stage=2,expert=2,data=2", rules_lib.ParallelConfig(microbatches=2), id="gpipe2-ep2"),
     pytest.param("data=2,expert=4", rules_lib.ParallelConfig(expert_capacity=4.0), id="dp2-ep4-capacity"),
 ]

@@ -62,21 +62,21 @@ def route(logits_BTE: jax.Array, k: int, norm_topk_prob: bool) -> Routes:
     return Routes(experts_BTk.astype(jnp.int32), top_BTk, stats)
 
 
-def assignments(stats: RouterStats) -> jax.Array:
-    """The number of (token, layer) pairs the stats pool: Σ counts / k, as a float."""
-    return stats.probs_BE.sum()  # every token adds 1 to the probabilities' sum in every layer
+def token_layers(stats: RouterStats) -> jax.Array:
+    """The number of (token, layer) pairs the stats pool, a constant: each adds 1 to the probabilities' sum."""
+    return jax.lax.stop_gradient(stats.probs_BE.sum())
 
 
 def balance_loss(stats: RouterStats) -> jax.Array:
     """E · Σ_e f_e · P_e over the pooled tokens and layers (module docstring)."""
     counts_E, probs_E = stats.counts_BE.sum(0), stats.probs_BE.sum(0)
-    n = assignments(stats)
+    n = token_layers(stats)
     return counts_E.shape[0] * jnp.sum((counts_E / n) * (probs_E / n))
 
 
 def z_loss(stats: RouterStats) -> jax.Array:
     """The mean over the pooled tokens and layers of logsumexp(router logits)²."""
-    return stats.z_B.sum() / assignments(stats)
+    return stats.z_B.sum() / token_layers(stats)
 
 
 # What a step of a mixture of experts reports beside its loss (`metrics`), in this order.
