@@ -13,8 +13,8 @@ weights once per row they compute per token: `layout.layer_matmul_params`; local
 attention compute the masked half too; zigzag ring only the visible blocks, ≈ half), backward twice that,
 +1 forward of the layers with full remat, +1 attention forward with dots and with ring (its steps are
 rematerialised). Time = FLOPs / (peak · efficiency) + HBM traffic of the non-matmul tensors (3 passes over
-the activations, / HBM bandwidth) per microbatch, for every pass of the pipeline schedule, plus the exposed communication, plus the optimizer
-update (memory-bound), plus the host↔device copies of offload.
+the activations, / HBM bandwidth) per microbatch, for every pass of the pipeline schedule, plus the exposed
+communication, plus the optimizer update (memory-bound), plus the host↔device copies of offload.
 
 Host offload's copies (`comm.host_traffic`) are charged in full at `host_bw`·`net_efficiency`, one
 direction after the other: not overlapped with compute or with each other. An upper bound, stated: the
