@@ -25,11 +25,11 @@ collective-permute size.
   vocab-parallel loss all-reduces its softmax statistics [b, t] forward and the hidden states' float32
   gradient backward. Not overlapped (critical path).
 - expert parallelism (`meshpar.moe.dispatch`'s table) per MoE layer per microbatch: all-to-alls over `expert`
-  of ep·R·D·e, the rows out and back, forward 2 and backward 2 (their transposes), + 1 of the rows' int32
-  expert ids ep·R·4 forward (dropless); every remat policy but `none` runs the forward's again in the
+  of ep·r·D·e, the rows out and back, forward 2 and backward 2 (their transposes), + 1 of the rows' int32
+  expert ids ep·r·4 forward (dropless); every remat policy but `none` runs the forward's again in the
   backward pass (they are no matmul results: measured on the compiled step). Under tensor parallelism a MoE
   layer's MLP all-reduces are the experts' output [b·t, D] forward, and backward the gradient of the rows
-  received, per row ep·R·D·e, twice (gate and up), and of the combine weights (n·k float32), in place of the
+  received, per row ep·r·D·e, twice (gate and up), and of the combine weights (n·k float32), in place of the
   dense MLP's. XLA:CPU widens the bfloat16 all-to-alls to float32 (`cpu=True`). Exposed (the experts wait
   for their rows).
 - context parallelism per layer per microbatch: all-gather K, V (2·b·T·K_l·H·e) + reduce-scatter of
@@ -166,8 +166,8 @@ def _tensor_parallel(shape: Shape, lay: Layout, run: Run, cpu: bool) -> list[Col
     mb = passes(lay) if lay.mesh.stage > 1 else lay.grad_accum
     if shape.experts:  # the rows' input gradients (gate, up) and the combine weights' replace dgate, dup
         reduces -= 2
-        R, *_ = expert_rows(shape, lay, run)
-        out.append(Collective(("model",), "all-reduce", lay.mesh.expert * R * D * run.e, 2 * layer_steps, "tp"))
+        r, *_ = expert_rows(shape, lay, run)
+        out.append(Collective(("model",), "all-reduce", lay.mesh.expert * r * D * run.e, 2 * layer_steps, "tp"))
         out.append(Collective(("model",), "all-reduce", b * t * shape.experts_per_token * 4, layer_steps, "tp"))
     rs, rs_bytes = ("all-reduce", a) if cpu else ("reduce-scatter", a / m)
     if lay.parallel.sequence_parallel:
@@ -188,12 +188,12 @@ def _tensor_parallel(shape: Shape, lay: Layout, run: Run, cpu: bool) -> list[Col
 
 def _expert_parallel(shape: Shape, lay: Layout, run: Run, cpu: bool) -> list[Collective]:
     """The dispatch's all-to-alls over `expert`, per MoE layer per microbatch pass."""
-    R, *_ = expert_rows(shape, lay, run)
+    r, *_ = expert_rows(shape, lay, run)
     ep, e, layer_steps = lay.mesh.expert, 4 if cpu else run.e, layer_applications(shape, lay)
     forward = 2 if lay.remat == "none" else 4  # remat replays the forward's in the backward pass
-    out = [Collective(("expert",), "all-to-all", ep * R * shape.d_model * e, (forward + 2) * layer_steps, "ep")]
+    out = [Collective(("expert",), "all-to-all", ep * r * shape.d_model * e, (forward + 2) * layer_steps, "ep")]
     if not lay.parallel.expert_capacity:  # the rows' expert ids
-        out.append(Collective(("expert",), "all-to-all", ep * R * 4, forward // 2 * layer_steps, "ep"))
+        out.append(Collective(("expert",), "all-to-all", ep * r * 4, forward // 2 * layer_steps, "ep"))
     return out
 
 

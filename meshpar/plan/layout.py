@@ -9,7 +9,7 @@ states, efficiency, attention kernel.
 Letters: B global batch, T sequence, b = B/(data·fsdp·expert·M·A) rows of one microbatch on one device (M
 pipeline microbatches, A accumulation steps), t = T/sequence positions per device, e bytes per element of
 the compute dtype; N, K, F, V heads, kv heads, d_ff, vocab split over `model`. A mixture of experts: n = b·t
-tokens a device routes, ep = the `expert` axis, R the rows it sends to each expert shard
+tokens a device routes, ep = the `expert` axis, r the rows it sends to each expert shard
 (`meshpar.moe.dispatch`).
 """
 
@@ -221,15 +221,15 @@ def layer_matmul_params(shape: Shape, lay: Layout, run: Run) -> float:
 
 
 def expert_rows(shape: Shape, lay: Layout, run: Run) -> tuple[int, float, float]:
-    """A mixture of experts on one device per microbatch (`meshpar.moe.dispatch`): (R, the rows its experts
+    """A mixture of experts on one device per microbatch (`meshpar.moe.dispatch`): (r, the rows its experts
     compute per local token, the rows of its dispatch buffers per local token). Dropless the experts compute
-    the k rows of each token that arrive (the buffers hold ep·R = ep·n·min(k, El)); at capacity every row of
-    the [El, ep·C] buffers, C = ceil(c·n·k/E)."""
+    the k rows of each token that arrive (the buffers hold ep·r = ep·n·min(k, El)); at capacity every row of
+    the [El, ep·U] buffers, U = ceil(c·n·k/E)."""
     b, t, *_ = local_dims(shape, lay, run)
     n, k, E, ep = int(b * t), shape.experts_per_token, shape.experts, lay.mesh.expert
     capacity = lay.parallel.expert_capacity
-    R = moe.rows_per_shard(n, k, E, ep, capacity)
-    return R, (ep * R / n if capacity else k), ep * R / n
+    r = moe.rows_per_shard(n, k, E, ep, capacity)
+    return r, (ep * r / n if capacity else k), ep * r / n
 
 
 def local_dims(shape: Shape, lay: Layout, run: Run) -> tuple[float, float, float, float, float, float]:

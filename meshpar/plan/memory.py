@@ -29,7 +29,7 @@ peak to 10% on the layouts it was fitted on and, apart, on layouts it was not):
   temp) what `dots` keeps beyond it (q, k, v, the attention projection, gate and up); one layer's come
   back for its backward pass, which otherwise works as with `dots`.
 - a mixture of experts (`moe_bytes_per_token`): the dense MLP's terms cover only its shared experts (F =
-  their width); the experts work on the rows of the dispatch buffers, ep·R per microbatch on a device
+  their width); the experts work on the rows of the dispatch buffers, ep·r per microbatch on a device
   (`layout.expert_rows`), each D wide in the buffers and Fe = expert_mlp / model wide inside the experts.
   Remat `none` keeps per row the rows received and the experts' outputs (2·D) and gate, up and their product
   (3·Fe), and per token its k gathered outputs (the combine weights' gradient) and the float32 router
