@@ -222,9 +222,8 @@ def _schedule(all_stages: Callable, weights: nnx.State, x_BTD: jax.Array, rows: 
         state, io = carry
         repeat_P, m_P, real_P = slot(i - stage_P)
         _, m_in, _ = slot(i)
-        stage_in = jax.tree.map(lambda a, s: jnp.where(per_stage(first, s), jax.lax.dynamic_index_in_dim(a, m_in, 1,
-                                                                                                          False), s),
-                                io, state)
+        taken = lambda a_io, s: jnp.where(per_stage(first, s), jax.lax.dynamic_index_in_dim(a_io, m_in, 1, False), s)
+        stage_in = jax.tree.map(taken, io, state)  # stage 0 takes microbatch m_in, the others what came round
         rows_Pb = jax.tree.map(lambda a: at_stages(a[m_P]), rows_Mb)
         out = all_stages(weights, repeat_P, jax.tree.map(lambda a: jnp.where(per_stage(real_P, a), a, 0.0), stage_in),
                          rows_Pb)  # bubbles compute on zeros
