@@ -2,7 +2,9 @@
 #   make train   train the tiny transformer on 8 fake CPU devices with FSDP
 #   make test    run the test suite, but for the slow tests (`make test-slow`, which CI also runs)
 # CI also runs `make test-newest PYTHON312=...`: every parity module on the newest releases the pins allow
-# (.venv312); transformers' reference runs in .venv's Python there (tests/hf_reference.py).
+# (.venv312); transformers' reference runs in .venv's Python there (tests/hf_reference.py); and then
+# `make test-gpu-compile`: the step compiled by XLA's GPU compiler for H100/H200/A100/B200 clusters, with no GPU
+# (jax's CUDA plugin and cuDNN's wheel, --no-deps, added to .venv312 by `make gpu-compile-deps`).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -15,11 +17,14 @@ VENV312 := .venv312
 NEWEST_TESTS := tests/test_train.py tests/test_parallel.py tests/test_pipeline.py tests/test_pipeline_1f1b.py \
 	tests/test_offload.py tests/test_hf.py tests/test_hf_training.py tests/test_fit.py tests/test_generate.py \
 	tests/test_checkpoint.py tests/test_attention.py tests/test_flash.py tests/test_loss.py tests/test_documents.py \
-	tests/test_moe.py tests/test_hf_moe.py \
+	tests/test_moe.py tests/test_hf_moe.py tests/test_gpu.py \
 	tests/test_distributed.py::test_each_process_reads_only_its_rows \
 	tests/test_distributed.py::test_two_processes_match_one_across_checkpoints
 
-.PHONY: train test test-slow test-newest bench
+# The cuDNN wheel XLA's GPU compiler builds fused attention with; the plugin takes .venv312's jax version.
+CUDNN_WHEEL := nvidia-cudnn-cu12==9.28.0.42
+
+.PHONY: train test test-slow test-newest test-gpu-compile gpu-compile-deps bench
 train: $(VENV)/installed
 	$(PY) -m launch.train --config tiny --cpu-devices 8 --mesh fsdp=8
 
@@ -31,6 +36,11 @@ test-slow: $(VENV)/installed
 
 test-newest: $(VENV312)/installed $(VENV)/installed
 	MESHPAR_TORCH_PYTHON=$(abspath $(PY)) $(VENV312)/bin/python -m pytest -W error::DeprecationWarning $(NEWEST_TESTS)
+
+test-gpu-compile: $(VENV312)/gpu-compile
+	$(VENV312)/bin/python -m pytest -W error::DeprecationWarning tests/test_gpu_compile.py tests/test_gpu_fit.py
+
+gpu-compile-deps: $(VENV312)/gpu-compile
 
 bench: $(VENV)/installed
 	$(PY) -m launch.bench
@@ -45,4 +55,10 @@ $(VENV312)/installed: pyproject.toml
 	$(PYTHON312) -m venv $(VENV312)
 	$(VENV312)/bin/python -m pip install --quiet --upgrade pip
 	$(VENV312)/bin/python -m pip install --quiet -e ".[test]"
+	touch $@
+
+$(VENV312)/gpu-compile: $(VENV312)/installed
+	version=$$($(VENV312)/bin/python -c 'import jax; print(jax.__version__)') && \
+	$(VENV312)/bin/python -m pip install --quiet --no-deps "jax-cuda12-plugin==$$version" \
+		"jax-cuda12-pjrt==$$version" "$(CUDNN_WHEEL)"
 	touch $@

@@ -10,10 +10,12 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 
 import configs
-from meshpar import config as config_lib, mesh as mesh_lib, plan, rules as rules_lib
-from meshpar.compiler import fit
+from meshpar import config as config_lib, mesh as mesh_lib, plan, remat as remat_lib, rules as rules_lib
+from meshpar.attention import kernels
+from meshpar.compiler import fit, gpu
 from meshpar.errors import InputError
 from meshpar.run import device_memory_limit
 from models.transformer import TransformerConfig
@@ -22,9 +24,10 @@ GB = 1e9
 
 
 def configure(name: str, mesh_text: str | None, overrides: list[str], hardware: str = "h100",
-              init_from: str | None = None):
+              init_from: str | None = None, cluster: gpu.Cluster | None = None):
     """(config, mesh, rules, model factory) of a preset with `--mesh` and `--set` applied, and the model
-    of `init_from` (a directory of saved parameters) if given."""
+    of `init_from` (a directory of saved parameters) if given; the mesh over the devices present, or over
+    the described GPU `cluster`'s."""
     cfg = configs.load(name)
     if mesh_text not in (None, "auto"):
         cfg = dataclasses.replace(cfg, mesh=mesh_lib.parse(mesh_text))
@@ -36,8 +39,9 @@ def configure(name: str, mesh_text: str | None, overrides: list[str], hardware: 
             raise InputError(f"--init-from {init_from} sets the model; {', '.join(changed)} cannot change it")
         cfg = dataclasses.replace(cfg, model=TransformerConfig.from_dict(weights.saved_config(init_from)[0]["model"]))
     if mesh_text == "auto":
-        cfg = auto_layout(cfg, hardware)
-    return cfg, mesh_lib.build(cfg.mesh), rules_lib.make(cfg.parallel), cfg.model_factory()
+        cfg = auto_layout(cfg, hardware, cluster=cluster)
+    mesh = mesh_lib.build(cfg.mesh, gpu.devices(cluster) if cluster else None)
+    return cfg, mesh, rules_lib.make(cfg.parallel), cfg.model_factory()
 
 
 def shape(cfg: configs.Config) -> plan.Shape:
@@ -52,18 +56,24 @@ def flops_per_token(cfg: configs.Config) -> float:
     return shape(cfg).model_flops_per_token(cfg.train.seq_len, getattr(cfg.model, "sliding_window", 0))
 
 
-def device_budget(hardware: str, mem_fraction: float = 0.9) -> float:
-    """Bytes a step may use per device: what the accelerator's allocator reports, else (fake CPU devices)
-    `mem_fraction` of the planner's `hardware`."""
+def device_budget(hardware: str, mem_fraction: float = 0.9, cluster: gpu.Cluster | None = None) -> float:
+    """Bytes a step may use per device: on a described GPU cluster what XLA's allocator will give there
+    (`gpu.memory_limit`), else what the accelerator at hand reports, else (fake CPU devices) `mem_fraction`
+    of the planner's `hardware`."""
+    if cluster is not None:
+        return gpu.memory_limit(cluster.target)
     return device_memory_limit() or plan.parse_hardware(hardware).hbm * mem_fraction
 
 
-def planned_layouts(cfg: configs.Config, hardware: str, top: int) -> list[tuple[configs.Config, plan.Estimate]]:
-    """The planner's `top` layouts for the devices present, each applied to `cfg`, with the planner's
-    estimate: [(config, estimate)], fastest first."""
-    result = plan.search(shape(cfg), devices=jax.device_count(), devices_per_host=jax.local_device_count(),
-                         hardware=hardware, global_batch=cfg.train.global_batch, seq_len=cfg.train.seq_len,
-                         compute_dtype=cfg.train.compute_dtype, top=top,
+def planned_layouts(cfg: configs.Config, hardware: str, top: int, cluster: gpu.Cluster | None = None
+                    ) -> list[tuple[configs.Config, plan.Estimate]]:
+    """The planner's `top` layouts for the devices present (or the described cluster's), each applied to
+    `cfg`, with the planner's estimate: [(config, estimate)], fastest first."""
+    devices, per_host = (cluster.devices, cluster.devices_per_host) if cluster else (jax.device_count(),
+                                                                                      jax.local_device_count())
+    result = plan.search(shape(cfg), devices=devices, devices_per_host=per_host,
+                         hardware=cluster.target.name if cluster else hardware, global_batch=cfg.train.global_batch,
+                         seq_len=cfg.train.seq_len, compute_dtype=cfg.train.compute_dtype, top=top,
                          flash_attention=plan.Run.of(cfg.train).flash_attention)
     out = []
     for est in result.ranked:
@@ -72,28 +82,85 @@ def planned_layouts(cfg: configs.Config, hardware: str, top: int) -> list[tuple[
     return out
 
 
-def compile_check(cfg: configs.Config) -> dict:
-    """The compile-only report of `cfg`'s step on its mesh (nothing allocated), with the planner's
-    prediction for the same layout beside it: `predicted_peak_bytes` and `predicted_host_bytes` (device and
-    host memory), and `predicted_cpu_peak_bytes`, the form this CPU compile takes (`plan.memory(cpu=True)`:
-    what XLA:CPU, having no host memory of its own, keeps on the device), which the compiled peak checks."""
-    mesh = mesh_lib.build(cfg.mesh)
-    report = fit.compile_step(cfg.model_factory(), cfg.train, mesh, rules_lib.make(cfg.parallel),
-                              documents=cfg.data.packing != "none")
-    lay = plan.Layout.of_run(cfg.mesh.resolve(mesh.size), cfg.parallel, cfg.train, "cpu")
-    model, run = shape(cfg), plan.Run.of(cfg.train, "cpu")
-    predicted, on_cpu = plan.memory(model, lay, run), plan.memory(model, lay, run, cpu=True)
-    return {"config": cfg.name, "mesh": dict(mesh.shape), "devices": mesh.size, "layout": lay.describe(),
-            **report, "predicted_peak_bytes": predicted.total, "predicted_host_bytes": predicted.host,
-            "predicted_cpu_peak_bytes": on_cpu.total}
+def compile_check(cfg: configs.Config, cluster: gpu.Cluster | None = None) -> dict:
+    """The compile-only report of `cfg`'s step on its mesh (nothing allocated) — of fake CPU devices, or of the
+    described GPU cluster (`meshpar.compiler.gpu`) — with the planner's prediction for the same layout beside
+    it: `predicted_peak_bytes` and `predicted_host_bytes` (device and host memory), and on CPU
+    `predicted_cpu_peak_bytes`, the form this CPU compile takes (`plan.memory(cpu=True)`: what XLA:CPU, having
+    no host memory of its own, keeps on the device), which the compiled peak checks. For a GPU cluster
+    `remat = auto` is decided as a GPU run decides it (the first of its candidates whose compiled peak fits
+    `device_budget`), and the report adds the target, the attention kernel and why, the model's FLOPs and the
+    planner's step time beside the program's own (`step_time_check`)."""
+    platform = "cpu" if cluster is None else "gpu"
+    mesh = mesh_lib.build(cfg.mesh, gpu.devices(cluster) if cluster else None)
+    tried = {}
+    for remat in remat_lib.candidates(cfg.train.remat, platform, cfg.parallel):
+        chosen = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, remat=remat))
+        report = fit.compile_step(chosen.model_factory(), chosen.train, mesh, rules_lib.make(chosen.parallel),
+                                  documents=chosen.data.packing != "none")
+        tried[remat] = report["memory_per_device"]["peak_bytes"]
+        if cluster is None or tried[remat] <= device_budget("", cluster=cluster):
+            break
+    lay = plan.Layout.of_run(cfg.mesh.resolve(mesh.size), cfg.parallel, chosen.train, platform)
+    model, run = shape(cfg), plan.Run.of(chosen.train, platform)
+    predicted = plan.memory(model, lay, run)
+    report = {"config": cfg.name, "mesh": dict(mesh.shape), "devices": mesh.size, "layout": lay.describe(),
+              "remat": chosen.train.remat, **report, "predicted_peak_bytes": predicted.total,
+              "predicted_host_bytes": predicted.host}
+    if cluster is None:
+        return {**report, "predicted_cpu_peak_bytes": plan.memory(model, lay, run, cpu=True).total}
+    estimate = plan.estimate(model, lay, run, plan.PRESETS[cluster.target.name], cluster.devices_per_host,
+                             strict=False)
+    program = report["gpu"]["step_time"]
+    return {**report, "target": cluster.describe(), "budget_bytes": device_budget("", cluster=cluster),
+            "remat_tried_peak_bytes": tried,
+            "attention": attention_kernel(chosen, report["gpu"]["kernels"]["attention"]),
+            "model_flops_per_device": flops_per_token(cfg) * cfg.train.global_batch * cfg.train.seq_len / mesh.size,
+            "step_time_check": step_time_check(program, estimate)}
 
 
-def auto_layout(cfg: configs.Config, hardware: str, top: int = 5) -> configs.Config:
-    """The planner's fastest layout that the compiler confirms fits on these devices, trying the planner's
-    top `top` in order."""
-    budget = device_budget(hardware)
-    for chosen, est in planned_layouts(cfg, hardware, top):
-        peak = compile_check(chosen)["memory_per_device"]["peak_bytes"]
+def attention_kernel(cfg: configs.Config, cudnn_calls: int) -> str:
+    """The attention kernel the GPU program runs, and why (`meshpar.attention.kernels.resolve_kernel`'s rules,
+    checked against the cuDNN calls the program holds)."""
+    asked = cfg.train.attention_kernel
+    if cudnn_calls:
+        return f"cudnn: {'asked for' if asked == 'cudnn' else 'auto chose cuDNN fused attention'}"
+    if asked not in ("auto", "cudnn"):
+        return f"{asked}: asked for"
+    if reason := kernels.cudnn_unsupported(jnp.dtype(cfg.train.compute_dtype), cfg.model.head_dim):
+        return f"blockwise: cuDNN cannot run it ({reason})"
+    if cfg.mesh.sequence > 1 and cfg.parallel.context_attention == "ring":
+        return "blockwise: the ring merges each block's log-sum-exp, whose gradient cuDNN does not give"
+    if cfg.mesh.sequence > 1 and cfg.parallel.load_balance:
+        return "blockwise: zigzag order's masks are not plain causal"
+    if cfg.data.packing != "none":
+        return "blockwise: documents' masks are not plain causal"
+    return "blockwise"
+
+
+def step_time_check(program: dict, estimate: plan.Estimate, tolerance: float = 0.15) -> dict:
+    """The GPU program's roofline step time beside the planner's, part by part (compute; exposed
+    communication; host copies), and where they differ by more than `tolerance`, the part that differs most."""
+    parts = {"compute": (program["matmul_s"] + program["attention_s"] + program["memory_s"],
+                         estimate.compute_s + estimate.optimizer_s),
+             "exposed communication": (program["exposed_s"], estimate.exposed_s),
+             "host copies": (program["host_s"], estimate.host_s)}
+    ratio = program["step_s"] / estimate.step_s
+    check = {"program_step_s": program["step_s"], "planner_step_s": estimate.step_s, "ratio": ratio,
+             "parts_s": {name: {"program": a, "planner": b} for name, (a, b) in parts.items()}}
+    if abs(ratio - 1) > tolerance:
+        name, (a, b) = max(parts.items(), key=lambda item: abs(item[1][0] - item[1][1]))
+        check["differs_most"] = f"{name}: program {a:.3f} s, planner {b:.3f} s"
+    return check
+
+
+def auto_layout(cfg: configs.Config, hardware: str, top: int = 5, cluster: gpu.Cluster | None = None
+                ) -> configs.Config:
+    """The planner's fastest layout that the compiler confirms fits on these devices (or the described
+    cluster's), trying the planner's top `top` in order."""
+    budget = device_budget(hardware, cluster=cluster)
+    for chosen, est in planned_layouts(cfg, hardware, top, cluster):
+        peak = compile_check(chosen, cluster)["memory_per_device"]["peak_bytes"]
         fits = peak <= budget
         print(f"--mesh auto: {est.layout.describe()}: compiler peak {peak / GB:.1f} GB per device (planner "
               f"{est.memory.total / GB:.1f}), {budget / GB:.1f} GB usable: {'fits' if fits else 'does not fit'}",

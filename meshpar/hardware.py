@@ -81,6 +81,11 @@ PRESETS = {
     # TF32 156 TFLOPS dense.
     "a100": Hardware("a100", flops=312e12, hbm=80e9, hbm_bw=2.039e12, link_bw=300e9, net_bw=25e9,
                      fp32_flops=156e12, host_bw=32e9, host_mem=250e9),
+    # NVIDIA HGX B200 datasheet: BF16 Tensor Core 4.5 PFLOPS *with sparsity* → 2.25 dense (TF32 2.2 → 1.1).
+    # DGX B200 datasheet, over its 8 GPUs: 1,440 GB of HBM3e at 64 TB/s → 180 GB at 8 TB/s; NVLink 5 1.8 TB/s per GPU → 900 GB/s each way; 8× ConnectX-7 400 Gb/s →
+    # 50 GB/s; PCIe Gen5 64 GB/s each way; 2 TB of system memory → 250 GB per GPU.
+    "b200": Hardware("b200", flops=2.25e15, hbm=180e9, hbm_bw=8e12, link_bw=900e9, net_bw=50e9,
+                     fp32_flops=1.1e15, host_bw=64e9, host_mem=250e9),
     # NVIDIA GH200 Grace Hopper Superchip datasheet: the H100 GPU's compute (BF16 1,979 TFLOPS sparse →
     # 989 dense) with 96 GB HBM3 at 4 TB/s; NVLink 900 GB/s to other GPUs; NVLink-C2C 900 GB/s to the
     # Grace CPU (both directions → 450 each way) and its 480 GB LPDDR5X (at up to 512 GB/s, so the

@@ -6,6 +6,7 @@ for this session and handed on through the environment, compiles each once.
 """
 
 import atexit
+import importlib.util
 import os
 import shutil
 import tempfile
@@ -21,6 +22,11 @@ import jax  # noqa: E402
 import pytest  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
+
+# XLA's GPU compiler needs jax's CUDA plugin and cuDNN's wheel, which `make test-gpu-compile` adds to .venv312;
+# the other legs never download them.
+if not (importlib.util.find_spec("jax_cuda12_plugin") and importlib.util.find_spec("nvidia.cudnn")):
+    collect_ignore = ["test_gpu_compile.py", "test_gpu_fit.py"]
 
 
 def require_devices(n: int) -> None:

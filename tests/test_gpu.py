@@ -1,4 +1,5 @@
-"""What of the GPU path can be proven on CPU: the XLA flags exist in this jaxlib and yield to the user's,
+"""What of the GPU path can be proven on CPU: the XLA flags exist in this jaxlib under the names it knows and
+yield to the user's,
 and a bf16 run gathers its FSDP weights in bf16 (the HLO right after SPMD partitioning)."""
 
 import os
@@ -6,6 +7,8 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+
+import jax
 
 from meshpar import gpu_flags
 
@@ -33,9 +36,25 @@ def test_the_users_flags_win():
     assert len(flags) == len(gpu_flags.FLAGS) + 1
 
 
+def test_flag_names_and_values_follow_the_jaxlib():
+    """jaxlib 0.10 names the collective pipeliner's switches as booleans; 0.11 and later as enums of other
+    names (whose XLA_FLAGS spelling is short, `on`); a compile takes the enum's full name."""
+    old, new = gpu_flags.for_this_jaxlib((0, 10, 2)), gpu_flags.for_this_jaxlib((0, 12, 0))
+    assert old["xla_gpu_enable_pipelined_all_gather"] is True and "xla_gpu_pipeline_all_gather" not in old
+    assert new["xla_gpu_pipeline_all_gather"] == "COLLECTIVE_PIPELINING_MODE_ON"
+    assert "xla_gpu_enable_pipelined_all_gather" not in new and len(old) == len(new) == len(gpu_flags.FLAGS)
+    if jax.__version_info__[:2] >= (0, 11):
+        assert "--xla_gpu_pipeline_all_gather=on" in gpu_flags.merged("").split()
+
+
+def test_compile_options_leave_the_users_flags_to_xla_flags():
+    options = gpu_flags.compile_options("--xla_gpu_enable_triton_gemm=true --xla_dump_to=/tmp/x")
+    assert "xla_gpu_enable_triton_gemm" not in options and len(options) == len(gpu_flags.FLAGS) - 1
+
+
 def test_not_applied_without_gpus(monkeypatch):
     monkeypatch.setenv("XLA_FLAGS", "--xla_dump_to=/tmp/x")
-    assert not gpu_flags.apply()  # no CUDA plugin here
+    assert not gpu_flags.apply()  # no CUDA plugin, or JAX_PLATFORMS=cpu (conftest)
     assert os.environ["XLA_FLAGS"] == "--xla_dump_to=/tmp/x"
 
 

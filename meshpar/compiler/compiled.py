@@ -42,9 +42,12 @@ def memory_per_device(compiled: Any) -> dict[str, int]:
     return out
 
 
-def flops_per_device(compiled: Any) -> float:
-    """Floating-point operations per device per call, from XLA's cost analysis."""
+def flops_per_device(compiled: Any) -> float | None:
+    """Floating-point operations per device per call, from XLA's cost analysis; None where it gives none (a
+    GPU program compiled for a described cluster: `meshpar.compiler.gpu_program` counts its kernels')."""
     cost = compiled.cost_analysis()
+    if cost is None:
+        return None
     if not isinstance(cost, dict):
         raise InputError(f"expected a dict from cost_analysis(), got {type(cost).__name__}")
     # XLA leaves the key out when no instruction counted flops (e.g. a lone all-gather).

@@ -30,9 +30,12 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
 
-from meshpar import sharding
+from meshpar import gpu_target, hardware, sharding
 from meshpar.batch import Batch
+from meshpar.compiler import gpu, gpu_program
 from meshpar.compiler.compiled import compile_report
+from meshpar.errors import InputError
+from meshpar.plan.layout import EFFICIENCY
 from meshpar.rules import Rules
 from meshpar.train import ModelFactory, Sharded, TrainConfig, make_step, optimizer, sharded_abstract
 
@@ -53,11 +56,28 @@ def abstract_inputs(sharded: Sharded, cfg: TrainConfig, documents: bool = False)
 def compile_step(make_model: ModelFactory, cfg: TrainConfig, mesh: Mesh, rules: Rules,
                  documents: bool = False) -> dict[str, Any]:
     """The report of the training step of `make_model` on `mesh` (`compiled.compile_report`), compiled
-    for abstract inputs (of packed documents with `documents`); on CPU devices with `CHECK_OPTIONS`,
-    elsewhere as the step itself compiles."""
+    for abstract inputs (of packed documents with `documents`): on CPU devices with `CHECK_OPTIONS`; on GPU
+    devices (real, or a described cluster's: `meshpar.compiler.gpu`) with meshpar's GPU flags, and with what
+    the GPU program runs beside it (`gpu_program`: kernels, collectives by dtype and overlap, a roofline
+    step time), its FLOPs the kernels' own."""
     sharded = sharded_abstract(make_model, optimizer(cfg), mesh, rules, cfg.seed)
     state, batch = abstract_inputs(sharded, cfg, documents)
-    options = CHECK_OPTIONS if mesh.devices.flat[0].platform == "cpu" else None
+    platform = mesh.devices.flat[0].platform
+    options = CHECK_OPTIONS if platform == "cpu" else gpu.compile_options() if platform == "gpu" else None
     tokens = batch.tokens if documents else batch
-    _, report = compile_report(make_step(sharded, tokens.sharding, cfg), state, batch, compiler_options=options)
+    compiled, report = compile_report(make_step(sharded, tokens.sharding, cfg), state, batch, compiler_options=options)
+    if platform == "gpu":
+        report["gpu"] = gpu_program.read(compiled.as_text(), program_costs(mesh))
+        report["flops_per_device"] = report["gpu"]["flops_per_device"]
     return report
+
+
+def program_costs(mesh: Mesh) -> gpu_program.Costs:
+    """The roofline's costs for a mesh of GPUs: the planner's hardware of their kind, and their hosts."""
+    kind = mesh.devices.flat[0].device_kind
+    target = gpu_target.for_device_kind(kind)
+    if target is None:
+        raise InputError(f"no hardware preset for GPU '{kind}' (known: "
+                         f"{', '.join(t.description for t in gpu_target.TARGETS.values())})")
+    return gpu_program.Costs(hardware.PRESETS[target.name], tuple(d.process_index for d in mesh.devices.flat),
+                             EFFICIENCY)

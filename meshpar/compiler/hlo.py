@@ -8,13 +8,14 @@ and `fori_loop`); a loop without a known trip count (e.g. `lax.while_loop`) has 
 so its numbers are a lower bound. Every branch of a `conditional` is counted as if it ran (an upper
 bound). Bytes are the size of the collective's result on one device (what it delivers); for async
 pairs the `X-start` is counted as one X and `X-done` is ignored, with bytes taken from the start's
-output part (see `_output_shape`). The CPU backend emits only the sync forms.
+output part (see `output_shape`). The CPU backend emits only the sync forms.
 """
 
 import functools
 import math
 import re
 from collections import Counter
+from typing import NamedTuple
 
 from meshpar.errors import InputError
 
@@ -53,16 +54,26 @@ _CALLED = re.compile(
     r"|branch_computations|called_computations)=(?P<names>\{[^}]*\}|%?[\w.\-]+)"
 )
 _CALLED_NAME = re.compile(r"%?([\w.\-]+)")
+# An operand: `%name`, after its shape where the printer gives one.
+_OPERAND = re.compile(r"%([\w.\-]+)")
 # XLA's record of a while loop's iteration count: `"known_trip_count":{"n":"5"}`.
 _TRIP_COUNT = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)"?\s*\}')
 # Lines of the module outside computations: the header and the stack-frame index printed after it.
 _MODULE_LINE = re.compile(r"^(HloModule\b.*|FileNames|FunctionNames|FileLocations|StackFrames|\d+\s.*)$")
 
-ShapeTree = int | list["ShapeTree"]  # bytes of an array, or a list for a tuple
+class Array(NamedTuple):
+    """One array of a shape: its element type, dims and bytes, and whether it lives in host memory (`S(5)`)."""
+    dtype: str
+    dims: tuple[int, ...]
+    bytes: int
+    host: bool
+
+
+ShapeTree = Array | list["ShapeTree"]  # an array, or a list for a tuple
 
 
 def _parse_shape(text: str, pos: int, line: str) -> tuple[ShapeTree, int]:
-    """Parses the shape starting at `text[pos]`; returns its byte tree and the position after it."""
+    """Parses the shape starting at `text[pos]`; returns its tree and the position after it."""
     if text.startswith("(", pos):
         elements: list[ShapeTree] = []
         pos += 1
@@ -76,22 +87,28 @@ def _parse_shape(text: str, pos: int, line: str) -> tuple[ShapeTree, int]:
     array = _ARRAY_SHAPE.match(text, pos)
     if array is None or array["dtype"] not in _ELEMENT_BITS:
         raise InputError(f"cannot parse the shape in HLO line: {line.strip()!r}")
-    count = 1
+    dims = []
     for dim in filter(None, array["dims"].split(",")):
         dim = dim.strip().removeprefix("<=")  # a bounded dynamic dim occupies its bound
         if not dim.isdigit():
             raise InputError(f"cannot size dimension {dim!r} in HLO line: {line.strip()!r}")
-        count *= int(dim)
-    packed = _ELEMENT_SIZE.search(array["layout"] or "")
+        dims.append(int(dim))
+    layout = array["layout"] or ""
+    packed = _ELEMENT_SIZE.search(layout)
     bits = int(packed[1]) if packed else _ELEMENT_BITS[array["dtype"]]
-    return math.ceil(count * bits / 8), array.end()
+    return Array(array["dtype"], tuple(dims), math.ceil(math.prod(dims) * bits / 8), "S(5)" in layout), array.end()
 
 
-def _total(tree: ShapeTree) -> int:
-    return tree if isinstance(tree, int) else sum(_total(t) for t in tree)
+def arrays(tree: ShapeTree) -> list[Array]:
+    """The arrays of a shape, in order."""
+    return [tree] if isinstance(tree, Array) else [a for t in tree for a in arrays(t)]
 
 
-def _output_shape(opcode: str, shape: ShapeTree) -> ShapeTree:
+def total_bytes(tree: ShapeTree) -> int:
+    return sum(a.bytes for a in arrays(tree))
+
+
+def output_shape(opcode: str, shape: ShapeTree) -> ShapeTree:
     """The part of a collective's result that is its output.
 
     Sync forms and `all-reduce-start` return the output itself. Every other `X-start` returns a
@@ -106,14 +123,27 @@ def _output_shape(opcode: str, shape: ShapeTree) -> ShapeTree:
     return shape
 
 
-class _Computation:
-    def __init__(self) -> None:
-        # (op, bytes) of each collective, and (callee, times per execution of this computation).
-        self.collectives: list[tuple[str, int]] = []
-        self.calls: list[tuple[str, int]] = []
+class Instruction(NamedTuple):
+    name: str
+    opcode: str
+    shape: ShapeTree
+    operands: tuple[str, ...]  # the names of the instructions it reads
+    attributes: str  # the text after the operands
+    calls: tuple[tuple[str, int], ...]  # (called computation, times per execution of this instruction)
 
 
-def _parse_instruction(line: str, computation: _Computation) -> None:
+def _operands_end(rest: str, pos: int) -> int:
+    """The position of the `)` closing the operand list that opens before `rest[pos]`."""
+    depth = 1
+    while depth:
+        if pos == len(rest):
+            raise InputError(f"unclosed operand list in HLO: {rest[:200]!r}")
+        depth += {"(": 1, ")": -1}.get(rest[pos], 0)
+        pos += 1
+    return pos - 1
+
+
+def _parse_instruction(line: str) -> Instruction:
     match = _INSTRUCTION.match(line.strip())
     if match is None:
         raise InputError(f"cannot parse HLO line: {line.strip()!r}")
@@ -122,30 +152,28 @@ def _parse_instruction(line: str, computation: _Computation) -> None:
     op = _OPCODE.match(rest, pos)
     if op is None:
         raise InputError(f"cannot find the opcode in HLO line: {line.strip()!r}")
-    opcode = op["opcode"]
-
-    kind = opcode.removesuffix("-start")
-    if kind in COLLECTIVES:
-        computation.collectives.append((kind, _total(_output_shape(opcode, shape))))
-
+    opcode, end = op["opcode"], _operands_end(rest, op.end())
+    operands, attributes = tuple(_OPERAND.findall(rest[op.end():end])), rest[end + 1:]
     # A -done (or -update) continues the computation its -start ran; following it would count twice.
     if opcode.endswith(("-done", "-update")):
-        return
-    trip_count = _TRIP_COUNT.search(rest)
+        return Instruction(match["name"], opcode, shape, operands, attributes, ())
+    trip_count = _TRIP_COUNT.search(attributes)
     body_runs = int(trip_count[1]) if trip_count else 1
-    for attr in _CALLED.finditer(_STRING.sub('""', rest)):
+    calls = []
+    for attr in _CALLED.finditer(_STRING.sub('""', attributes)):
         runs = 1
         if opcode == "while" and attr["attr"] == "body":
             runs = body_runs
         elif opcode == "while" and trip_count:
             runs = body_runs + 1  # the condition is evaluated once more than the body runs
-        for name in _CALLED_NAME.findall(attr["names"]):
-            computation.calls.append((name, runs))
+        calls += [(name, runs) for name in _CALLED_NAME.findall(attr["names"])]
+    return Instruction(match["name"], opcode, shape, operands, attributes, tuple(calls))
 
 
-def _parse_module(hlo_text: str) -> tuple[dict[str, _Computation], str]:
-    """Splits module text into computations; returns them and the ENTRY computation's name."""
-    computations: dict[str, _Computation] = {}
+def parse_module(hlo_text: str) -> tuple[dict[str, list[Instruction]], str]:
+    """Splits module text into computations, each its instructions in the printed (for a scheduled module,
+    the executed) order; returns them and the ENTRY computation's name."""
+    computations: dict[str, list[Instruction]] = {}
     entry = None
     current = None
     lines = [line for line in hlo_text.splitlines() if line.strip()]
@@ -156,9 +184,9 @@ def _parse_module(hlo_text: str) -> tuple[dict[str, _Computation], str]:
             if line.strip() == "}":
                 current = None
             else:
-                _parse_instruction(line, current)
+                current.append(_parse_instruction(line))
         elif header := _COMPUTATION.match(line.strip()):
-            current = computations[header["name"]] = _Computation()
+            current = computations[header["name"]] = []
             if header["entry"]:
                 entry = header["name"]
         elif not _MODULE_LINE.match(line.strip()):
@@ -167,26 +195,29 @@ def _parse_module(hlo_text: str) -> tuple[dict[str, _Computation], str]:
         raise InputError("HLO text ends inside a computation (missing `}`)")
     if entry is None:
         raise InputError("HLO text has no ENTRY computation")
+    for instructions in computations.values():
+        for instruction in instructions:
+            if undefined := [name for name, _ in instruction.calls if name not in computations]:
+                raise InputError(f"HLO calls an undefined computation: {undefined[0]!r}")
     return computations, entry
 
 
 def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
     """Count and result bytes per device of each collective one run of the ENTRY computation does."""
-    computations, entry = _parse_module(hlo_text)
+    computations, entry = parse_module(hlo_text)
     # Per computation name (memoised): (kind, "count" | "bytes") -> total for one execution of it.
     totals: dict[str, Counter[tuple[str, str]]] = {}
 
     def run_once(name: str) -> Counter[tuple[str, str]]:
-        if name not in computations:
-            raise InputError(f"HLO calls an undefined computation: {name!r}")
         if name not in totals:
             total: Counter[tuple[str, str]] = Counter()
-            for kind, nbytes in computations[name].collectives:
-                total[kind, "count"] += 1
-                total[kind, "bytes"] += nbytes
-            for callee, runs in computations[name].calls:
-                for key, value in run_once(callee).items():
-                    total[key] += runs * value
+            for instruction in computations[name]:
+                if (kind := instruction.opcode.removesuffix("-start")) in COLLECTIVES:
+                    total[kind, "count"] += 1
+                    total[kind, "bytes"] += total_bytes(output_shape(instruction.opcode, instruction.shape))
+                for callee, runs in instruction.calls:
+                    for key, value in run_once(callee).items():
+                        total[key] += runs * value
             totals[name] = total
         return totals[name]
 
@@ -214,8 +245,8 @@ def host_entry_bytes(hlo_text: str) -> dict[str, int]:
     layout = header[start + len("entry_computation_layout={"):]
     args, outs = layout.split(")->", 1)
     end = re.search(r"\}\s*,\s*[a-z_]+=", outs)
-    placed = lambda part: [(_parse_shape(m.group(0), 0, header)[0], "S(5)" in (m["layout"] or ""))
-                           for m in _ARRAY_SHAPE.finditer(part)]
+    placed = lambda part: [(array.bytes, array.host) for m in _ARRAY_SHAPE.finditer(part)
+                           for array in [_parse_shape(m.group(0), 0, header)[0]]]
     args_placed, outs_placed = placed(args), placed(outs[:end.start()] if end else outs)
     aliased = {int(param) for param in re.findall(r"\{\d*\}:\s*\((\d+),", header.split("entry_computation_layout")[0])}
     return {"arguments": sum(b for b, host in args_placed if host),
@@ -223,10 +254,15 @@ def host_entry_bytes(hlo_text: str) -> dict[str, int]:
             "alias": sum(b for i, (b, host) in enumerate(args_placed) if host and i in aliased)}
 
 
-# A dot: `%dot.8 = f32[32,32]{1,0} dot(%param_0, %param_1), lhs_contracting_dims={1}, ...`; any instruction's
-# name and array dims (operands are defined before their users).
-_DEFINED = re.compile(r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+) = \w+\[(?P<dims>[\d,]*)\]")
-_DOT = re.compile(r" dot\((?:\S+ )?%(?P<lhs>[\w.\-]+),.*\blhs_contracting_dims=\{(?P<contracting>[\d,]*)\}")
+_LHS_CONTRACTING = re.compile(r"\blhs_contracting_dims=\{(?P<dims>[\d,]*)\}")
+
+
+def dot_flops(dot: Instruction, defined: dict[str, Instruction]) -> int:
+    """2 · output elements · contracted size of a `dot` (`defined`: its computation's instructions by name)."""
+    lhs = arrays(defined[dot.operands[0]].shape)[0].dims
+    contracting = _LHS_CONTRACTING.search(dot.attributes)
+    contracted = math.prod(lhs[int(i)] for i in contracting["dims"].split(",") if i) if contracting else 1
+    return 2 * math.prod(arrays(dot.shape)[0].dims) * contracted
 
 
 def matmul_flops(hlo_text: str) -> int:
@@ -234,21 +270,12 @@ def matmul_flops(hlo_text: str) -> int:
     them), each loop body counted as many times as it runs (the trip counts `collectives` reads). XLA's
     `cost_analysis()`, behind `flops_per_device`, counts a while body once: for a program that is a loop
     (the pipeline schedule, the layer scan) its FLOPs are one iteration's."""
-    computations, entry = _parse_module(hlo_text)
-    own: dict[str, int] = {}
-    current, dims = None, {}
-    for line in hlo_text.splitlines():
-        if header := _COMPUTATION.match(line.strip()):
-            current, dims, own[header["name"]] = header["name"], {}, 0
-        elif current is not None and (defined := _DEFINED.match(line)):
-            dims[defined["name"]] = [int(size) for size in defined["dims"].split(",") if size]
-            if dot := _DOT.search(line):
-                lhs = dims[dot["lhs"]]
-                contracted = math.prod(lhs[int(i)] for i in dot["contracting"].split(",") if i)
-                own[current] += 2 * math.prod(dims[defined["name"]]) * contracted
+    computations, entry = parse_module(hlo_text)
 
     @functools.cache
     def total(name: str) -> int:
-        return own.get(name, 0) + sum(runs * total(callee) for callee, runs in computations[name].calls)
+        defined = {instruction.name: instruction for instruction in computations[name]}
+        return sum((dot_flops(i, defined) if i.opcode == "dot" else 0)
+                   + sum(runs * total(callee) for callee, runs in i.calls) for i in computations[name])
 
     return total(entry)

@@ -1,0 +1,283 @@
+"""XLA's GPU compiler, run here with no GPU (`meshpar.compiler.gpu`); every check reads the GPU program.
+
+The packaged targets read back from the topologies XLA builds of them; every strategy row of the README
+compiles for 8 H100s; the README's GPU claims hold in the compiled program: `auto` attention is cuDNN's and
+falls back where it says, FSDP gathers weights and reduce-scatters gradients in bf16, collectives run
+asynchronously with compute between start and done, each GPU flag changes what it says it changes, remat
+`auto` decides under the GPU's memory; the README's GPU command runs. Full size (slow): `llama3_8b` on 8,
+`llama_70b` and `mixtral_8x7b` on 64 H100s, the memory table's rows against the GPU, and the planner's peak
+within 10% of the GPU compiler's on layouts its coefficients were fitted to and on layouts kept apart.
+
+Collected only where jax's CUDA plugin and cuDNN's wheel are installed (`make test-gpu-compile`, conftest).
+"""
+
+import functools
+import importlib.util
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import topologies
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import configs
+from launch import configure
+from meshpar import gpu_flags, gpu_target
+from meshpar.compiler import gpu, gpu_program, hlo
+from meshpar.errors import InputError
+from test_readme import README, block_commands, table_rows
+
+ROOT = Path(__file__).resolve().parents[1]
+GB = 1e9
+H100x8 = gpu.Cluster.parse("h100")
+BF16 = "train.compute_dtype=bfloat16"
+
+
+@functools.cache
+def compiled(config: str, mesh: str, *overrides: str, cluster: gpu.Cluster = H100x8) -> dict:
+    """`launch.compile --target`'s report for a preset on a mesh of the cluster."""
+    cfg = configure.configure(config, mesh, list(overrides), cluster=cluster)[0]
+    return configure.compile_check(cfg, cluster)
+
+
+@pytest.mark.parametrize("name", gpu_target.TARGETS)
+def test_each_target_describes_its_gpu_to_xla(name):
+    """The topology XLA builds from a packaged target carries its device kind, its hosts and, read back
+    from the serialized topology, every field of its device description; tiny's step compiles for it with
+    cuDNN attention."""
+    target = gpu_target.TARGETS[name]
+    cluster = gpu.Cluster(target, hosts=2, devices_per_host=4)
+    devices = gpu.devices(cluster)
+    assert [d.device_kind for d in devices] == [target.description] * 8
+    assert [d.process_index for d in devices] == [0] * 4 + [1] * 4
+    serialized = topologies.TopologyDescription(devices).serialize()
+    assert gpu_target.read_device_info(serialized) == target.device_info()
+    assert gpu_target.differences(target.device_info(), target) == []
+    assert gpu_target.differences({**target.device_info(), "core_count": 1}, target) == [("core_count", 1,
+                                                                                          target.core_count)]
+    report = compiled("tiny", "fsdp=8", BF16, cluster=gpu.Cluster(target))
+    assert report["gpu"]["kernels"]["attention"] > 0 and report["target"].startswith(f"8 × {target.description}")
+
+
+def test_clusters_are_read_as_the_command_line_says():
+    assert gpu.Cluster.parse("H100", "1x8x8").devices == 64
+    assert gpu.Cluster.parse("b200", hosts=2, devices_per_host=4).describe() == "8 × NVIDIA B200 (2 hosts of 4)"
+    for bad, words in (("2x8x8", "1xHOSTSxGPUS_PER_HOST"), ("8", "1xHOSTSxGPUS_PER_HOST")):
+        with pytest.raises(InputError, match=words):
+            gpu.Cluster.parse("h100", bad)
+    with pytest.raises(InputError, match="unknown GPU target 'v100'; known: h100, h200, a100, b200"):
+        gpu.Cluster.parse("v100")
+    with pytest.raises(InputError, match="hosts = 0 must be >= 1"):
+        gpu.Cluster.parse("h100", hosts=0)
+
+
+def test_a_missing_plugin_or_cudnn_is_one_line_naming_the_pip_command(monkeypatch):
+    monkeypatch.setattr(gpu_flags, "cuda_installed", lambda: False)
+    with pytest.raises(InputError, match=r"needs jax's CUDA plugin: pip install --no-deps jax-cuda12-plugin=="):
+        gpu.devices(H100x8)
+    monkeypatch.undo()
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "nvidia.cudnn"
+                        else find_spec(name, *a))
+    with pytest.raises(InputError, match=r"cuDNN's library .* nvidia-cudnn-cu12==9\.28\.0\.42"):
+        gpu.devices(H100x8)
+
+
+# What each README strategy row's program must hold, beside compiling: the collectives that carry it, and
+# what else the row is about.
+def _kinds(*kinds):
+    return lambda report: set(kinds) <= set(report["gpu"]["collectives"])
+
+
+ROW_CHECKS = {
+    "data parallel (DDP)": _kinds("all-reduce"),
+    "FSDP = ZeRO-3": _kinds("all-gather", "reduce-scatter"),
+    "hybrid sharded DP": _kinds("all-gather", "reduce-scatter", "all-reduce"),
+    "ZeRO-1 / ZeRO-2": _kinds("all-gather", "reduce-scatter"),
+    "Megatron tensor parallel": _kinds("all-reduce"),
+    "+ Megatron sequence parallel": _kinds("all-gather", "reduce-scatter"),
+    "3-D": _kinds("all-gather", "reduce-scatter", "all-reduce"),
+    "mixed precision": lambda report: report["gpu"]["kernels"]["attention"] > 0,
+    "rematerialisation": lambda report: report["remat"] == "full",
+    "gradient accumulation": _kinds("all-gather", "reduce-scatter"),
+    "context parallel (ring)": _kinds("collective-permute"),
+    "pipeline (GPipe)": _kinds("collective-permute"),
+    "circular pipeline": _kinds("collective-permute"),
+    "pipeline (1F1B)": _kinds("collective-permute"),
+    "host offload (ZeRO-Offload)": lambda report: report["memory_per_device"]["host_arguments_bytes"] > 0,
+    "expert parallel (MoE)": _kinds("all-to-all"),
+    "planner's choice": lambda report: report["memory_per_device"]["peak_bytes"] <= report["budget_bytes"],
+}
+
+
+def test_every_strategy_row_has_a_gpu_check():
+    assert set(ROW_CHECKS) == set(table_rows())
+
+
+def _row_report(strategy: str) -> dict:
+    args = iter(shlex.split(table_rows()[strategy]))
+    config, mesh, overrides = "tiny", None, []
+    for flag in args:
+        value = next(args)
+        if flag == "--config":
+            config = value
+        elif flag == "--mesh":
+            mesh = value
+        elif flag == "--set":
+            overrides.append(value)
+    return compiled(config, mesh, *overrides)
+
+
+@pytest.mark.parametrize("strategy", ROW_CHECKS)
+def test_every_strategy_row_compiles_for_8_h100s(strategy):
+    report = _row_report(strategy)
+    assert report["memory_per_device"]["peak_bytes"] > 0 and report["gpu"]["kernels"]["gemm"] > 0
+    assert ROW_CHECKS[strategy](report), (report["gpu"]["collectives"], report["memory_per_device"])
+
+
+@pytest.mark.parametrize("mesh, overrides, chosen", [
+    ("fsdp=8", (), "auto chose cuDNN"),
+    ("sequence=2,fsdp=4", ("parallel.context_attention=ulysses", "parallel.load_balance=false"), "auto chose cuDNN"),
+    ("sequence=2,fsdp=4", ("parallel.context_attention=allgather", "parallel.load_balance=false"), "auto chose cuDNN"),
+    ("sequence=2,fsdp=4", ("parallel.context_attention=ulysses",), "blockwise: zigzag order"),
+    ("sequence=2,fsdp=4", ("parallel.context_attention=ring",), "blockwise: the ring"),
+    ("fsdp=8", ("train.compute_dtype=float32",), "blockwise: cuDNN cannot run it (float32"),
+])
+def test_auto_attention_is_cudnn_where_the_readme_says(mesh, overrides, chosen):
+    """`auto` takes cuDNN's fused attention (forward and backward calls in the program) for bf16 on one
+    device's sequence, Ulysses and all-gather attention in contiguous order, and the blockwise kernel (no
+    cuDNN call) for zigzag order, the ring and float32, saying why."""
+    report = compiled("tiny", mesh, BF16, "model.n_layers=1", *overrides)
+    assert chosen in report["attention"]
+    assert (report["gpu"]["kernels"]["attention"] > 0) == ("cuDNN" in chosen)
+
+
+def test_fsdp_gathers_weights_and_reduce_scatters_gradients_in_bf16():
+    """tiny, fsdp=8, bf16: every matmul weight is all-gathered in bf16 and its gradient reduce-scattered in
+    bf16 (no all-reduce over fsdp); what goes in float32 is the norm scales (used in float32) and the
+    embedding's gradient (a scatter-add of the lookup), and nothing else."""
+    report = compiled("tiny", "fsdp=8", BF16, "model.n_layers=1")
+    gathers, scatters = (report["gpu"]["collectives"][k]["bytes_by_dtype"] for k in ("all-gather", "reduce-scatter"))
+    cfg = configs.load("tiny")
+    D, V = cfg.model.d_model, cfg.model.vocab_size
+    norms = 3 * D * 4  # attention's, the MLP's and the final norm's scales, float32
+    assert gathers["f32"] == norms and gathers["bf16"] > 50 * norms
+    assert scatters["f32"] == (V * D * 4 + norms) // 8
+    assert scatters["bf16"] > 0 and "all-reduce" not in report["gpu"]["collectives"] or \
+        report["gpu"]["collectives"]["all-reduce"]["bytes"] < scatters["bf16"] / 10
+
+
+def test_fsdp_collectives_run_asynchronously_behind_compute():
+    """Every weight gather and gradient reduce-scatter of an FSDP step is an async start/done pair with
+    compute kernels scheduled between the two."""
+    report = compiled("tiny", "fsdp=8", BF16, "model.n_layers=4")
+    for kind in ("all-gather", "reduce-scatter"):
+        entry = report["gpu"]["collectives"][kind]
+        assert entry["async"] == entry["overlapped"] >= entry["count"] - 1, (kind, entry)
+
+
+# Each GPU flag against XLA's default, in the program it is for: a layer stack (tiny with 4 layers, bf16,
+# full remat) on fsdp=8 or data=8, or a program of 16 arrays of 4 MB gathered, reduce-scattered or
+# all-reduced at once (XLA's default combine thresholds are 30 MiB).
+@functools.cache
+def _stack(mesh: str) -> tuple:
+    cfg, mesh, rules, make_model = configure.configure("tiny", mesh, [BF16, "model.n_layers=4", "train.remat=full"],
+                                                       cluster=H100x8)
+    from meshpar import train
+    from meshpar.compiler import fit
+
+    sharded = train.sharded_abstract(make_model, train.optimizer(cfg.train), mesh, rules)
+    state, tokens = fit.abstract_inputs(sharded, cfg.train)
+    return train.make_step(sharded, tokens.sharding, cfg.train).lower(state, tokens), fit.program_costs(mesh)
+
+
+def _program(mesh: str, **changes) -> tuple[dict, list[int], str]:
+    """The layer stack on `mesh` compiled with meshpar's flags changed (None: left to XLA's default): its
+    collectives, kernels, loop trip counts and text."""
+    lowered, costs = _stack(mesh)
+    options = {k: v for k, v in {**gpu.compile_options(), **changes}.items() if v is not None}
+    text = lowered.compile(compiler_options=options).as_text()
+    return gpu_program.read(text, costs), hlo.loop_trip_counts(text), text
+
+
+def _combined(kind: str, mixed: bool = False, **changes) -> int:
+    """How many `kind` collectives 16 arrays of 4 MB results take, with meshpar's flags changed; `mixed`:
+    half of them split along their rows, half along their columns."""
+    mesh = Mesh(np.array(gpu.devices(H100x8)), ("x",))
+    shape, f = {"all-gather": ((1024, 1024), lambda x: x * 2), "all-reduce": ((8, 1024, 1024), lambda x: x.sum(0)),
+                "reduce-scatter": ((8, 8192, 1024), lambda x: x.sum(0))}[kind]
+    split = [P(None, "x") if mixed and i % 2 else P("x") for i in range(16)]  # the reduce-scatter's result
+    arrays = [jax.ShapeDtypeStruct(shape, jnp.float32, sharding=NamedSharding(mesh, split[i] if kind == "all-gather"
+                                                                             else P("x"))) for i in range(16)]
+    out = [split[i] if kind == "reduce-scatter" else P() for i in range(16)]
+    step = jax.jit(lambda *xs: tuple(map(f, xs)), out_shardings=tuple(NamedSharding(mesh, o) for o in out))
+    options = {k: v for k, v in {**gpu.compile_options(), **changes}.items() if v is not None}
+    return len(re.findall(rf" {kind}(?:-start)?\(", step.lower(*arrays).compile(compiler_options=options).as_text()))
+
+
+def _async(report: dict, kind: str) -> int:
+    return report["collectives"][kind]["async"]
+
+
+OFF = "COLLECTIVE_PIPELINING_MODE_OFF"
+FLAG_CHECKS = {
+    # on by default in this XLA: off, the weight gathers wait where they are issued
+    "xla_gpu_enable_latency_hiding_scheduler": lambda: (
+        _async(_program("fsdp=8")[0], "all-gather") >= 6
+        and _async(_program("fsdp=8", xla_gpu_enable_latency_hiding_scheduler=False)[0], "all-gather") == 0),
+    # the next layer's gathers start in this layer's iteration: async across the loop, not only inside it
+    "xla_gpu_pipeline_all_gather": lambda: (
+        _async(_program("fsdp=8")[0], "all-gather") > _async(_program("fsdp=8", xla_gpu_pipeline_all_gather=None)[0],
+                                                              "all-gather")),
+    "xla_gpu_pipeline_all_reduce": lambda: (
+        _async(_program("data=8")[0], "all-reduce") > _async(_program("data=8", xla_gpu_pipeline_all_reduce=None)[0],
+                                                              "all-reduce")),
+    # unrolled by two: fewer loop iterations
+    "xla_gpu_enable_while_loop_double_buffering": lambda: (
+        sum(_program("fsdp=8")[1]) < sum(_program("fsdp=8", xla_gpu_enable_while_loop_double_buffering=None)[1])),
+    **{f"xla_gpu_{kind.replace('-', '_')}_combine_threshold_bytes": functools.partial(
+        lambda kind: _combined(kind) < _combined(kind, **{f"xla_gpu_{kind.replace('-', '_')}_combine_threshold_bytes":
+                                                          None}), kind)
+       for kind in ("all-gather", "reduce-scatter", "all-reduce")},
+    # XLA's default here too: set, it keeps collectives along different dimensions apart
+    **{f"xla_gpu_enable_{kind.replace('-', '_')}_combine_by_dim": functools.partial(
+        lambda kind: _combined(kind, mixed=True) == 1 < _combined(
+            kind, mixed=True, **{f"xla_gpu_enable_{kind.replace('-', '_')}_combine_by_dim": True}), kind)
+       for kind in ("all-gather", "reduce-scatter")},
+    # cuBLAS, not Triton, runs every GEMM
+    "xla_gpu_enable_triton_gemm": lambda: (
+        _program("fsdp=8")[0]["kernels"]["triton_gemm"] == 0 < _program("fsdp=8")[0]["kernels"]["gemm"]
+        and _program("fsdp=8", xla_gpu_enable_triton_gemm=None)[0]["kernels"]["gemm"] == 0),
+    # a property of the streams XLA creates when it runs the program, not of the program: the text is the same
+    "xla_gpu_enable_highest_priority_async_stream": lambda: (
+        _program("fsdp=8")[2] == _program("fsdp=8", xla_gpu_enable_highest_priority_async_stream=None)[2]),
+}
+
+
+def test_every_gpu_flag_has_a_check_of_what_it_changes():
+    assert set(FLAG_CHECKS) == set(gpu_flags.FLAGS)
+
+
+@pytest.mark.parametrize("flag", FLAG_CHECKS)
+def test_each_gpu_flag_changes_what_it_says(flag):
+    assert FLAG_CHECKS[flag]()
+
+
+def test_the_readme_gpu_commands_run():
+    """The README's `launch.compile --target` commands, as written (with this venv's Python)."""
+    commands = [c for block in block_commands() for c in block if "--target" in c]
+    assert len(commands) >= 2
+    for command in commands:
+        argv = [sys.executable if "python" in a else a for a in shlex.split(command)]
+        proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600,
+                              env={**os.environ, "PYTHONPATH": str(ROOT)})
+        assert proc.returncode == 0, (command, proc.stderr[-3000:])
+        assert "cuDNN attention" in proc.stdout and "usable on the GPU" in proc.stdout, proc.stdout
