@@ -129,10 +129,9 @@ def attention_kernel(cfg: configs.Config, cudnn_calls: int) -> str:
         return f"{asked}: asked for"
     if reason := kernels.cudnn_unsupported(jnp.dtype(cfg.train.compute_dtype), cfg.model.head_dim):
         return f"blockwise: cuDNN cannot run it ({reason})"
-    if cfg.mesh.sequence > 1 and cfg.parallel.context_attention == "ring":
-        return "blockwise: the ring merges each block's log-sum-exp, whose gradient cuDNN does not give"
-    if cfg.mesh.sequence > 1 and cfg.parallel.load_balance:
-        return "blockwise: zigzag order's masks are not plain causal"
+    if cfg.mesh.sequence > 1:
+        return ("blockwise: context parallelism calls attention inside a partly manual shard_map, where cuDNN's "
+                "custom partitioner fails to compile")
     if cfg.data.packing != "none":
         return "blockwise: documents' masks are not plain causal"
     return "blockwise"

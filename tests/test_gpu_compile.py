@@ -101,7 +101,7 @@ ROW_CHECKS = {
     "data parallel (DDP)": _kinds("all-reduce"),
     "FSDP = ZeRO-3": _kinds("all-gather", "reduce-scatter"),
     "hybrid sharded DP": _kinds("all-gather", "reduce-scatter", "all-reduce"),
-    "ZeRO-1 / ZeRO-2": _kinds("all-gather", "reduce-scatter"),
+    "ZeRO-1 / ZeRO-2": _kinds("all-gather", "all-reduce"),  # stage 1: whole gradients, updated weights gathered
     "Megatron tensor parallel": _kinds("all-reduce"),
     "+ Megatron sequence parallel": _kinds("all-gather", "reduce-scatter"),
     "3-D": _kinds("all-gather", "reduce-scatter", "all-reduce"),
@@ -145,43 +145,55 @@ def test_every_strategy_row_compiles_for_8_h100s(strategy):
 
 @pytest.mark.parametrize("mesh, overrides, chosen", [
     ("fsdp=8", (), "auto chose cuDNN"),
-    ("sequence=2,fsdp=4", ("parallel.context_attention=ulysses", "parallel.load_balance=false"), "auto chose cuDNN"),
-    ("sequence=2,fsdp=4", ("parallel.context_attention=allgather", "parallel.load_balance=false"), "auto chose cuDNN"),
-    ("sequence=2,fsdp=4", ("parallel.context_attention=ulysses",), "blockwise: zigzag order"),
-    ("sequence=2,fsdp=4", ("parallel.context_attention=ring",), "blockwise: the ring"),
-    ("fsdp=8", ("train.compute_dtype=float32",), "blockwise: cuDNN cannot run it (float32"),
+    ("model=8", (), "auto chose cuDNN"),
+    ("stage=2,data=4", ("parallel.microbatches=4",), "auto chose cuDNN"),
+    ("sequence=2,fsdp=4", ("parallel.context_attention=ulysses", "parallel.load_balance=false"), "blockwise: context"),
+    ("sequence=2,fsdp=4", ("parallel.context_attention=ring",), "blockwise: context"),
+    ("fsdp=8", ("train.compute_dtype=float32",), "blockwise: cuDNN cannot run it (it needs bfloat16"),
 ])
 def test_auto_attention_is_cudnn_where_the_readme_says(mesh, overrides, chosen):
-    """`auto` takes cuDNN's fused attention (forward and backward calls in the program) for bf16 on one
-    device's sequence, Ulysses and all-gather attention in contiguous order, and the blockwise kernel (no
-    cuDNN call) for zigzag order, the ring and float32, saying why."""
-    report = compiled("tiny", mesh, BF16, "model.n_layers=1", *overrides)
+    """`auto` takes cuDNN's fused attention (its calls in the program) for bf16 where attention sees the
+    whole sequence (data, FSDP, tensor and pipeline parallel), and the blockwise kernel (no cuDNN call) under
+    context parallelism and for float32, saying why."""
+    report = compiled("tiny", mesh, BF16, "model.n_layers=2", *overrides)
     assert chosen in report["attention"]
-    assert (report["gpu"]["kernels"]["attention"] > 0) == ("cuDNN" in chosen)
+    assert (report["gpu"]["kernels"]["attention"] > 0) == chosen.startswith("auto chose")
+
+
+def test_cudnn_asked_for_under_context_parallelism_is_refused_in_meshpars_words():
+    with pytest.raises(InputError, match="'cudnn' cannot run ulysses attention over 'sequence'"):
+        compiled("tiny", "sequence=2,fsdp=4", BF16, "parallel.context_attention=ulysses",
+                 "parallel.load_balance=false", "train.attention_kernel=cudnn")
 
 
 def test_fsdp_gathers_weights_and_reduce_scatters_gradients_in_bf16():
-    """tiny, fsdp=8, bf16: every matmul weight is all-gathered in bf16 and its gradient reduce-scattered in
-    bf16 (no all-reduce over fsdp); what goes in float32 is the norm scales (used in float32) and the
-    embedding's gradient (a scatter-add of the lookup), and nothing else."""
-    report = compiled("tiny", "fsdp=8", BF16, "model.n_layers=1")
-    gathers, scatters = (report["gpu"]["collectives"][k]["bytes_by_dtype"] for k in ("all-gather", "reduce-scatter"))
-    cfg = configs.load("tiny")
-    D, V = cfg.model.d_model, cfg.model.vocab_size
-    norms = 3 * D * 4  # attention's, the MLP's and the final norm's scales, float32
-    assert gathers["f32"] == norms and gathers["bf16"] > 50 * norms
-    assert scatters["f32"] == (V * D * 4 + norms) // 8
-    assert scatters["bf16"] > 0 and "all-reduce" not in report["gpu"]["collectives"] or \
-        report["gpu"]["collectives"]["all-reduce"]["bytes"] < scatters["bf16"] / 10
+    """tiny (4 layers), fsdp=8, bf16, from the shapes the program's collectives move: every weight is
+    all-gathered in bf16, the only float32 gathers being the [D] norm scales (used in float32); every layer
+    weight's gradient is reduce-scattered in bf16; in float32 go the norm scales' and the output head's (the
+    chunked loss reduces it in float32) gradients; and the embedding's gradient is all-reduced whole, in bf16."""
+    _, _, text = _program("fsdp=8")
+    model = configs.load("tiny").model
+    D, V = model.d_model, model.vocab_size
+    moved = {kind: set() for kind in ("all-gather", "reduce-scatter", "all-reduce")}
+    for instructions in hlo.parse_module(text)[0].values():
+        for instruction in instructions:
+            if (kind := instruction.opcode.removesuffix("-start")) in moved:
+                moved[kind] |= {(a.dtype, a.dims) for a in hlo.arrays(hlo.output_shape(instruction.opcode,
+                                                                                          instruction.shape))}
+    assert {dims for dtype, dims in moved["all-gather"] if dtype == "f32"} == {(D,)}
+    assert {dtype for dtype, dims in moved["all-gather"] if dims != (D,)} == {"bf16"}
+    assert {dims for dtype, dims in moved["reduce-scatter"] if dtype == "f32"} == {(D // 8,), (D // 8, V)}
+    assert {dtype for dtype, dims in moved["reduce-scatter"] if dims not in ((D // 8,), (D // 8, V))} == {"bf16"}
+    assert {(dtype, dims) for dtype, dims in moved["all-reduce"] if len(dims) > 1} == {("bf16", (V, D))}  # + metrics
 
 
 def test_fsdp_collectives_run_asynchronously_behind_compute():
-    """Every weight gather and gradient reduce-scatter of an FSDP step is an async start/done pair with
-    compute kernels scheduled between the two."""
-    report = compiled("tiny", "fsdp=8", BF16, "model.n_layers=4")
+    """Of an FSDP step's weight gathers and gradient reduce-scatters, most run as async start/done pairs and
+    every one of those has compute scheduled between its start and its done (llama3_8b: tests/test_gpu_fit.py)."""
+    report = _program("fsdp=8")[0]
     for kind in ("all-gather", "reduce-scatter"):
-        entry = report["gpu"]["collectives"][kind]
-        assert entry["async"] == entry["overlapped"] >= entry["count"] - 1, (kind, entry)
+        entry = report["collectives"][kind]
+        assert entry["async"] == entry["overlapped"] >= 0.7 * entry["count"], (kind, entry)
 
 
 # Each GPU flag against XLA's default, in the program it is for: a layer stack (tiny with 4 layers, bf16,

@@ -103,7 +103,12 @@ def context_attention(mode: str, q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: j
     ways = lambda spec: math.prod(mesh.shape[a] for a in sharding.spec_axes(P(*spec[2:3])))
     check(mode, T, (N, K), n, balanced=load_balanced, head_ways=(ways(q_spec), ways(kv_spec)), axis=axis)
     local = {"allgather": _allgather_local, "ring": _ring_local, "ulysses": _ulysses_local}[mode]
-    body = functools.partial(local, axis=axis, n=n, balanced=load_balanced, kernel=kernel,
+    if kernel == "cudnn":
+        raise InputError(f"attention kernel 'cudnn' cannot run {mode} attention over '{axis}': cuDNN's custom "
+                         f"partitioner cannot be called inside this partly manual shard_map (use auto or blockwise)")
+    # On GPUs `auto` would take cuDNN (kernels.resolve_kernel), which fails to compile here for that reason.
+    body = functools.partial(local, axis=axis, n=n, balanced=load_balanced,
+                             kernel="blockwise" if kernel == "auto" and platform_of(mesh) == "gpu" else kernel,
                              platform=platform_of(mesh), window=window)
     names = set(sharding.spec_axes(q_spec)) | set(sharding.spec_axes(kv_spec)) | set(vmapped)
     segments_spec = None if segments_BT is None else P(*q_spec[:2])

@@ -24,13 +24,15 @@ the figures are those of the CPU program; the planner (`meshpar.plan`) is checke
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 from jax.sharding import Mesh
 
-from meshpar import gpu_target, hardware, sharding
+from meshpar import gpu_target, hardware, offload, sharding
 from meshpar.batch import Batch
 from meshpar.compiler import gpu, gpu_program
 from meshpar.compiler.compiled import compile_report
@@ -69,7 +71,24 @@ def compile_step(make_model: ModelFactory, cfg: TrainConfig, mesh: Mesh, rules: 
     if platform == "gpu":
         report["gpu"] = gpu_program.read(compiled.as_text(), program_costs(mesh))
         report["flops_per_device"] = report["gpu"]["flops_per_device"]
+        if not mesh.devices.flat[0].addressable_memories():
+            _place_offloaded_state(report["memory_per_device"], sharded, rules)
     return report
+
+
+def _place_offloaded_state(memory: dict[str, int], sharded: Sharded, rules: Rules) -> None:
+    """A described GPU cluster's devices have no memory spaces (jax 0.12's compile-only devices list none, and
+    a sharding's `pinned_host` is dropped on them), so the compiler puts the state that `parallel.offload`
+    keeps in host memory on the devices: move those bytes (per device; donated, so argument, output and
+    alias alike) to the host figures."""
+    shardings = dict(nnx.to_flat_state(sharded.shardings))
+    host = sum(math.prod(shardings[path].get_value().shard_shape(variable.shape)) * variable.dtype.itemsize
+               for path, variable in nnx.to_flat_state(sharded.abstract) if offload.in_host_memory(variable, rules.parallel))
+    for kind in ("arguments", "outputs", "alias"):
+        memory[f"{kind}_bytes"] -= host
+        memory[f"host_{kind}_bytes"] += host
+    memory["peak_bytes"] -= host
+    memory["host_peak_bytes"] += host
 
 
 def program_costs(mesh: Mesh) -> gpu_program.Costs:

@@ -76,6 +76,8 @@ def devices(cluster: Cluster) -> list[jax.Device]:
         raise InputError(f"compiling for GPUs needs cuDNN's library (fused attention): {install_command()}")
     from jax.experimental import topologies
 
+    # JAX's persistent cache cannot load what these devices compile (it needs a client to run it): no cache.
+    jax.config.update("jax_enable_compilation_cache", False)
     try:
         topology = topologies.get_topology_desc(platform="cuda", target_config=cluster.target.config_text(),
                                                 topology=f"1x{cluster.hosts}x{cluster.devices_per_host}")
