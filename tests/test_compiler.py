@@ -292,6 +292,56 @@ def test_control_flow_multiplicity_and_element_sizes():
     }
 
 
+# A loop whose trip count XLA dropped (as XLA:GPU's peeling leaves them): its induction variable starts at a
+# constant 1 (through a copy) and the condition's fused compare stops it below 4: the body runs 3 times.
+PEELED_LOOP_HLO = """
+HloModule peeled, num_partitions=8
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%below (i: s32[]) -> pred[] {
+  %i = s32[] parameter(0)
+  %bound = s32[] constant(4)
+  ROOT %lt = pred[] compare(%i, %bound), direction=LT
+}
+
+%cond (c: (s32[], f32[8])) -> pred[] {
+  %c = (s32[], f32[8]{0}) parameter(0)
+  %ci = s32[] get-tuple-element(%c), index=0
+  ROOT %f = pred[] fusion(%ci), kind=kLoop, calls=%below
+}
+
+%body (b: (s32[], f32[8])) -> (s32[], f32[8]) {
+  %b = (s32[], f32[8]{0}) parameter(0)
+  %bi = s32[] get-tuple-element(%b), index=0
+  %bx = f32[8]{0} get-tuple-element(%b), index=1
+  %one = s32[] constant(1)
+  %next = s32[] add(%bi, %one)
+  %sum = f32[8]{0} all-reduce(%bx), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, to_apply=%add
+  ROOT %t = (s32[], f32[8]{0}) tuple(%next, %sum)
+}
+
+ENTRY %main (x: f32[8]) -> f32[8] {
+  %x = f32[8]{0} parameter(0)
+  %start = s32[] constant(1)
+  %copied = s32[] copy(%start)
+  %init = (s32[], f32[8]{0}) tuple(%copied, %x)
+  %loop = (s32[], f32[8]{0}) while(%init), condition=%cond, body=%body, backend_config={"known_induction_variable":{"tuple_index":"0"}}
+  ROOT %out = f32[8]{0} get-tuple-element(%loop), index=1
+}
+"""
+
+
+def test_a_loop_without_xlas_trip_count_is_read_from_its_bounds():
+    assert collectives(xla_printed(PEELED_LOOP_HLO)) == {"all-reduce": {"count": 3, "bytes": 3 * 32}}
+    no_induction = PEELED_LOOP_HLO.replace(', backend_config={"known_induction_variable":{"tuple_index":"0"}}', "")
+    assert collectives(xla_printed(no_induction)) == {"all-reduce": {"count": 1, "bytes": 32}}  # a lower bound
+
+
 ENTRY_WITH = "HloModule m\n\nENTRY %main () -> f32[] {{\n  {}\n}}\n"  # a module around one line
 
 

@@ -67,6 +67,17 @@ def test_each_target_describes_its_gpu_to_xla(name):
     assert report["gpu"]["kernels"]["attention"] > 0 and report["target"].startswith(f"8 × {target.description}")
 
 
+def test_gpucheck_reads_a_devices_own_description_against_the_packaged_one():
+    """What `launch.gpucheck` prints of a GPU's own description, here of the described H100s' (on a GPU
+    machine, of the GPUs at hand): the packaged H100 target, the same in every field."""
+    from launch.gpucheck import jobs, tables
+
+    row = jobs.gpu_description(gpu.devices(H100x8))
+    assert row["gpu_target"] == {"own": gpu_target.TARGETS["h100"].device_info(), "packaged": "h100",
+                                 "differences": []}
+    assert tables.target_cell(row) == "h100: the same in every field"
+
+
 def test_clusters_are_read_as_the_command_line_says():
     assert gpu.Cluster.parse("H100", "1x8x8").devices == 64
     assert gpu.Cluster.parse("b200", hosts=2, devices_per_host=4).describe() == "8 × NVIDIA B200 (2 hosts of 4)"

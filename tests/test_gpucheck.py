@@ -31,7 +31,9 @@ FIXTURE = json.loads("""
    "rows": [{"job": "machine", "platform": "gpu", "device_kind": "FIXTURE-GPU", "device_count": 2,
              "memory_stats": {"bytes_limit": 60000000000}, "jax": "0.0.0", "jaxlib": "0.0.0",
              "cuda_packages": {"jax-cuda12-plugin": "0.0.0"}, "xla_flags": "--xla_fixture=true",
-             "python": "3.11.0", "environment": "fixture"}]},
+             "python": "3.11.0", "environment": "fixture",
+             "gpu_target": {"own": {"core_count": 132}, "packaged": "h100",
+                            "differences": [["device_memory_size", 85000000000, 84978434048]]}}]},
   {"name": "numerics", "title": "2. Attention numerics", "status": "done",
    "jobs": [{"job": "bf16 against float32", "status": "done", "wall_s": 20.0, "estimate_s": 120, "reason": null}],
    "rows": [{"job": "bf16 against float32", "kernel": "blockwise", "head_dim": 64, "T": 2048, "heads": 32,
@@ -272,6 +274,8 @@ def test_the_tables_from_a_recorded_result():
     assert lines[0] == "# meshpar gpucheck on 2 × FIXTURE-GPU, jax 0.0.0"
     assert "| device | 2 × FIXTURE-GPU (gpu) |" in lines
     assert "| XLA_FLAGS | `--xla_fixture=true` |" in lines
+    assert ("| packaged target (launch.compile --target) | h100: differs in device_memory_size 85000000000 "
+            "(packaged 84978434048) |") in lines
     assert "| blockwise | 64 | 1.2e-03 | 4.5e-03 | 3.1e-03 | 2.7e-03 |  |" in lines
     assert "| cudnn | 256 | – | – | – | – | head dim 256 is not a multiple of 8 up to 128 |" in lines
     assert "| 2,048 | cudnn | 0.25 | 0.88 |  |" in lines

@@ -285,7 +285,8 @@ def test_planner_predicts_the_compiled_peak():
         cfg = train.TrainConfig(global_batch=4 * M, seq_len=2048, remat="dots", compute_dtype="bfloat16")
         parallel = ParallelConfig(microbatches=M, pipeline_schedule="1f1b")
         lay = plan.Layout.of_run(MeshConfig(**mesh.shape), parallel, cfg, "cpu")
-        predicted[M] = plan.memory(plan.Shape.of_model(Transformer.factory(model)), lay, plan.Run.of(cfg, "cpu")).total
+        predicted[M] = plan.memory(plan.Shape.of_model(Transformer.factory(model)), lay, plan.Run.of(cfg, "cpu"),
+                                   cpu=True).total
     report = fit.compile_step(Transformer.factory(model, jnp.bfloat16),
                               train.TrainConfig(global_batch=32, seq_len=2048, remat="dots", compute_dtype="bfloat16"),
                               mesh, rules_lib.make(ParallelConfig(microbatches=8, pipeline_schedule="1f1b")))

@@ -30,7 +30,25 @@ def machine() -> Iterator[dict]:
     yield {"platform": device.platform, "device_kind": device.device_kind, "device_count": jax.device_count(),
            "memory_stats": device.memory_stats(), "jax": jax.__version__, "jaxlib": jaxlib.__version__,
            "cuda_packages": installed_versions(CUDA_PACKAGES), "xla_flags": os.environ.get("XLA_FLAGS", ""),
-           "python": platform_lib.python_version(), "environment": jax.print_environment_info(return_string=True)}
+           "python": platform_lib.python_version(), "environment": jax.print_environment_info(return_string=True),
+           **(gpu_description(jax.local_devices()) if device.platform == "gpu" else {})}
+
+
+def gpu_description(devices: list) -> dict:
+    """The device's own description, as XLA's GPU compiler sees it (read from the devices' topology), and
+    where it differs from the packaged target of its kind (`meshpar.gpu_target`, what `launch.compile
+    --target` compiles for)."""
+    from jax.experimental import topologies
+
+    from meshpar import gpu_target
+
+    try:
+        own = gpu_target.read_device_info(topologies.TopologyDescription(devices).serialize())
+    except Exception as err:  # this jax's topology of real devices may carry no description
+        return {"gpu_target": {"error": f"{type(err).__name__}: {err}"}}
+    packaged = gpu_target.for_device_kind(devices[0].device_kind)
+    return {"gpu_target": {"own": own, "packaged": packaged.name if packaged else None,
+                           "differences": gpu_target.differences(own, packaged) if packaged else None}}
 
 
 def attention_numerics(T: int, heads: int, kv_heads: int, head_dims: list[int] | None = None,

@@ -32,7 +32,20 @@ def machine_table(section: dict, doc: dict) -> list[str]:
                             ["GB per device for XLA (memory_stats' bytes_limit)", gb(limit)],
                             ["jax, jaxlib", f"{m['jax']}, {m['jaxlib']}"], ["CUDA packages", packages],
                             ["XLA_FLAGS", f"`{m['xla_flags']}`" if m["xla_flags"] else "–"],
-                            ["Python", m["python"]]])
+                            ["Python", m["python"]], ["packaged target (launch.compile --target)", target_cell(m)]])
+
+
+def target_cell(machine: dict) -> str:
+    """The packaged GPU target of this device kind, and the fields where the device's own description differs."""
+    target = machine.get("gpu_target")
+    if target is None:
+        return "–"
+    if "error" in target:
+        return f"own description not readable: {target['error']}"
+    if target["packaged"] is None:
+        return "none for this device kind"
+    differs = "; ".join(f"{name} {own} (packaged {packaged})" for name, own, packaged in target["differences"])
+    return f"{target['packaged']}: " + (f"differs in {differs}" if differs else "the same in every field")
 
 
 def numerics_table(section: dict, doc: dict) -> list[str]:

@@ -217,8 +217,8 @@ def read(hlo_text: str, costs: Costs) -> dict:
         for instruction in computations[name]:
             opcode = instruction.opcode
             kind = opcode.removesuffix("-start")
-            if opcode != "fusion":
-                for callee, times in instruction.calls:
+            if opcode in ("while", "call", "conditional") or opcode.endswith("-start") and kind not in COLLECTIVES:
+                for callee, times in instruction.calls:  # control flow and async wrappers; not reducers, fusions
                     child = run(callee)
                     tally.add(child, times)
                     clock += times * child.clocked

@@ -4,8 +4,10 @@ All numbers are per device, for one call of the compiled program. `collectives` 
 compiled XLA module (`compiled.as_text()`) and counts the collectives one execution of the ENTRY
 computation runs: a collective inside a `while` body counts once per iteration, using the trip count
 XLA records in the loop's `backend_config` (`"known_trip_count":{"n":"K"}`, written for `lax.scan`
-and `fori_loop`); a loop without a known trip count (e.g. `lax.while_loop`) has its body counted ONCE,
-so its numbers are a lower bound. Every branch of a `conditional` is counted as if it ran (an upper
+and `fori_loop`); where XLA dropped it (XLA:GPU's loop peeling and double buffering do) it is read from
+the loop itself: an induction variable XLA names, started at a constant and compared `LT` with a constant
+in the condition; a loop with neither (e.g. `lax.while_loop` on a computed bound) has its body counted
+ONCE, so its numbers are a lower bound. Every branch of a `conditional` is counted as if it ran (an upper
 bound). Bytes are the size of the collective's result on one device (what it delivers); for async
 pairs the `X-start` is counted as one X and `X-done` is ignored, with bytes taken from the start's
 output part (see `output_shape`). The CPU backend emits only the sync forms.
@@ -130,6 +132,7 @@ class Instruction(NamedTuple):
     operands: tuple[str, ...]  # the names of the instructions it reads
     attributes: str  # the text after the operands
     calls: tuple[tuple[str, int], ...]  # (called computation, times per execution of this instruction)
+    literal: str = ""  # a constant's value, as printed
 
 
 def _operands_end(rest: str, pos: int) -> int:
@@ -154,9 +157,10 @@ def _parse_instruction(line: str) -> Instruction:
         raise InputError(f"cannot find the opcode in HLO line: {line.strip()!r}")
     opcode, end = op["opcode"], _operands_end(rest, op.end())
     operands, attributes = tuple(_OPERAND.findall(rest[op.end():end])), rest[end + 1:]
+    literal = rest[op.end():end] if opcode == "constant" else ""
     # A -done (or -update) continues the computation its -start ran; following it would count twice.
     if opcode.endswith(("-done", "-update")):
-        return Instruction(match["name"], opcode, shape, operands, attributes, ())
+        return Instruction(match["name"], opcode, shape, operands, attributes, (), literal)
     trip_count = _TRIP_COUNT.search(attributes)
     body_runs = int(trip_count[1]) if trip_count else 1
     calls = []
@@ -167,7 +171,7 @@ def _parse_instruction(line: str) -> Instruction:
         elif opcode == "while" and trip_count:
             runs = body_runs + 1  # the condition is evaluated once more than the body runs
         calls += [(name, runs) for name in _CALLED_NAME.findall(attr["names"])]
-    return Instruction(match["name"], opcode, shape, operands, attributes, tuple(calls))
+    return Instruction(match["name"], opcode, shape, operands, attributes, tuple(calls), literal)
 
 
 def parse_module(hlo_text: str) -> tuple[dict[str, list[Instruction]], str]:
@@ -199,7 +203,40 @@ def parse_module(hlo_text: str) -> tuple[dict[str, list[Instruction]], str]:
         for instruction in instructions:
             if undefined := [name for name, _ in instruction.calls if name not in computations]:
                 raise InputError(f"HLO calls an undefined computation: {undefined[0]!r}")
+    for name, instructions in computations.items():
+        defined = {i.name: i for i in instructions}
+        computations[name] = [_with_read_trip_count(i, defined, computations) for i in instructions]
     return computations, entry
+
+
+_INDUCTION = re.compile(r'"known_induction_variable"\s*:\s*\{\s*"tuple_index"\s*:\s*"?(\d+)"?')
+_LESS_THAN = re.compile(r"\bdirection=LT\b")
+
+
+def _with_read_trip_count(loop: Instruction, defined: dict[str, Instruction],
+                          computations: dict[str, list[Instruction]]) -> Instruction:
+    """A `while` without XLA's trip count, its body's runs read from the loop (module docstring)."""
+    induction = _INDUCTION.search(loop.attributes)
+    if loop.opcode != "while" or _TRIP_COUNT.search(loop.attributes) or induction is None:
+        return loop
+    init = defined.get(loop.operands[0]) if loop.operands else None
+    if init is None or init.opcode != "tuple":
+        return loop
+    start = defined.get(init.operands[int(induction[1])])
+    while start is not None and start.opcode in ("copy", "bitcast") and start.operands:
+        start = defined.get(start.operands[0])
+    names = _CALLED.findall(_STRING.sub('""', loop.attributes))
+    cond = next((_CALLED_NAME.findall(n)[0] for attr, n in names if attr == "condition"), None)
+    body = next((_CALLED_NAME.findall(n)[0] for attr, n in names if attr == "body"), None)
+    inside = [i for c in [cond, *(callee for i in computations.get(cond, []) for callee, _ in i.calls)]
+              for i in computations.get(c, [])]
+    bounds = [i.literal for i in inside if i.opcode == "constant" and i.literal.lstrip("-").isdigit()]
+    compares = [i for i in inside if i.opcode == "compare" and _LESS_THAN.search(i.attributes)]
+    if start is None or start.opcode != "constant" or not start.literal.lstrip("-").isdigit() \
+            or len(bounds) != 1 or len(compares) != 1:
+        return loop
+    runs = max(0, int(bounds[0]) - int(start.literal))
+    return loop._replace(calls=tuple((c, runs if c == body else runs + 1) for c, _ in loop.calls))
 
 
 def collectives(hlo_text: str) -> dict[str, dict[str, int]]:

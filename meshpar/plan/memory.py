@@ -202,24 +202,28 @@ def update_bytes(shape: Shape, lay: Layout, run: Run) -> float:
                 / (layers_here if "layers" in ns[-1] else 1) for ns in per_tensor), default=0.0)
 
 
-def activations_1f1b(shape: Shape, lay: Layout, run: Run) -> float:
+def activations_1f1b(shape: Shape, lay: Layout, run: Run, *, cpu: bool = False) -> float:
     """What the 1F1B schedule (meshpar.pipeline.one_f_one_b) keeps per device beyond one layer's working set,
     whatever M: its stash of 2(P − 1) stage inputs and the two microbatches in flight (activations and
-    cotangents), and one stage's layers, as the remat policy saves them, while its backward recomputes them."""
+    cotangents), and one stage's layers, as the remat policy saves them, while its backward recomputes them.
+    On a GPU, XLA's while-loop double buffering (meshpar.gpu_flags) unrolls the slot loop by two, so a second
+    slot's recomputed stage and its working set are live beside the first (not on XLA:CPU, which has no such
+    pass)."""
     b, t, *_ = local_dims(shape, lay, run)
     stage_inputs = schedule.stash_size(lay.mesh.stage) + 2
     stage = shape.layers / lay.mesh.stage * layer_bytes_per_token(shape, lay, run)
-    return (stage_inputs * run.e * shape.d_model + stage) * b * t
+    second_slot = 0.0 if cpu else stage + layer_bytes_per_token(shape, lay, run, saved=False)
+    return (stage_inputs * run.e * shape.d_model + stage + second_slot) * b * t
 
 
-def _saved(shape: Shape, lay: Layout, run: Run, tokens: float) -> float:
+def _saved(shape: Shape, lay: Layout, run: Run, tokens: float, cpu: bool) -> float:
     """What the backward pass keeps of the activations, per device: every layer's as the remat policy saves
     it, or a pipeline schedule's stash and one stage's layers while its backward recomputes them."""
     per_layer = layer_bytes_per_token(shape, lay, run)
     if lay.mesh.stage == 1:
         return shape.layers * per_layer * tokens
     if lay.parallel.pipeline_schedule == "1f1b":
-        return activations_1f1b(shape, lay, run)
+        return activations_1f1b(shape, lay, run, cpu=cpu)
     # Every schedule iteration keeps what its stage step's remat saves: the stage input (full, offload) or
     # every layer's (dots, none), and its bubble masks; the backward pass then recomputes one stage.
     P, M, R, D = lay.mesh.stage, lay.M, lay.R, shape.d_model
@@ -265,7 +269,7 @@ def memory(shape: Shape, lay: Layout, run: Run, *, cpu: bool = False) -> Memory:
     grads = gb * local_elements(shape, lay, "grads")
     b, t, _, _, _, V = local_dims(shape, lay, run)
     tokens = b * t  # one microbatch on this device
-    activations = _saved(shape, lay, run, tokens) + layer_bytes_per_token(shape, lay, run, saved=False) * tokens
+    activations = _saved(shape, lay, run, tokens, cpu) + layer_bytes_per_token(shape, lay, run, saved=False) * tokens
     rows = run.global_batch / lay.batch_ways
     other = HEAD_BYTES * shape.d_model * V + 4 * rows * (run.seq_len + 1)  # the head; the int32 token batch
     other += _stage_weights(shape, lay)
