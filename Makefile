@@ -8,8 +8,9 @@
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
-# jax 0.11 and later need Python 3.12
-PYTHON312 ?= python3.12
+# jax 0.11 and later need Python 3.12: python3.12 on PATH if it runs, else a pyenv one
+PYTHON312 ?= $(shell for c in python3.12 $$HOME/.pyenv/versions/3.12*/bin/python; do \
+	$$c -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null && echo $$c && break; done)
 VENV312 := .venv312
 # Every parity module (each layout against one device, 1F1B, offload, Hugging Face against transformers and
 # PyTorch training, full-size compile checks, generation, mixtures of experts), checkpoint resume, real

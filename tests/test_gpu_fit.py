@@ -54,6 +54,15 @@ def test_presets_compile_for_h100_clusters_and_fit(name):
     assert gathers["overlapped"] >= 0.9 * gathers["count"], gathers
 
 
+def test_llama3_8b_gathers_every_weight_behind_compute():
+    """At `llama3_8b` on fsdp=8 every weight gather is asynchronous with compute between its start and done,
+    and every GEMM is a cuBLAS call."""
+    report = compiled(*PRESETS["llama3_8b, fsdp=8, T=8k, batch 8"][0])
+    gathers = report["gpu"]["collectives"]["all-gather"]
+    assert gathers["count"] == gathers["async"] == gathers["overlapped"], gathers
+    assert report["gpu"]["kernels"]["triton_gemm"] == 0 < report["gpu"]["kernels"]["gemm"]
+
+
 def test_remat_auto_decides_under_the_h100s_memory():
     """`llama3_8b`, fsdp=8, one sequence of 8k per device: `none` compiles to more than an H100 gives a step,
     so `auto` takes `dots`, which fits; `llama_1b` keeps `none`."""
@@ -144,3 +153,20 @@ def test_planner_predicts_the_gpu_peak_within_10_percent(name):
 def test_the_planners_misses_are_the_readmes(name):
     layout, stated = MISSES[name]
     assert abs(error(compiled(*layout)) - stated) < 0.02
+
+
+# The README's second opinion on step time: the H100 program's roofline over the planner's estimate.
+STEP_RATIOS = {
+    "llama3_8b, fsdp=8, T=8k, batch 8": (PRESETS["llama3_8b, fsdp=8, T=8k, batch 8"][0], 1.19),
+    "8b ring, sequence=4, T=32k": (FITTED["8b ring, sequence=4, T=32k"], 12.5),
+    "70b fsdp×model+SP": (FITTED["70b fsdp×model+SP"], 1.55),
+    "70b, accumulation 8": (PRESETS["llama_70b, fsdp=8×model=8+SP, accumulation 8"][0], 1.57),
+    "mixtral, dropless": (PRESETS["mixtral_8x7b, expert=8×fsdp=8, T=4k"][0], 2.80),
+}
+
+
+@pytest.mark.parametrize("name", STEP_RATIOS)
+def test_the_step_time_second_opinion_is_the_readmes(name):
+    layout, stated = STEP_RATIOS[name]
+    check = compiled(*layout)["step_time_check"]
+    assert abs(check["ratio"] / stated - 1) < 0.05, check
