@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from meshpar.errors import InputError
@@ -70,6 +71,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     from launch import devices
 
+    if args.target:
+        # XLA's GPU compiler logs an error line per buffer it cannot fit when a step is far over the GPU's
+        # memory: the report says so in one line.
+        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     # A GPU target compiles on the CPU backend's process, leaving any GPUs here alone.
     devices.setup(1 if args.target else args.devices or 8, "--devices")  # before JAX starts a backend
 

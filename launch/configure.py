@@ -112,7 +112,9 @@ def compile_check(cfg: configs.Config, cluster: gpu.Cluster | None = None) -> di
     estimate = plan.estimate(model, lay, run, plan.PRESETS[cluster.target.name], cluster.devices_per_host,
                              strict=False)
     program = report["gpu"]["step_time"]
-    return {**report, "target": cluster.describe(), "budget_bytes": device_budget("", cluster=cluster),
+    budget = device_budget("", cluster=cluster)
+    return {**report, "target": cluster.describe(), "budget_bytes": budget,
+            "fits": report["memory_per_device"]["peak_bytes"] <= budget,
             "remat_tried_peak_bytes": tried,
             "attention": attention_kernel(chosen, report["gpu"]["kernels"]["attention"]),
             "model_flops_per_device": flops_per_token(cfg) * cfg.train.global_batch * cfg.train.seq_len / mesh.size,

@@ -74,19 +74,17 @@ class GpuTarget:
                 f'device_description_str: "{self.description}"')
 
 
+# XLA's h100_sxm spec (read off an H100 SXM5 80GB): 132 SMs of 128 FP32 lanes at 1.98 GHz, HBM3 at 3.35 TB/s,
+# 50 MiB of L2, 79.1 GiB that CUDA reports; 228 KiB of shared memory per SM, 227 per block.
+_H100 = GpuTarget("h100", "NVIDIA H100 80GB HBM3", (9, 0), core_count=132, fpus_per_core=128, clock_rate_ghz=1.98,
+                  memory_bandwidth=3_352_320_000_000, device_memory_size=84_978_434_048, l2_cache_size=52_428_800,
+                  shared_memory_per_core=233_472, shared_memory_per_block_optin=232_448)
 TARGETS = {
-    # XLA's h100_sxm spec (read off an H100 SXM5 80GB): 132 SMs of 128 FP32 lanes at 1.98 GHz, HBM3 at
-    # 3.35 TB/s, 50 MiB of L2, 79.1 GiB that CUDA reports; 228 KiB of shared memory per SM, 227 per block.
-    "h100": GpuTarget("h100", "NVIDIA H100 80GB HBM3", (9, 0), core_count=132, fpus_per_core=128,
-                      clock_rate_ghz=1.98, memory_bandwidth=3_352_320_000_000, device_memory_size=84_978_434_048,
-                      l2_cache_size=52_428_800, shared_memory_per_core=233_472,
-                      shared_memory_per_block_optin=232_448),
+    "h100": _H100,
     # H200 SXM: the H100's GH100 die (its SMs, clock, L2 and shared memory) with HBM3e: 141 GB at 4.8 TB/s
     # (datasheet); CUDA reports 143,771 MiB of it (nvidia-smi on an H200 SXM).
-    "h200": GpuTarget("h200", "NVIDIA H200", (9, 0), core_count=132, fpus_per_core=128, clock_rate_ghz=1.98,
-                      memory_bandwidth=4_800_000_000_000, device_memory_size=150_754_820_096,
-                      l2_cache_size=52_428_800, shared_memory_per_core=233_472,
-                      shared_memory_per_block_optin=232_448),
+    "h200": dataclasses.replace(_H100, name="h200", description="NVIDIA H200", memory_bandwidth=4_800_000_000_000,
+                                device_memory_size=150_754_820_096),
     # XLA's a100_sxm_80 spec: 108 SMs of 64 FP32 lanes at 1.41 GHz, HBM2e at 2.04 TB/s, 40 MiB of L2;
     # compute capability 8.0 has 164 KiB of shared memory per SM, 163 per block.
     "a100": GpuTarget("a100", "NVIDIA A100-SXM4-80GB", (8, 0), core_count=108, fpus_per_core=64,
@@ -94,11 +92,11 @@ TARGETS = {
                       l2_cache_size=41_943_040, shared_memory_per_core=167_936,
                       shared_memory_per_block_optin=166_912),
     # XLA's b200 spec: 148 SMs of 128 FP32 lanes at 1.965 GHz, HBM3e at 7.67 TB/s (the datasheet's 8 TB/s
-    # peak), 126.5 MiB of L2, 178.4 GiB that CUDA reports of the 180 GB; compute capability 10.0.
-    "b200": GpuTarget("b200", "NVIDIA B200", (10, 0), core_count=148, fpus_per_core=128, clock_rate_ghz=1.965,
-                      memory_bandwidth=7_672_320_000_000, device_memory_size=191_514_673_152,
-                      l2_cache_size=132_644_864, shared_memory_per_core=233_472,
-                      shared_memory_per_block_optin=232_448),
+    # peak), 126.5 MiB of L2, 178.4 GiB that CUDA reports of the 180 GB; compute capability 10.0 keeps
+    # Hopper's shared memory per SM and per block.
+    "b200": dataclasses.replace(_H100, name="b200", description="NVIDIA B200", compute_capability=(10, 0),
+                                core_count=148, clock_rate_ghz=1.965, memory_bandwidth=7_672_320_000_000,
+                                device_memory_size=191_514_673_152, l2_cache_size=132_644_864),
 }
 
 

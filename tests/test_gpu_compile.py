@@ -51,8 +51,8 @@ def compiled(config: str, mesh: str, *overrides: str, cluster: gpu.Cluster = H10
 @pytest.mark.parametrize("name", gpu_target.TARGETS)
 def test_each_target_describes_its_gpu_to_xla(name):
     """The topology XLA builds from a packaged target carries its device kind, its hosts and, read back
-    from the serialized topology, every field of its device description; tiny's step compiles for it with
-    cuDNN attention."""
+    from the serialized topology, every field of its device description; tiny's step compiles for the A100
+    and the B200 with cuDNN attention (the H100 and H200 share a compute capability)."""
     target = gpu_target.TARGETS[name]
     cluster = gpu.Cluster(target, hosts=2, devices_per_host=4)
     devices = gpu.devices(cluster)
@@ -63,8 +63,9 @@ def test_each_target_describes_its_gpu_to_xla(name):
     assert gpu_target.differences(target.device_info(), target) == []
     assert gpu_target.differences({**target.device_info(), "core_count": 1}, target) == [("core_count", 1,
                                                                                           target.core_count)]
-    report = compiled("tiny", "fsdp=8", BF16, cluster=gpu.Cluster(target))
-    assert report["gpu"]["kernels"]["attention"] > 0 and report["target"].startswith(f"8 × {target.description}")
+    if name in ("a100", "b200"):  # other compute capabilities than the H100's, which every other test compiles for
+        report = compiled("tiny", "fsdp=8", BF16, cluster=gpu.Cluster(target))
+        assert report["gpu"]["kernels"]["attention"] > 0 and report["target"].startswith(f"8 × {target.description}")
 
 
 def test_gpucheck_reads_a_devices_own_description_against_the_packaged_one():
@@ -297,7 +298,7 @@ def test_each_gpu_flag_changes_what_it_says(flag):
 def test_the_readme_gpu_commands_run():
     """The README's `launch.compile --target` commands, as written (with this venv's Python)."""
     commands = [c for block in block_commands() for c in block if "--target" in c]
-    assert len(commands) >= 2
+    assert commands
     for command in commands:
         argv = [sys.executable if "python" in a else a for a in shlex.split(command)]
         proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=600,

@@ -242,7 +242,7 @@ def read(hlo_text: str, costs: Costs) -> dict:
                 if kind != "host_copy":
                     tally.counts[kind, "overlapped"] += tally.computed > computed
                 clock += wait
-            elif opcode not in _FREE and not opcode.endswith(("-start", "-done")):
+            elif opcode == "copy-start" or opcode not in _FREE and not opcode.endswith(("-start", "-done")):
                 what, amount, dtype = _kernel(instruction, defined, computations)
                 tally.counts["kernels", what] += 1
                 if what == "host_copy":
