@@ -89,3 +89,19 @@ for dtype in ("float32", "bfloat16"):
                                 text)
         weight_grads = {d for d, _, name in reductions if "transpose(jvp())" in name and "dot_general" in name}
         assert weight_grads == {dtype}, (hlo.name, reductions)
+
+
+def test_the_readmes_target_table_is_the_packaged_targets():
+    """Each row of the README's `--target` table: the device kind, SMs, memory CUDA reports (GiB), HBM bandwidth
+    (TB/s) and compute capability of `meshpar.gpu_target`'s preset."""
+    from meshpar import gpu_target
+
+    readme = (ROOT / "README.md").read_text()
+    rows = re.findall(r"^\| `(\w+)` \| ([^|]+) \| (\d+) \| ([\d.]+) GiB \| ([\d.]+) TB/s \| ([\d.]+) \|", readme, re.M)
+    assert {name for name, *_ in rows} == set(gpu_target.TARGETS)
+    for name, kind, sms, gib, tbs, capability in rows:
+        target = gpu_target.TARGETS[name]
+        assert (kind.strip(), int(sms), capability) == (target.description, target.core_count,
+                                                        "{}.{}".format(*target.compute_capability))
+        assert float(gib) == round(target.device_memory_size / 2**30, 1)
+        assert abs(float(tbs) - target.memory_bandwidth / 1e12) < 0.006

@@ -155,18 +155,32 @@ def test_the_planners_misses_are_the_readmes(name):
     assert abs(error(compiled(*layout)) - stated) < 0.02
 
 
-# The README's second opinion on step time: the H100 program's roofline over the planner's estimate.
+# The README's second opinion on step time: the H100 program's roofline over the planner's estimate, and the
+# parts the README names (seconds, FLOPs per GPU, kernel counts).
+def _part(report: dict, name: str) -> float:
+    parts = report["step_time_check"]["parts_s"]
+    return {"memory_s": lambda: report["gpu"]["step_time"]["memory_s"],
+            "exposed_s": lambda: parts["exposed communication"]["program"],
+            "planner exposed_s": lambda: parts["exposed communication"]["planner"],
+            "gemms": lambda: report["gpu"]["kernels"]["gemm"],
+            "flops": lambda: report["flops_per_device"], "model flops": lambda: report["model_flops_per_device"]}[name]()
+
+
 STEP_RATIOS = {
-    "llama3_8b, fsdp=8, T=8k, batch 8": (PRESETS["llama3_8b, fsdp=8, T=8k, batch 8"][0], 1.19),
-    "8b ring, sequence=4, T=32k": (FITTED["8b ring, sequence=4, T=32k"], 12.5),
-    "70b fsdp×model+SP": (FITTED["70b fsdp×model+SP"], 1.55),
-    "70b, accumulation 8": (PRESETS["llama_70b, fsdp=8×model=8+SP, accumulation 8"][0], 1.57),
-    "mixtral, dropless": (PRESETS["mixtral_8x7b, expert=8×fsdp=8, T=4k"][0], 2.80),
+    "llama3_8b, fsdp=8, T=8k, batch 8": (PRESETS["llama3_8b, fsdp=8, T=8k, batch 8"][0], 1.19, {"memory_s": 0.13}),
+    "8b ring, sequence=4, T=32k": (FITTED["8b ring, sequence=4, T=32k"], 12.5, {"gemms": 195_342, "memory_s": 16.8}),
+    "70b fsdp×model+SP": (FITTED["70b fsdp×model+SP"], 1.55, {"exposed_s": 1.33, "planner exposed_s": 0.49}),
+    "70b, accumulation 8": (PRESETS["llama_70b, fsdp=8×model=8+SP, accumulation 8"][0], 1.57,
+                            {"exposed_s": 10.7, "planner exposed_s": 3.9}),
+    "mixtral, dropless": (PRESETS["mixtral_8x7b, expert=8×fsdp=8, T=4k"][0], 2.80,
+                          {"flops": 1.55e15, "model flops": 0.34e15}),
 }
 
 
 @pytest.mark.parametrize("name", STEP_RATIOS)
 def test_the_step_time_second_opinion_is_the_readmes(name):
-    layout, stated = STEP_RATIOS[name]
-    check = compiled(*layout)["step_time_check"]
-    assert abs(check["ratio"] / stated - 1) < 0.05, check
+    layout, stated, parts = STEP_RATIOS[name]
+    report = compiled(*layout)
+    assert abs(report["step_time_check"]["ratio"] / stated - 1) < 0.05, report["step_time_check"]
+    for part, value in parts.items():
+        assert abs(_part(report, part) / value - 1) < 0.05, (part, _part(report, part))

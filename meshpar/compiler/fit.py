@@ -5,8 +5,10 @@ and sharding on the mesh (`train.sharded_abstract`), and so is the token batch; 
 then gives XLA's own memory analysis of the program that would run — arguments, temporaries, outputs,
 aliased (donated) buffers and the peak they imply, per device — plus the collectives and FLOPs, at any
 size: `llama_70b` on 512 fake CPU devices allocates nothing. What XLA's CPU backend emits differs from a
-GPU's in details (it all-reduces where a GPU reduce-scatters, and gathers FSDP weights in float32), so
-the figures are those of the CPU program; the planner (`meshpar.plan`) is checked against them.
+GPU's in substance (it all-reduces where a GPU reduce-scatters, widens bf16 collectives to float32, calls no
+cuBLAS or cuDNN), so on fake CPU devices the figures are those of the CPU program; on the devices of a
+described GPU cluster (`meshpar.compiler.gpu`) they are XLA:GPU's, the program a GPU runs. The planner
+(`meshpar.plan`) is checked against both.
 
 `CHECK_OPTIONS`, three choices of XLA's CPU compiler for this check, each measured:
 - the memory-optimised instruction scheduler: by default XLA's CPU backend orders independent work for

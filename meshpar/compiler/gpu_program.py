@@ -41,8 +41,8 @@ from meshpar.hardware import Hardware
 
 CUDNN_ATTENTION = "__cudnn$fmha"
 CUBLAS = ("__cublas$gemm", "__cublas$lt$matmul")
-# Instructions that move no data of their own.
-KERNELS = ("attention", "gemm", "triton_gemm", "fusion", "memory", "host_copy")
+KERNELS = ("attention", "gemm", "triton_gemm", "fusion", "memory", "host_copy")  # the kinds `read` counts
+# Instructions that move no data of their own (control flow: what they call is counted).
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
          "replica-id", "opt-barrier", "add-dependency", "while", "call", "conditional", "async-start",
          "async-update", "async-done"}
