@@ -93,13 +93,14 @@ def compile_check(cfg: configs.Config, cluster: gpu.Cluster | None = None) -> di
     planner's step time beside the program's own (`step_time_check`)."""
     platform = "cpu" if cluster is None else "gpu"
     mesh = mesh_lib.build(cfg.mesh, gpu.devices(cluster) if cluster else None)
+    budget = gpu.memory_limit(cluster.target) if cluster else None
     tried = {}
     for remat in remat_lib.candidates(cfg.train.remat, platform, cfg.parallel):
         chosen = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, remat=remat))
         report = fit.compile_step(chosen.model_factory(), chosen.train, mesh, rules_lib.make(chosen.parallel),
                                   documents=chosen.data.packing != "none")
         tried[remat] = report["memory_per_device"]["peak_bytes"]
-        if cluster is None or tried[remat] <= device_budget("", cluster=cluster):
+        if budget is None or tried[remat] <= budget:
             break
     lay = plan.Layout.of_run(cfg.mesh.resolve(mesh.size), cfg.parallel, chosen.train, platform)
     model, run = shape(cfg), plan.Run.of(chosen.train, platform)
@@ -111,14 +112,11 @@ def compile_check(cfg: configs.Config, cluster: gpu.Cluster | None = None) -> di
         return {**report, "predicted_cpu_peak_bytes": plan.memory(model, lay, run, cpu=True).total}
     estimate = plan.estimate(model, lay, run, plan.PRESETS[cluster.target.name], cluster.devices_per_host,
                              strict=False)
-    program = report["gpu"]["step_time"]
-    budget = device_budget("", cluster=cluster)
     return {**report, "target": cluster.describe(), "budget_bytes": budget,
-            "fits": report["memory_per_device"]["peak_bytes"] <= budget,
-            "remat_tried_peak_bytes": tried,
+            "fits": report["memory_per_device"]["peak_bytes"] <= budget, "remat_tried_peak_bytes": tried,
             "attention": attention_kernel(chosen, report["gpu"]["kernels"]["attention"]),
             "model_flops_per_device": flops_per_token(cfg) * cfg.train.global_batch * cfg.train.seq_len / mesh.size,
-            "step_time_check": step_time_check(program, estimate)}
+            "step_time_check": step_time_check(report["gpu"]["step_time"], estimate)}
 
 
 def attention_kernel(cfg: configs.Config, cudnn_calls: int) -> str:
