@@ -223,12 +223,16 @@ def _stack(mesh: str) -> tuple:
     return train.make_step(sharded, tokens.sharding, cfg.train).lower(state, tokens), fit.program_costs(mesh)
 
 
+def _options(changes: dict) -> dict:
+    """meshpar's GPU flags as compile options, changed by `changes` (None: left to XLA's default)."""
+    return {k: v for k, v in {**gpu.compile_options(), **changes}.items() if v is not None}
+
+
 def _program(mesh: str, **changes) -> tuple[dict, list[int], str]:
     """The layer stack on `mesh` compiled with meshpar's flags changed (None: left to XLA's default): its
     collectives, kernels, loop trip counts and text."""
     lowered, costs = _stack(mesh)
-    options = {k: v for k, v in {**gpu.compile_options(), **changes}.items() if v is not None}
-    text = lowered.compile(compiler_options=options).as_text()
+    text = lowered.compile(compiler_options=_options(changes)).as_text()
     return gpu_program.read(text, costs), hlo.loop_trip_counts(text), text
 
 
@@ -243,8 +247,8 @@ def _combined(kind: str, mixed: bool = False, **changes) -> int:
                                                                              else P("x"))) for i in range(16)]
     out = [split[i] if kind == "reduce-scatter" else P() for i in range(16)]
     step = jax.jit(lambda *xs: tuple(map(f, xs)), out_shardings=tuple(NamedSharding(mesh, o) for o in out))
-    options = {k: v for k, v in {**gpu.compile_options(), **changes}.items() if v is not None}
-    return len(re.findall(rf" {kind}(?:-start)?\(", step.lower(*arrays).compile(compiler_options=options).as_text()))
+    text = step.lower(*arrays).compile(compiler_options=_options(changes)).as_text()
+    return len(re.findall(rf" {kind}(?:-start)?\(", text))
 
 
 def _async(report: dict, kind: str) -> int:
