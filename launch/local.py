@@ -10,7 +10,7 @@ into one set of P × D devices (collectives over gloo). Their output is printed 
 and the launcher exits with that process's code: a dead peer never leaves the rest hanging in a collective.
 
 SIGTERM or SIGINT (Ctrl-C) to the launcher is passed on to every process once, as SIGTERM: the run stops
-after the step in flight with a checkpoint, each process exits with 75 (`meshpar.preemption.EXIT_REQUEUE`),
+after the step in flight with a checkpoint, each process exits with 75 (`meshpar.signals.EXIT_REQUEUE`),
 and so does the launcher. A second signal is passed on too, and ends the processes at once. The processes
 run in sessions of their own, so a terminal's Ctrl-C reaches them through the launcher only, once.
 
@@ -30,7 +30,8 @@ import sys
 import threading
 import time
 
-EXIT_REQUEUE = 75  # meshpar.preemption's: stopped on request, saved (the launcher does not import JAX)
+from meshpar.signals import EXIT_REQUEUE  # (no JAX: the launcher never loads it)
+
 STOPPING_S = 300.0  # how long the others may take to stop and save once one process has
 
 

@@ -10,7 +10,9 @@
 Errors found by meshpar's own checks (bad settings, files, checkpoints; a diverged run) print as one line
 and exit 1; anything else is a bug and keeps its traceback. SIGTERM or SIGINT (or --exit-after-s) stops the
 run after the step in flight with a checkpoint of it, and the process exits with code 75 (EX_TEMPFAIL: run
-the same command again to resume); a second signal ends it at once, the previous checkpoint intact.
+the same command again to resume); a second signal ends it at once, the previous checkpoint intact. Before
+the first step (while the run starts, restores or compiles) there is nothing to save: a signal ends the
+process at once, with code 75 as well (`meshpar.signals`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import argparse
 import dataclasses
 import sys
 
+from meshpar import signals
 from meshpar.errors import InputError
 
 
@@ -83,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
     from launch.configure import configure, flops_per_token
     from meshpar import distributed, metrics, mfu
     from meshpar.errors import TrainingStopped
-    from meshpar.preemption import EXIT_REQUEUE, Stopping
+    from meshpar.preemption import Stopping
     from meshpar.run import Checkpoints, Outputs, Throughput, parse_profile_steps, run
 
     try:
@@ -114,8 +117,10 @@ def main(argv: list[str] | None = None) -> None:
     except (InputError, TrainingStopped) as err:  # meshpar's own checks: say what, without a traceback
         sys.exit(f"error: {err}")
     if result.stopped:
-        sys.exit(EXIT_REQUEUE)
+        sys.exit(signals.EXIT_REQUEUE)
 
 
 if __name__ == "__main__":
+    signals.exit_before_training()  # a process of its own, so its signals are meshpar's from the first second
+    sys.stdout.reconfigure(line_buffering=True)  # a log file (SLURM's) shows each line when it is said
     main()

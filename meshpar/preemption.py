@@ -29,15 +29,16 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-EXIT_REQUEUE = 75  # sysexits.h EX_TEMPFAIL: stopped on request with the work saved; run again to resume
-SIGNALS = (signal.SIGTERM, signal.SIGINT)
+from meshpar.signals import SIGNALS
+
 
 
 @dataclasses.dataclass(frozen=True)
 class Stopping:
     """When a run stops early: on SIGTERM / SIGINT (`signals`; from the first step on: before it, while the
-    run starts and compiles, there is no work to save and a signal ends the process as usual), and after
-    `exit_after_s` seconds of the run (counted from the start of `meshpar.run.run`, compilation included)."""
+    run starts and compiles, there is no work to save, and the signal does what the handler before says:
+    `launch.train`'s, from `meshpar.signals`, exits with EXIT_REQUEUE), and after `exit_after_s` seconds of
+    the run (counted from the start of `meshpar.run.run`, compilation included)."""
 
     signals: bool = True
     exit_after_s: float | None = None

@@ -208,7 +208,8 @@ def _start(make_model: ModelFactory, tx: optax.GradientTransformation, sharded: 
         raise
     if latest is not None:
         batches.load_state_dict(meta["data"])
-        say(f"resumed from {checkpoints.directory} at step {meta['step']}")
+        why = f" (saved {meta['saved']})" if "saved" in meta else ""
+        say(f"resumed from {checkpoints.directory} at step {meta['step']}{why}")
         return pipeline.to_rest(state, sharded.mesh, repeats), meta["step"]  # checkpoints hold the layers in order
     if ckpt and ckpt.cut_off:
         say(f"{checkpoints.directory}: no finished checkpoint, only one cut off mid-save ({', '.join(ckpt.cut_off)}), "
@@ -233,6 +234,7 @@ def _compile_fitting(sharded: Sharded, tokens_sharding: NamedSharding, train: Tr
     limit = device_memory_limit()
     for remat in candidates:
         chosen = dataclasses.replace(train, remat=remat)
+        say(f"compiling the step (remat={remat})")
         step, report = compile_report(make_step(sharded, tokens_sharding, chosen, loss, requests.sharding), state,
                                       batch, *requests.votes())
         peak = report["memory_per_device"]["peak_bytes"]
@@ -340,10 +342,11 @@ class _Saving:
         self.repeats = rules.parallel.pipeline_repeats
         self.blocked: list[float] = []  # how long each save held up the loop
 
-    def __call__(self, number: int, state: nnx.State) -> None:
+    def __call__(self, number: int, state: nnx.State, why: str) -> None:
+        """Save step `number`; `why` (for the stop, the last step, or every N steps) goes into its metadata."""
         began = time.perf_counter()
         self.ckpt.save(number, pipeline.to_layers(state, self.mesh, self.repeats),
-                       {"data": self.batches.state_dict(), "config": self.config})
+                       {"data": self.batches.state_dict(), "config": self.config, "saved": why})
         self.blocked.append(time.perf_counter() - began)
 
 
@@ -382,7 +385,8 @@ class _Loop:
                     self.last_done += time.perf_counter() - began  # not part of the next step's time
                 self._publish(entry)  # stops the run before a non-finite state is saved
                 if saving:
-                    self.saving(number, state)
+                    self.saving(number, state, f"for the stop: {stop}" if stop else
+                                "for the last step" if number == last else f"every {self.ckpt.config.every} steps")
             else:
                 pending = (number, out)
             if stop is not None and number < last:

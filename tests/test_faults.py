@@ -2,7 +2,8 @@
 
 Stop requests: SIGTERM at a random step of a 1-process run ends it after the step in flight with a
 checkpoint and exit code 75, and the resumed run ends where an uninterrupted one does, bit for bit; a
-second signal (after SIGINT) ends the process at once; `--exit-after-s` stops like SIGTERM. Faults: a
+second signal (after SIGINT) ends the process at once; `--exit-after-s` stops like SIGTERM; a signal
+while the step compiles (nothing to save yet) ends the process at once with exit 75. Faults: a
 2-process job under `launch.local --max-restarts` with a process killed (SIGKILL) three times, once
 mid-save, then SIGTERM to one process only (both stop after the same step, save it and exit 75; the
 launcher, which was not signalled, restarts the job), ends with the uninterrupted run's parameters, bit
@@ -24,7 +25,7 @@ import pytest
 
 from conftest import require_devices
 from meshpar import mesh as mesh_lib, rules
-from meshpar.preemption import EXIT_REQUEUE
+from meshpar.signals import EXIT_REQUEUE
 
 # chaos and preemption runs of real processes: `make test-slow`, which CI runs beside `make test`
 pytestmark = pytest.mark.slow
@@ -126,7 +127,8 @@ def test_a_stopped_run_resumes_to_the_uninterrupted_one_bit_for_bit(uninterrupte
     assert at <= stopped < STEPS
     assert f"stopped after step {stopped} (SIGTERM); checkpoint of step {stopped} saved" in out, out[-3000:]
     assert sorted(int(p.name) for p in (tmp_path / "ckpt").iterdir()) == [stopped]
-    finish(start(command(1, tmp_path, "resumed"), tmp_path / "resumed.log"), 0)
+    out = finish(start(command(1, tmp_path, "resumed"), tmp_path / "resumed.log"), 0)
+    assert f"at step {stopped} (saved for the stop: SIGTERM)" in out, out[-3000:]
     reference, params = uninterrupted[1]
     assert losses(tmp_path, "stopped", "resumed") == reference
     assert all(np.array_equal(a, b) for a, b in zip(final_params(tmp_path), params, strict=True))
@@ -147,13 +149,38 @@ def test_a_second_signal_ends_the_process_at_once_and_keeps_the_checkpoint(tmp_p
     proc.send_signal(signal.SIGTERM)
     finish(proc, -signal.SIGTERM)
     saved = sorted(int(p.name) for p in (tmp_path / "ckpt").iterdir() if p.name.isdigit())
-    assert saved and saved[-1] % 4 == 0  # the periodic ones only: the stop's own save never began
+    assert saved
     argv[argv.index("--steps") + 1] = "1000000"  # more than 3 s can train
     out = finish(start([*argv, "--exit-after-s", "3"], tmp_path / "b.log"), EXIT_REQUEUE)
-    assert f"resumed from {tmp_path / 'ckpt'} at step {saved[-1]}" in out
+    # a periodic one: the stop's own save never began
+    assert f"resumed from {tmp_path / 'ckpt'} at step {saved[-1]} (saved every 4 steps)" in out, out[-3000:]
     stopped = json.loads((tmp_path / "a.jsonl").read_text().splitlines()[-1])["step"]
     assert f"stopped after step {stopped} (time budget (--exit-after-s) spent)" in out
     assert max(int(p.name) for p in (tmp_path / "ckpt").iterdir()) == stopped
+
+
+@pytest.mark.parametrize("signum, resumes", [(signal.SIGTERM, False), (signal.SIGINT, True)], ids=["new", "resumed"])
+def test_a_signal_while_the_step_compiles_exits_75_at_once(tmp_path, signum, resumes):
+    """Before the first step there is nothing to save: a signal while the step compiles, in a new run or in
+    one that restored a checkpoint, ends the process at once with exit 75 (a requeue), not by the signal,
+    and leaves the checkpoints as they were."""
+    if resumes:
+        finish(start([*command(1, tmp_path, "first"), "--steps", "2"], tmp_path / "first.log"), 0)
+    proc = start(command(1, tmp_path, "a"), tmp_path / "a.log")
+    while "compiling the step" not in proc.log.read_text():
+        assert proc.poll() is None, proc.log.read_text()[-3000:]
+        time.sleep(0.002)
+    began = time.monotonic()
+    proc.send_signal(signum)
+    out = finish(proc, EXIT_REQUEUE)
+    print(f"{signum.name} while compiling: exited {time.monotonic() - began:.2f} s after the signal")
+    assert "compiled in" not in out, out[-3000:]  # the signal landed before the compilation was done
+    assert f"{signum.name} before the first step: nothing to save, exiting with 75" in out, out[-3000:]
+    assert not (tmp_path / "a.jsonl").exists() or not (tmp_path / "a.jsonl").read_text()
+    saved = sorted(p.name for p in (tmp_path / "ckpt").iterdir()) if (tmp_path / "ckpt").exists() else []
+    assert saved == (["2"] if resumes else [])
+    if resumes:
+        assert f"resumed from {tmp_path / 'ckpt'} at step 2 (saved for the last step)" in out, out[-3000:]
 
 
 def test_a_budget_that_is_not_positive_is_refused(capsys):
