@@ -2,9 +2,13 @@
 their formulas, and every expert layout against one device.
 
 The reference of the dispatch is `experts_by_loop`: every token, each of its k experts, one SwiGLU at a time,
-an expert taking its first C assignments in token order at capacity. The layouts run the same weights and
-batch as one device and compare the loss (with the load-balancing and z losses in it) and every gradient.
+an expert taking its first U assignments in token order at capacity (U from the formula, `capacity_by_formula`).
+The router's losses and their gradients are also held to transformers' own functions. The layouts run the same
+weights and batch as one device and compare the loss (with the load-balancing and z losses in it) and every
+gradient.
 """
+
+from fractions import Fraction
 
 import jax
 import jax.numpy as jnp
@@ -30,18 +34,51 @@ def silu(x):
     return x / (1 + np.exp(-x))
 
 
-def experts_by_loop(x_nD, experts_nK, weights_nK, w_gate, w_up, w_down, capacity_C=None):
+def experts_by_loop(x_nD, experts_nK, weights_nK, w_gate, w_up, w_down, capacity_U=None):
     """Σ over each token's experts of weight · SwiGLU_e(x), one token at a time; an expert past its first
-    `capacity_C` assignments (in token order) adds nothing. Also the number of dropped assignments."""
-    y_nD, taken, dropped = np.zeros_like(x_nD), np.zeros(w_gate.shape[0], int), 0
+    `capacity_U` assignments (in token order) adds nothing. Also each token's dropped assignments [n]."""
+    y_nD, taken, dropped_n = np.zeros_like(x_nD), np.zeros(w_gate.shape[0], int), np.zeros(len(x_nD), int)
     for i, x_D in enumerate(x_nD):
         for e, w in zip(experts_nK[i], weights_nK[i]):
             taken[e] += 1
-            if capacity_C is not None and taken[e] > capacity_C:
-                dropped += 1
+            if capacity_U is not None and taken[e] > capacity_U:
+                dropped_n[i] += 1
                 continue
             y_nD[i] += w * ((silu(x_D @ w_gate[e]) * (x_D @ w_up[e])) @ w_down[e])
-    return y_nD, dropped
+    return y_nD, dropped_n
+
+
+def capacity_by_formula(c, n, k, E):
+    """U = ⌈c·n·k/E⌉, at most n·k (meshpar.moe.dispatch), in integers: n the tokens of ONE device (each
+    device routes its own), c the decimal it was written as."""
+    c = Fraction(str(c))
+    return min(n * k, -(-c.numerator * n * k // (c.denominator * E)))
+
+
+def assert_group_equals_the_loop(y_btD, dropped_b, x_btD, experts_btk, weights_btk, w, capacity):
+    """One device's rows against the loop over its tokens alone: the outputs, and the drops row by row at
+    U = `capacity_by_formula` (which the dispatch must have used). Returns the assignments dropped."""
+    b, t, D = x_btD.shape
+    K, E = experts_btk.shape[-1], w[0].shape[0]
+    U = None
+    if capacity:
+        U = capacity_by_formula(capacity, b * t, K, E)
+        assert dispatch.expert_capacity(b * t, K, E, capacity) == U
+    expected_nD, dropped_n = experts_by_loop(x_btD.reshape(-1, D), experts_btk.reshape(-1, K),
+                                             weights_btk.reshape(-1, K), *w, U)
+    np.testing.assert_allclose(np.asarray(y_btD).reshape(-1, D), expected_nD, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(dropped_b), dropped_n.reshape(b, t).sum(1))
+    return int(dropped_n.sum())
+
+
+def assert_reported_drops(experts_BTk, dropped_B, dropped, capacity, E):
+    """The step's `dropped_fraction` (routing.metrics) for these routes and the dispatch's drops per row is the
+    loop's count over all assignments: exactly 0 dropless, more than 0 at the capacities tested."""
+    counts_BE = jax.nn.one_hot(experts_BTk, E).sum((1, 2))
+    zeros_B = jnp.zeros(dropped_B.shape)
+    fraction = float(routing.metrics(routing.RouterStats(counts_BE, counts_BE, zeros_B, dropped_B))["dropped_fraction"])
+    assert fraction == pytest.approx(dropped / experts_BTk.size, rel=1e-6)
+    assert (fraction == 0.0) == (not capacity)
 
 
 def random_routes(b, t, D, E, F, K, seed=0):
@@ -54,25 +91,30 @@ def random_routes(b, t, D, E, F, K, seed=0):
     return x, experts, weights, w
 
 
-@pytest.mark.parametrize("capacity", [0.0, 0.5])
+# U = c·n·k/E on an integer (0.5 · 24 · 2 / 8 = 3) and between two (1.25 · 24 · 2 / 8 = 7.5: the ceiling is 8)
+@pytest.mark.parametrize("capacity", [0.0, 0.5, 1.25])
 def test_dispatch_on_one_device_equals_the_loop(capacity):
     b, t, D, E, F, K = 2, 12, 8, 8, 16, 2
     x, experts, weights, w = random_routes(b, t, D, E, F, K)
     y, dropped_b = jax.jit(dispatch.experts_ffn, static_argnums=6)(x, experts, weights, *w, capacity)
-    C = dispatch.expert_capacity(b * t, K, E, capacity) if capacity else None
-    expected, dropped = experts_by_loop(x.reshape(-1, D), experts.reshape(-1, K), weights.reshape(-1, K), *w, C)
-    np.testing.assert_allclose(np.asarray(y).reshape(-1, D), expected, rtol=1e-5, atol=1e-5)
-    assert float(dropped_b.sum()) == dropped and (dropped > 0) == (capacity > 0)
+    dropped = assert_group_equals_the_loop(y, dropped_b, x, experts, weights, w, capacity)
+    assert_reported_drops(experts, dropped_b, dropped, capacity, E)
 
 
-@pytest.mark.parametrize("spec", ["expert=4,data=2", "expert=2,fsdp=2,model=2", "expert=8"])
-@pytest.mark.parametrize("capacity", [0.0, 0.5])
-def test_dispatch_over_the_expert_axis_equals_the_loop_on_each_device(spec, capacity):
-    """Each device routes its own rows (the batch is split over data, fsdp and expert): the loop runs each
-    device's tokens on their own, capacity counted per device."""
-    require_devices(8)
-    b, t, D, E, F, K = 8, 6, 8, 8, 16, 2
-    x, experts, weights, w = random_routes(b, t, D, E, F, K, seed=1)
+@pytest.mark.parametrize("c, n, k, E, U", [
+    (0.5, 24, 2, 8, 3), (1.25, 24, 2, 8, 8), (1.0, 10, 3, 8, 4), (0.01, 5, 1, 4, 1),
+    (1.1, 50, 8, 8, 55),  # c·n·k/E = 55 exactly, 55.00000000000001 in floats
+    (100.0, 6, 2, 8, 12),  # at most n·k
+])
+def test_expert_capacity_is_the_ceiling_of_c_n_k_over_E(c, n, k, E, U):
+    assert capacity_by_formula(c, n, k, E) == U
+    assert dispatch.expert_capacity(n, k, E, c) == U
+
+
+def dispatch_on_each_device(spec, capacity, x, experts, weights, w):
+    """The dispatch on a mesh, each device's rows (the batch is split over data, fsdp and expert) held to the loop
+    over that device's tokens on their own, capacity counted per device; the step's dropped fraction held to
+    the loop's drops."""
     mesh = mesh_lib.build(mesh_lib.parse(spec))
     rules = rules_lib.make(rules_lib.ParallelConfig(expert_capacity=capacity))
 
@@ -82,15 +124,44 @@ def test_dispatch_over_the_expert_axis_equals_the_loop_on_each_device(spec, capa
 
     y, dropped_b = jax.jit(run)(x, experts, weights, *w)
     shards = mesh.shape["data"] * mesh.shape["fsdp"] * mesh.shape["expert"]
-    rows = b // shards
-    C = dispatch.expert_capacity(rows * t, K, E, capacity) if capacity else None
-    for s in range(shards):
-        part = slice(s * rows, (s + 1) * rows)
-        expected, dropped = experts_by_loop(x[part].reshape(-1, D), experts[part].reshape(-1, K),
-                                            weights[part].reshape(-1, K), *w, C)
-        np.testing.assert_allclose(np.asarray(y[part]).reshape(-1, D), expected, rtol=1e-5, atol=1e-5)
-        assert float(dropped_b[part].sum()) == dropped
-    assert (float(dropped_b.sum()) > 0) == (capacity > 0)
+    rows = len(x) // shards
+    dropped = sum(assert_group_equals_the_loop(y[part], dropped_b[part], x[part], experts[part], weights[part], w,
+                                               capacity)
+                  for part in (slice(s * rows, (s + 1) * rows) for s in range(shards)))
+    assert_reported_drops(experts, dropped_b, dropped, capacity, w[0].shape[0])
+
+
+EXPERT_MESHES = ["expert=4,data=2", "expert=2,fsdp=2,model=2", "expert=8"]
+
+
+@pytest.mark.parametrize("spec", EXPERT_MESHES)
+@pytest.mark.parametrize("capacity", [0.0, 0.5])
+def test_dispatch_over_the_expert_axis_equals_the_loop_on_each_device(spec, capacity):
+    """Random routes, one expert in demand (so that capacity drops), on each device's own tokens."""
+    require_devices(8)
+    b, t, D, E, F, K = 8, 6, 8, 8, 16, 2
+    x, experts, weights, w = random_routes(b, t, D, E, F, K, seed=1)
+    dispatch_on_each_device(spec, capacity, x, experts, weights, w)
+
+
+@pytest.mark.parametrize("spec", EXPERT_MESHES)
+@pytest.mark.parametrize("sources", ["every", "one"])
+def test_dropless_dispatch_of_every_token_to_one_expert_shard_equals_the_loop(spec, sources):
+    """The dropless buffers' worst case: all of a device's tokens choose experts of the last expert shard, so
+    it sends the full r = n · min(k, El) rows to that shard; from every device at once (that shard receives
+    ep · r rows, none of them padding), or from one device among randomly routed ones. With El < k (expert=8)
+    a token's experts span k shards: each of them takes r = n rows."""
+    require_devices(8)
+    b, t, D, E, F, K = 8, 6, 8, 8, 16, 2
+    x, experts, weights, w = random_routes(b, t, D, E, F, K, seed=2)
+    sizes = mesh_lib.parse(spec)
+    ep = sizes.expert
+    El, rows = E // ep, b // (ep * sizes.data * sizes.fsdp)
+    # k experts from the last shard's first on, wrapping around when El < k; in descending ids (the dispatch sorts)
+    experts[slice(0, b) if sources == "every" else slice(rows, 2 * rows)] = [(E - El + i) % E for i in range(K)][::-1]
+    sent_to_last = np.isin(experts[rows:2 * rows], np.arange(E - El, E)).sum()  # the second device's
+    assert sent_to_last == rows * t * min(K, El)  # r: the buffer's bound is reached
+    dispatch_on_each_device(spec, 0.0, x, experts, weights, w)
 
 
 def test_router_losses_are_their_formulas_pooled_over_layers():
@@ -113,6 +184,36 @@ def test_router_losses_are_their_formulas_pooled_over_layers():
     assert abs(per_layer - float(routing.balance_loss(stats))) > 1e-3  # the pooling is not the per-layer mean
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_router_losses_and_their_gradients_equal_transformers(family):
+    """The load-balancing loss's gradient reaches the router only through the mean probabilities P (the counts
+    f have none), the z-loss's through every logit: both, pooled over two layers, against transformers' own
+    functions (the family's load_balancing_loss_func; Switch Transformers' router_z_loss_func over the layers'
+    logits concatenated, as that model pools them) on the same float32 logits, values and gradients."""
+    torch = pytest.importorskip("torch")  # absent from CI's newest-JAX leg
+    transformers_moe = pytest.importorskip(f"transformers.models.{family}.modeling_{family}")
+    switch = pytest.importorskip("transformers.models.switch_transformers.modeling_switch_transformers")
+    L, B, T, E, K = 2, 3, 5, 8, 2
+    rng = np.random.default_rng(0)
+    logits_LBTE = rng.standard_normal((L, B, T, E)).astype(np.float32) * np.float32([1, 3])[:, None, None, None]
+
+    def losses(logits_LBTE):
+        stats = [routing.route(logits_BTE, K, True).stats for logits_BTE in logits_LBTE]
+        pooled = sum(stats[1:], stats[0])
+        return routing.balance_loss(pooled), routing.z_loss(pooled)
+
+    values = losses(jnp.asarray(logits_LBTE))
+    grads = [np.asarray(jax.grad(lambda l, i=i: losses(l)[i])(jnp.asarray(logits_LBTE))) for i in range(2)]
+    logits_t = torch.tensor(logits_LBTE, requires_grad=True)
+    expected = (transformers_moe.load_balancing_loss_func(tuple(l.reshape(-1, E) for l in logits_t), E, K),
+                switch.router_z_loss_func(torch.cat(tuple(logits_t), dim=1)))
+    for value, grad, want in zip(values, grads, expected):
+        (want_grad,) = torch.autograd.grad(want, logits_t)
+        assert float(value) == pytest.approx(want.item(), rel=1e-5)
+        assert np.abs(want_grad.numpy()).max() > 0
+        assert max_relative_error(grad, want_grad.numpy()) < 1e-5
+
+
 @pytest.fixture(scope="module")
 def single():
     layout = MeshRun("single", TRAIN, MOE)
@@ -129,6 +230,9 @@ LAYOUTS = [
     pytest.param("expert=2,data=2,model=2", rules_lib.ParallelConfig(sequence_parallel=True), id="ep2-tp2-sp"),
     pytest.param("stage=2,expert=2,data=2", rules_lib.ParallelConfig(microbatches=2), id="gpipe2-ep2"),
     pytest.param("data=2,expert=4", rules_lib.ParallelConfig(expert_capacity=4.0), id="dp2-ep4-capacity"),
+    # a row's drops summed over its positions' devices (once refused by shard_map: they differed per device)
+    pytest.param("expert=2,sequence=2,data=2", rules_lib.ParallelConfig(context_attention="ring", expert_capacity=4.0),
+                 id="ep2-ring-cp2-capacity"),
 ]
 
 

@@ -45,6 +45,7 @@ the slowest collective of the step (keep `expert` inside a node where it fits).
 
 from __future__ import annotations
 
+import fractions
 import functools
 import math
 
@@ -74,7 +75,10 @@ def rows_per_shard(n: int, k: int, experts: int, shards: int, capacity: float) -
 
 def expert_capacity(n: int, k: int, experts: int, capacity: float) -> int:
     """U: the assignments of a device's n tokens one expert takes at capacity factor `capacity`."""
-    return min(n * k, math.ceil(capacity * n * k / experts))
+    # In exact arithmetic, c the decimal it was written as: in floats 1.1 · 50 · 8 / 8 is 55.00000000000001,
+    # whose ceiling would be 56.
+    c = fractions.Fraction(str(float(capacity)))
+    return min(n * k, math.ceil(c * n * k / experts))
 
 
 def experts_ffn(x_BTD: jax.Array, experts_BTk: jax.Array, weights_BTk: jax.Array, w_gate_EDF: jax.Array,
@@ -96,7 +100,8 @@ def experts_ffn(x_BTD: jax.Array, experts_BTk: jax.Array, weights_BTk: jax.Array
         return local(x_BTD, experts_BTk, weights_BTk, w_gate_EDF, w_up_EDF, w_down_EFD, expert_axis=None, model=())
     expert_axis = "expert" if "expert" in sharding.spec_axes(gate_up) else None
     model = tuple(a for a in sharding.spec_axes(gate_up[2:]))
-    body = functools.partial(local, expert_axis=expert_axis, model=model, vmapped=bool(compute.vmapped))
+    body = functools.partial(local, expert_axis=expert_axis, model=model, positions=sharding.spec_axes(tokens[1:2]),
+                             vmapped=bool(compute.vmapped))
     # Manual over the size-1 axes too: in a partly manual region jax pins the psums' reducers with sharding
     # constraints, which XLA:CPU's widening of bfloat16 all-reduces cannot clone (a crash at compile time).
     names |= {axis for axis, size in mesh.shape.items() if size == 1}
@@ -118,8 +123,10 @@ def grouped_matmul(x_ID: jax.Array, w_EDF: jax.Array, sizes_E: jax.Array, vmappe
 
 
 def _local(x_btD, experts_btk, weights_btk, w_gate_EDF, w_up_EDF, w_down_EFD, *, capacity: float, experts: int,
-           expert_axis: str | None, model: tuple[str, ...], vmapped: bool = False) -> tuple[jax.Array, jax.Array]:
-    """One device's dispatch (module docstring): its El experts' weights, E / El = ep expert shards."""
+           expert_axis: str | None, model: tuple[str, ...], positions: tuple[str, ...] = (),
+           vmapped: bool = False) -> tuple[jax.Array, jax.Array]:
+    """One device's dispatch (module docstring): its El experts' weights, E / El = ep expert shards; the
+    mesh axes in `positions` split the rows' positions (context parallelism), and their drops are summed."""
     b, t, D = x_btD.shape
     k, E, El = experts_btk.shape[-1], experts, w_gate_EDF.shape[0]
     ep, n = E // El, b * t
@@ -136,9 +143,9 @@ def _local(x_btD, experts_btk, weights_btk, w_gate_EDF, w_up_EDF, w_down_EFD, *,
         kept_Q = rank_Q < U
         row_Q = jnp.where(kept_Q, local_Q * U + rank_Q, r)
     else:  # packed in expert order within each expert shard's block
-        kept_Q = jnp.ones((Q,), bool)
         first_Q = (jnp.cumsum(counts_E) - counts_E).reshape(ep, El)[:, 0]
         row_Q = jnp.arange(Q) - first_Q[shard_Q]
+        kept_Q = row_Q < r  # r holds a shard's every row: counted all the same, so a short buffer shows as drops
     x_nD = x_btD.reshape(n, D)
     send_xrD = jnp.zeros((ep, r, D), x_btD.dtype).at[shard_Q, row_Q].set(x_nD[token_Q], mode="drop")
     swap = (lambda a: jax.lax.all_to_all(a, expert_axis, 0, 0)) if expert_axis else (lambda a: a)
@@ -164,4 +171,6 @@ def _local(x_btD, experts_btk, weights_btk, w_gate_EDF, w_up_EDF, w_down_EFD, *,
     if model:  # each model shard summed its F slice
         y_nD = jax.lax.psum(y_nD, model)
     dropped_b = jnp.zeros((b,), jnp.float32).at[token_Q // t].add((~kept_Q).astype(jnp.float32))
+    if positions:  # a row's drops, over all of its positions
+        dropped_b = jax.lax.psum(dropped_b, positions)
     return y_nD.reshape(b, t, D), dropped_b
