@@ -1,4 +1,5 @@
-"""Convert between Hugging Face checkpoints (Llama, Mistral, Qwen 2, Qwen 3, Mixtral, Qwen3-MoE) and meshpar parameters.
+"""Convert between Hugging Face checkpoints (Llama, Mistral, Qwen 2, Qwen 3, Mixtral, Qwen3-MoE, Qwen2-MoE) and meshpar
+parameters.
 
     python -m launch.convert from-hf --hf-dir llama-3.2-1b --out runs/llama-1b --cpu-devices 8
     python -m launch.convert from-hf --hf-dir qwen3-0.6b --out runs/qwen3 --mesh fsdp=2,model=4
@@ -42,8 +43,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                               "directory")
     to_hf.add_argument("--checkpoint", required=True, help="a parameters directory or a training checkpoint directory")
     to_hf.add_argument("--out", required=True, help="the Hugging Face directory to write")
-    to_hf.add_argument("--family", help="the model_type to write: llama, mistral, qwen2, qwen3, mixtral or qwen3_moe "
-                                        "(default: the family imported from, else the one the model's options name)")
+    to_hf.add_argument("--family", help="the model_type to write: llama, mistral, qwen2, qwen3, mixtral, qwen3_moe or "
+                                        "qwen2_moe (default: the family imported from, else the one the model's "
+                                        "options name)")
     for command in (from_hf, to_hf):
         command.add_argument("--mesh", help="axis sizes while converting, e.g. fsdp=2,model=4 (default: fsdp over "
                                             "all devices)")

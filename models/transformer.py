@@ -5,7 +5,8 @@ RMSNorm → SwiGLU MLP), a final RMSNorm and an output head, tied to the embeddi
 the open families are config fields, not other models: biases on q, k and v (Qwen 2), an RMSNorm of each
 query and key head before the rotation (Qwen 3), a head dim of its own (Qwen 3), scaled rotary positions
 (Llama 3.1: `models/rope.py`), tied embeddings, each family's RoPE base and norm epsilon, and a mixture of
-experts in place of every MLP (Mixtral, Qwen3-MoE: `MoE`, routed by `meshpar.moe`). The blocks are
+experts in place of every MLP (Mixtral, Qwen3-MoE: `MoE`, routed by `meshpar.moe`), with shared experts every
+token passes, their output gated per token or not (Qwen2-MoE, DeepSeek). The blocks are
 stacked along a leading `layers` axis and run with `lax.scan`, so compile time does not grow with depth
 and the pipeline can split that axis into stages. Its forward pass also comes in the parts the 1F1B
 schedule takes (`embed`, `blocks`, `final_norm`, `output_head`: `meshpar.pipeline.one_f_one_b`).
@@ -59,6 +60,7 @@ class TransformerConfig:
     experts_per_token: int = 2  # k: the experts each token is routed to
     d_expert: int = 0  # an expert's SwiGLU width; 0: d_ff
     n_shared_experts: int = 0  # experts every token passes (DeepSeek): one SwiGLU of n_shared_experts · d_expert
+    shared_expert_gate: bool = False  # weigh the shared experts' output per token by sigmoid(x · w) (Qwen2-MoE)
     norm_topk_prob: bool = True  # weigh the k chosen experts by their probabilities renormalised over the k
 
     def __post_init__(self):
@@ -80,6 +82,9 @@ class TransformerConfig:
         for name in ("n_experts", "d_expert", "n_shared_experts"):
             if getattr(self, name) < 0:
                 raise InputError(f"model.{name} = {getattr(self, name)} must be >= 0")
+        if self.shared_expert_gate and not (self.n_experts and self.n_shared_experts):
+            raise InputError(f"model.shared_expert_gate = true gates the shared experts: it needs model.n_experts and "
+                             f"model.n_shared_experts > 0 (they are {self.n_experts} and {self.n_shared_experts})")
         if self.n_experts and not 1 <= self.experts_per_token <= self.n_experts:
             raise InputError(f"model.experts_per_token = {self.experts_per_token} must be between 1 and "
                              f"model.n_experts = {self.n_experts}")
@@ -206,8 +211,9 @@ class MLP(nnx.Module):
 
 class MoE(nnx.Module):
     """A mixture of SwiGLU experts: a router sends each token to its top-k experts (`meshpar.moe.routing`),
-    which run where the mesh keeps them (`meshpar.moe.dispatch`); shared experts, if any, see every token.
-    Returns the output and this layer's router statistics."""
+    which run where the mesh keeps them (`meshpar.moe.dispatch`); shared experts, if any, see every token, their
+    output weighed per token by sigmoid(x · w_shared_gate) with `shared_expert_gate`. Returns the output and
+    this layer's router statistics."""
 
     def __init__(self, cfg: TransformerConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
         D, E, F = cfg.d_model, cfg.n_experts, cfg.expert_width
@@ -217,6 +223,8 @@ class MoE(nnx.Module):
         self.w_down_EFD = _param(rngs, (E, F, D), moe.DOWN, F**-0.5 / math.sqrt(2 * cfg.n_layers))
         if cfg.n_shared_experts:
             self.shared = MLP(cfg, dtype, rngs, width=cfg.n_shared_experts * F)
+        if cfg.shared_expert_gate:  # [D, 1]: one logit per token
+            self.w_shared_gate_D1 = _param(rngs, (D, 1), ("embed", None), D**-0.5)
         self.cfg, self.dtype = cfg, dtype
 
     def __call__(self, x_BTD: jax.Array) -> tuple[jax.Array, moe.RouterStats]:
@@ -227,7 +235,10 @@ class MoE(nnx.Module):
         y_BTD, dropped_B = moe.experts_ffn(x_BTD, routes.experts_BTk, routes.weights_BTk, cast(self.w_gate_EDF),
                                            cast(self.w_up_EDF), cast(self.w_down_EFD), moe.capacity())
         if self.cfg.n_shared_experts:
-            y_BTD = y_BTD + self.shared(x_BTD)
+            shared_BTD = self.shared(x_BTD)
+            if self.cfg.shared_expert_gate:
+                shared_BTD = jax.nn.sigmoid(x_BTD @ cast(self.w_shared_gate_D1)) * shared_BTD
+            y_BTD = y_BTD + shared_BTD
         return y_BTD, routes.stats._replace(dropped_B=dropped_B)
 
 

@@ -40,12 +40,15 @@ FAMILIES = {
 }
 # The mixtures of experts: 4 experts (expert=2 and expert=4 divide them), each token routed to 2 of width 64
 # (model=2 divides it). Mixtral with a sliding window; Qwen3-MoE with q/k norms, its own head dim, and its
-# top-2 probabilities renormalised (the tests also run it without: transformers' default).
+# top-2 probabilities renormalised (the tests also run it without: transformers' default); Qwen2-MoE with q/k/v
+# biases, its top-2 as they are (its default) and a shared expert two experts wide, gated per token.
 MOE_FAMILIES = {
     "mixtral": {**SMALL, "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 64,
                 "sliding_window": 8},
     "qwen3_moe": {**SMALL, "head_dim": 32, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
                   "norm_topk_prob": True},
+    "qwen2_moe": {**SMALL, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
+                  "shared_expert_intermediate_size": 128},
 }
 
 
@@ -145,13 +148,7 @@ def train_losses(directory: str, batches: list, settings: dict, masks: list | No
     for step, batch in enumerate(batches):
         tokens = torch.tensor(batch)
         labels = tokens[:, 1:] if masks is None else torch.where(torch.tensor(masks[step]) > 0, tokens[:, 1:], -100)
-        aux_coef = settings.get("router_aux_loss_coef")
-        out = model(input_ids=tokens[:, :-1], **({"output_router_logits": True} if aux_coef is not None else {}))
-        logits = out.logits.float()
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                                                 ignore_index=-100)
-        if aux_coef is not None:
-            loss = loss + aux_coef * out.aux_loss
+        loss = _loss(model, tokens[:, :-1], labels, settings.get("router_aux_loss_coef"))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         with torch.no_grad():
@@ -167,7 +164,37 @@ def train_losses(directory: str, batches: list, settings: dict, masks: list | No
     return losses
 
 
-FUNCTIONS = {f.__name__: f for f in (hf_config, save_random, train_losses, logits, greedy, describe)}
+def _loss(model, inputs, labels, aux_coef: float | None):
+    """The mean cross-entropy of `labels` (-100: left out) given `inputs`, plus `aux_coef` × the load-balancing
+    loss of a mixture of experts (None: no router loss)."""
+    import torch
+
+    out = model(input_ids=inputs, **({"output_router_logits": True} if aux_coef is not None else {}))
+    logits = out.logits.float()
+    loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                             ignore_index=-100)
+    return loss if aux_coef is None else loss + aux_coef * out.aux_loss
+
+
+def save_gradients(directory: str, tokens: list, aux_coef: float | None, out_dir: str) -> float:
+    """The loss of the model in `directory` on int tokens [B, T + 1] as `train_losses` takes a step's (no
+    update), float32; its gradient, in place of each parameter, saved in `out_dir` as the model's own
+    checkpoint would be (save_pretrained: the Hub's tensor names and layouts, the experts one by one)."""
+    import torch
+
+    model = _load(directory).train()
+    tokens = torch.tensor(tokens)
+    loss = _loss(model, tokens[:, :-1], tokens[:, 1:], aux_coef)
+    loss.backward()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(p.grad)
+    model.save_pretrained(out_dir)
+    return loss.item()
+
+
+FUNCTIONS = {f.__name__: f for f in (hf_config, save_random, train_losses, save_gradients, logits, greedy,
+                                     describe)}
 
 
 @contextlib.contextmanager

@@ -158,14 +158,16 @@ def formula_param_count(cfg: TransformerConfig) -> int:
     mlp = 3 * D * F
     if cfg.n_experts:  # the router, the experts, the shared experts
         mlp = D * cfg.n_experts + (cfg.n_experts + cfg.n_shared_experts) * 3 * D * cfg.expert_width
+        mlp += D * cfg.shared_expert_gate  # Qwen2-MoE's gate of the shared experts: one logit per token
     per_layer = D * N * H + 2 * D * K * H + N * H * D + mlp + 2 * D
     per_layer += (N + 2 * K) * H * cfg.qkv_bias + 2 * H * cfg.qk_norm  # Qwen 2's biases, Qwen 3's q/k norm scales
     return V * D * (1 if cfg.tie_embeddings else 2) + L * per_layer + D
 
 
-@pytest.mark.parametrize("name", configs.names())
+@pytest.mark.parametrize("name", [*configs.names(), "tiny_moe with a gated shared expert"])
 def test_param_count_matches_the_formula(name):
-    cfg = configs.load(name).model
+    cfg = (dataclasses.replace(configs.load("tiny_moe").model, n_shared_experts=2, shared_expert_gate=True)
+           if name.endswith("gated shared expert") else configs.load(name).model)
     assert abstract_param_count(cfg) == formula_param_count(cfg)
 
 

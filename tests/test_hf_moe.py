@@ -1,20 +1,24 @@
-"""Hugging Face mixtures of experts ↔ meshpar: Mixtral (with a sliding window) and Qwen3-MoE (q/k norms, its
-own head dim; its top-k probabilities renormalised or not), `hf_reference.MOE_FAMILIES`. Imported weights give
-transformers' logits on one device and on an expert-parallel mesh (float32, relative 1e-5), greedy generation
-gives transformers' tokens, the checkpoint meshpar writes holds the tensors it read (the Hub's per-expert
-layout, which transformers' save_pretrained also writes) and loads into transformers as the same family;
-what meshpar's MoE cannot compute is refused by name. Training step for step against PyTorch, the
-load-balancing loss included: test_hf_training.py.
+"""Hugging Face mixtures of experts ↔ meshpar: Mixtral (with a sliding window), Qwen3-MoE (q/k norms, its
+own head dim; its top-k probabilities renormalised or not) and Qwen2-MoE (q/k/v biases, a shared expert gated
+per token), `hf_reference.MOE_FAMILIES`. Imported weights give transformers' logits on one device and on an
+expert-parallel mesh (float32, relative 1e-5), greedy generation gives transformers' tokens, the checkpoint
+meshpar writes holds the tensors it read (the Hub's per-expert layout, which transformers' save_pretrained also
+writes) and loads into transformers as the same family; what meshpar's MoE cannot compute is refused by name.
+One step's loss and every gradient, the shared expert's and its gate's among them, are PyTorch's (Qwen2-MoE,
+relative 1e-5). Training step for step against PyTorch, the load-balancing loss included: test_hf_training.py.
 
 Measured here (max |meshpar − transformers| / max |transformers|), one device / expert=2,fsdp=2,model=2:
-mixtral 1.6e-6 / 1.9e-6, qwen3_moe 9.6e-7 / 8.4e-7, unnormalised 8.5e-7 / 8.9e-7; exports give
-transformers' logits exactly (0.0)."""
+mixtral 1.6e-6 / 1.9e-6, qwen3_moe 9.6e-7 / 8.4e-7, unnormalised 8.5e-7 / 8.9e-7, qwen2_moe 1.4e-6 / 1.1e-6;
+exports give transformers' logits exactly (0.0). Qwen2-MoE's gradients (expert=2,fsdp=2,model=2), tensor by
+tensor: at most 6.5e-6 (an expert's), 2.8e-6 of the shared expert and its gate; the loss within 2e-7."""
 
 import dataclasses
 import functools
 import json
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -23,16 +27,17 @@ from safetensors.numpy import load_file
 from conftest import require_devices
 from hf_reference import MOE_FAMILIES, SMALL, call
 from launch import convert
-from meshpar import sharding
+from meshpar import sharding, train
 from meshpar.errors import InputError
 from models import hf
 from models.transformer import Transformer
 from test_hf import RULES, TOKENS_BT, build_mesh, hf_logits, meshpar_logits, relative_error
 
 EXPERT_MESH = "expert=2,fsdp=2,model=2"
-ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                 "qwen2_moe": "Qwen2MoeForCausalLM"}
 CASES = {"mixtral": ("mixtral", {}), "qwen3_moe": ("qwen3_moe", {}),
-         "qwen3_moe-unnormalised": ("qwen3_moe", {"norm_topk_prob": False})}
+         "qwen3_moe-unnormalised": ("qwen3_moe", {"norm_topk_prob": False}), "qwen2_moe": ("qwen2_moe", {})}
 
 
 @functools.cache
@@ -59,6 +64,9 @@ def test_imported_logits_match_transformers(moe, spec):
     assert (cfg.n_experts, cfg.experts_per_token, cfg.expert_width) == (4, 2, 64)
     assert cfg.norm_topk_prob == written.get("norm_topk_prob", True)  # Mixtral's have no key: always renormalised
     assert cfg.sliding_window == (8 if model_type == "mixtral" else 0) and cfg.qk_norm == (model_type == "qwen3_moe")
+    shared = model_type == "qwen2_moe"  # a shared expert 128 wide: two experts' width, gated; q/k/v biases
+    assert (cfg.n_shared_experts, cfg.shared_expert_gate, cfg.qkv_bias) == ((2, True, True) if shared
+                                                                            else (0, False, False))
     params = hf.import_params(directory, cfg, mesh, RULES)
     shardings = sharding.state_shardings(Transformer.abstract(cfg)[1], mesh, RULES)
     assert params["blocks"]["mlp"]["w_gate_EDF"][...].sharding == shardings["blocks"]["mlp"]["w_gate_EDF"].get_value()
@@ -69,6 +77,10 @@ def test_imported_logits_match_transformers(moe, spec):
     if not spec:  # the routing weights shape the logits: the other norm_topk_prob is far off
         flipped = dataclasses.replace(cfg, norm_topk_prob=not cfg.norm_topk_prob)
         assert relative_error(meshpar_logits(params, flipped, mesh), reference) > 1e-3
+    if not spec and shared:  # and so does the shared expert's gate: at a constant 1/2 for every token, far off
+        gate = params["blocks"]["mlp"]["w_shared_gate_D1"]
+        params["blocks"]["mlp"]["w_shared_gate_D1"] = gate.replace(jnp.zeros_like(gate[...]))
+        assert relative_error(meshpar_logits(params, cfg, mesh), reference) > 1e-3
 
 
 def test_greedy_generation_matches_transformers(moe):
@@ -107,6 +119,34 @@ def test_export_writes_the_tensors_it_read(moe, tmp_path):
     assert error == 0.0
 
 
+def test_one_step_gradients_match_pytorch(tmp_path):
+    """One forward and backward pass of Qwen2-MoE on an expert-parallel mesh gives PyTorch's loss (the
+    cross-entropy plus 0.02 × the load-balancing loss) and its gradient: every tensor of the checkpoint, the
+    shared expert's and its gate's, the router's and each expert's among them, as each side writes it."""
+    require_devices(8)
+    directory, coef = str(tmp_path / "hf"), 0.02
+    call("save_random", directory, "qwen2_moe", MOE_FAMILIES["qwen2_moe"], 0)
+    tokens_BT = np.random.default_rng(1).integers(0, SMALL["vocab_size"], (8, 17)).astype(np.int32)
+    reference = call("save_gradients", directory, tokens_BT.tolist(), coef, str(tmp_path / "torch"))
+    mesh, cfg = build_mesh(EXPERT_MESH), hf.load_config(directory)
+    settings = train.TrainConfig(global_batch=8, seq_len=16, router_aux_loss_coef=coef, remat="none")
+    make_model, tx = Transformer.factory(cfg), train.optimizer(settings)
+    sharded = train.sharded_abstract(make_model, tx, mesh, RULES, settings.seed)
+    state = train.init_state(make_model, tx, sharded, settings.seed, hf.import_params(directory, cfg, mesh, RULES))
+    tokens = sharding.batch_sharding(mesh, RULES, tokens_BT.shape)
+    loss, grads = train.loss_and_grads(sharded, tokens, settings)(state, jax.device_put(tokens_BT, tokens))
+    hf.export(grads, cfg, tmp_path / "meshpar")  # the gradients as a checkpoint: PyTorch's names and layouts
+    ours, theirs = (load_file(tmp_path / side / hf.SINGLE_FILE) for side in ("meshpar", "torch"))
+    assert sorted(ours) == sorted(theirs)
+    errors = {name: relative_error(ours[name], theirs[name]) for name in theirs}
+    worst = max(errors, key=errors.get)
+    shared = max(e for name, e in errors.items() if "shared_expert" in name)
+    print(f"qwen2_moe one step: loss {float(loss):.6f} / {reference:.6f}; max relative gradient difference "
+          f"{errors[worst]:.2e} ({worst}), of the shared expert and its gate {shared:.2e}")
+    assert abs(float(loss) - reference) < 1e-5 * reference
+    assert errors[worst] < 1e-5
+
+
 def test_convert_cli_round_trip_and_router_hint(tmp_path, capsys):
     """`launch.convert` takes a Mixtral in and out on an expert mesh, and says where transformers' router
     loss coefficient goes in meshpar."""
@@ -129,6 +169,13 @@ def test_convert_cli_round_trip_and_router_hint(tmp_path, capsys):
     ("qwen3_moe", {"use_sliding_window": True}, "use_sliding_window = true is not implemented"),
     ("mixtral", {"num_experts_per_tok": None}, "lacks num_experts_per_tok"),
     ("qwen3_moe", {"moe_intermediate_size": None}, "lacks moe_intermediate_size"),
+    ("qwen2_moe", {"decoder_sparse_step": 2}, r"decoder_sparse_step = 2 is not implemented.*every layer"),
+    ("qwen2_moe", {"mlp_only_layers": [1]}, r"mlp_only_layers = \[1\] is not implemented.*every layer"),
+    ("qwen2_moe", {"shared_expert_intermediate_size": 96},
+     r"shared_expert_intermediate_size = 96 is not implemented.*multiple of moe_intermediate_size = 64"),
+    ("qwen2_moe", {"shared_expert_intermediate_size": None}, "lacks shared_expert_intermediate_size"),
+    ("qwen2_moe", {"qkv_bias": False}, "qkv_bias = false is not implemented"),
+    ("qwen2_moe", {"use_sliding_window": True}, "use_sliding_window = true is not implemented"),
 ])
 def test_unsupported_configs_are_refused(model_type, change, culprit):
     with pytest.raises(InputError, match=culprit):
@@ -146,12 +193,15 @@ def test_config_round_trip(model_type):
     if model_type == "qwen3_moe":
         hub = {**{k: v for k, v in config.items() if k != "num_local_experts"}, "num_experts": 4}
         assert hf.config_from_hf(hub) == cfg and "num_experts" in hf.config_to_hf(cfg)
+    if model_type == "qwen2_moe":
+        assert (cfg.n_shared_experts, cfg.shared_expert_gate) == (2, True)
+        assert hf.config_to_hf(cfg)["shared_expert_intermediate_size"] == 128
 
 
 def test_a_family_that_cannot_hold_the_experts_is_refused():
-    mixtral, qwen3_moe = (hf.config_from_hf(family_config(t)) for t in MOE_FAMILIES)
+    mixtral, qwen3_moe, qwen2_moe = (hf.config_from_hf(family_config(t)) for t in MOE_FAMILIES)
     dense = hf.config_from_hf(call("hf_config", "llama", SMALL))
-    assert (hf.family_of(mixtral).model_type, hf.family_of(qwen3_moe).model_type) == ("mixtral", "qwen3_moe")
+    assert [hf.family_of(cfg).model_type for cfg in (mixtral, qwen3_moe, qwen2_moe)] == list(MOE_FAMILIES)
     with pytest.raises(InputError, match=r"model.n_experts = 4: a llama checkpoint cannot hold it \(LlamaForCausalLM "
                                          r"has no experts\)"):
         hf.config_to_hf(mixtral, "llama")
@@ -163,3 +213,13 @@ def test_a_family_that_cannot_hold_the_experts_is_refused():
         hf.config_to_hf(dataclasses.replace(qwen3_moe, n_shared_experts=1))
     with pytest.raises(InputError, match="model.qk_norm = true: a mixtral checkpoint cannot hold it"):
         hf.config_to_hf(qwen3_moe, "mixtral")
+    with pytest.raises(InputError, match=r"model.n_shared_experts = 2: a mixtral checkpoint cannot hold it "
+                                         r"\(MixtralForCausalLM has no shared experts\)"):
+        hf.config_to_hf(qwen2_moe, "mixtral")
+    with pytest.raises(InputError, match=r"model.n_shared_experts = 0: a qwen2_moe checkpoint cannot hold it "
+                                         r"\(Qwen2MoeForCausalLM has a shared expert\)"):
+        hf.config_to_hf(mixtral, "qwen2_moe")
+    with pytest.raises(InputError, match="model.shared_expert_gate = false: a qwen2_moe checkpoint cannot hold it"):
+        hf.config_to_hf(dataclasses.replace(qwen2_moe, shared_expert_gate=False))
+    with pytest.raises(InputError, match="model.qkv_bias = false: a qwen2_moe checkpoint cannot hold it"):
+        hf.config_to_hf(dataclasses.replace(qwen2_moe, qkv_bias=False))

@@ -8,10 +8,10 @@ data, ring context and 1F1B pipeline parallelism.
 A family is one entry of FAMILIES, a mesh one entry of MESHES. The reference runs once per family; each
 mesh compiles its step once and runs it STEPS times.
 
-The mixtures of experts (`hf_reference.MOE_FAMILIES`: Mixtral, Qwen3-MoE) train the same way with their
-load-balancing loss (router_aux_loss_coef 0.02 in both) on expert=2,fsdp=2,model=2, data=2,expert=4 and
-GPipe stage=2,expert=2: worst relative difference mixtral 2.2e-7 / 1.9e-7 / 3.1e-7, qwen3_moe 2.3e-7 /
-3.1e-7 / 3.5e-7. Without the router loss's gradient (its value still added) the PyTorch loop is 3.6e-3
+The mixtures of experts (`hf_reference.MOE_FAMILIES`: Mixtral, Qwen3-MoE, Qwen2-MoE with its gated shared
+expert) train the same way with their load-balancing loss (router_aux_loss_coef 0.02 in all) on
+expert=2,fsdp=2,model=2, data=2,expert=4 and GPipe stage=2,expert=2: worst relative difference mixtral 2.2e-7 /
+1.9e-7 / 3.1e-7, qwen3_moe 2.3e-7 / 3.1e-7 / 3.5e-7, qwen2_moe 5.6e-7 / 2.6e-7 / 3.1e-7. Without the router loss's gradient (its value still added) the PyTorch loop is 3.6e-3
 (mixtral) and 5.2e-3 (qwen3_moe) away, so the comparison sees it.
 
 Measured, worst relative difference over the 20 steps, on fsdp=2,model=2 / sequence=2 (ring) / stage=2
@@ -177,7 +177,8 @@ def moe_family(request, tmp_path_factory):
 
 @pytest.mark.parametrize(("spec", "parallel"), MOE_MESHES)
 def test_moe_training_matches_transformers_step_for_step(moe_family, spec, parallel):
-    """Mixtral and Qwen3-MoE, the load-balancing loss included, STEPS steps at 1e-5 on expert-parallel meshes."""
+    """Mixtral, Qwen3-MoE and Qwen2-MoE, the load-balancing loss included, STEPS steps at 1e-5 on expert-parallel
+    meshes."""
     model_type, directory, tokens, reference, without_router = moe_family
     losses = meshpar_losses(directory, tokens, spec, parallel, cfg=MOE_TRAIN)
     relative = np.abs(losses - reference) / np.abs(reference)

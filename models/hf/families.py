@@ -8,15 +8,18 @@
 | qwen3      | Qwen3ForCausalLM    | `qk_norm` (always on), head_dim                | self_attn.{q,k}_norm.weight    |
 | mixtral    | MixtralForCausalLM  | as mistral; `n_experts` (every layer)          | block_sparse_moe.* for mlp.*   |
 | qwen3_moe  | Qwen3MoeForCausalLM | as qwen3; `n_experts` (every layer), `norm_topk_prob` | mlp.gate, mlp.experts.* |
+| qwen2_moe  | Qwen2MoeForCausalLM | as qwen2 and qwen3_moe; a gated shared expert  | mlp.shared_expert{,_gate}.*    |
 
 The mixtures of experts (`n_experts`, `experts_per_token`, `d_expert`) read `num_local_experts` (mixtral)
 or `num_experts` (qwen3_moe), `num_experts_per_tok`, and an expert's width from `intermediate_size`
-(mixtral) or `moe_intermediate_size` (qwen3_moe, whose `intermediate_size`, the width of its optional dense
-layers, is kept as d_ff). transformers' `router_aux_loss_coef` is a training setting in meshpar
-(`train.router_aux_loss_coef`), not the model's: `launch.convert from-hf` prints it.
+(mixtral) or `moe_intermediate_size` (qwen3_moe and qwen2_moe, whose `intermediate_size`, the width of their
+optional dense layers, is kept as d_ff). Qwen2-MoE's one shared expert, `shared_expert_intermediate_size` wide,
+is meshpar's `n_shared_experts` = that width / `moe_intermediate_size` (a whole number, or refused), its
+output gated per token (`shared_expert_gate`). transformers' `router_aux_loss_coef` is a training setting in
+meshpar (`train.router_aux_loss_coef`), not the model's: `launch.convert from-hf` prints it.
 
 Every family shares Llama's names and layouts (`LLAMA`), has an MLP (`SWIGLU`) or experts
-(`MIXTRAL_EXPERTS`, `QWEN3_MOE_EXPERTS`) and adds its own rows. Hugging Face tensors are
+(`MIXTRAL_EXPERTS`, `QWEN3_MOE_EXPERTS`, `QWEN2_MOE_EXPERTS`) and adds its own rows. Hugging Face tensors are
 torch `nn.Linear` weights, [out, in], one per layer; meshpar's are [in, out] with the heads split out and
 the layers stacked on a leading L axis:
 
@@ -36,6 +39,9 @@ the layers stacked on a leading L axis:
 | mlp.experts.{e}.gate_proj, up_proj      | blocks.mlp.w_gate_EDF, w_up_EDF    | transpose, stacked over L and E  |
 |   [F, D], per expert e                  |   [L, E, D, F]                     |                                  |
 | mlp.experts.{e}.down_proj [D, F]        | blocks.mlp.w_down_EFD [L, E, F, D] | transpose, stacked over L and E  |
+| mlp.shared_expert.gate_proj, up_proj,   | blocks.mlp.shared.w_gate_DF, …     | transpose (qwen2_moe)            |
+|   down_proj                             |   as the MLP's                     |                                  |
+| mlp.shared_expert_gate.weight [1, D]    | blocks.mlp.w_shared_gate_D1 [L, D, 1] | transpose (qwen2_moe)         |
 | self_attn.q_proj.bias [N·H] (qwen2)     | blocks.attn.q_bias_NH [L, N, H]    | heads_bias: b.reshape(N, H)      |
 | self_attn.k_proj, v_proj.bias [K·H]     | blocks.attn.k_bias_KH, v_bias_KH   | heads_bias: b.reshape(K, H)      |
 | self_attn.q_norm, k_norm.weight [H]     | blocks.attn.q_norm.scale, k_norm…  | same, stacked (qwen3)            |
@@ -89,8 +95,15 @@ LLAMA = (
     Tensor(("final_norm", "scale"), "model.norm.weight", "same"),
     Tensor(("head_DV",), "lm_head.weight", "transpose"),
 )
-SWIGLU = tuple(Tensor(("blocks", "mlp", f"w_{w}"), _LAYER + f"mlp.{hf}.weight", "transpose")
-               for w, hf in (("gate_DF", "gate_proj"), ("up_DF", "up_proj"), ("down_FD", "down_proj")))
+
+
+def _swiglu(path: tuple[str, ...], module: str) -> tuple[Tensor, ...]:
+    """A SwiGLU MLP at `path` in meshpar and `module` of each layer in Hugging Face's checkpoints."""
+    return tuple(Tensor((*path, f"w_{w}"), _LAYER + f"{module}.{hf}.weight", "transpose")
+                 for w, hf in (("gate_DF", "gate_proj"), ("up_DF", "up_proj"), ("down_FD", "down_proj")))
+
+
+SWIGLU = _swiglu(("blocks", "mlp"), "mlp")
 
 
 def _experts(module: str, gate: str, up: str, down: str) -> tuple[Tensor, ...]:
@@ -103,6 +116,10 @@ def _experts(module: str, gate: str, up: str, down: str) -> tuple[Tensor, ...]:
 
 MIXTRAL_EXPERTS = _experts("block_sparse_moe", "w1", "w3", "w2")
 QWEN3_MOE_EXPERTS = _experts("mlp", "gate_proj", "up_proj", "down_proj")
+# Qwen3-MoE's, and a shared expert with its gate, one logit per token
+QWEN2_MOE_EXPERTS = (*QWEN3_MOE_EXPERTS, *_swiglu(("blocks", "mlp", "shared"), "mlp.shared_expert"),
+                     Tensor(("blocks", "mlp", "w_shared_gate_D1"), _LAYER + "mlp.shared_expert_gate.weight",
+                            "transpose"))
 QKV_BIASES = tuple(Tensor(("blocks", "attn", f"{x}_bias_{X}H"), _LAYER + f"self_attn.{x}_proj.bias", "heads_bias")
                    for x, X in (("q", "N"), ("k", "K"), ("v", "K")))
 QK_NORMS = tuple(Tensor(("blocks", "attn", f"{x}_norm", "scale"), _LAYER + f"self_attn.{x}_norm.weight", "same")
@@ -117,6 +134,8 @@ class Experts:
     width_key: str  # config.json's width of one expert
     tensors: tuple[Tensor, ...]
     renormalised: bool | None = None  # the top-k probabilities always are (True); None: norm_topk_prob says
+    # config.json's width of the one shared expert every token passes, gated (Qwen2-MoE); None: it has none
+    shared_width_key: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,7 +154,8 @@ class Family:
 # Why meshpar needs a `fixed` key's value, where the key's name does not say it
 _WHY_FIXED = {"decoder_sparse_step": "meshpar's layers are one scanned stack, a mixture of experts in every layer",
               "mlp_only_layers": "meshpar's layers are one scanned stack, a mixture of experts in every layer",
-              "router_jitter_noise": "meshpar's router adds no noise"}
+              "router_jitter_noise": "meshpar's router adds no noise",
+              "qkv_bias": "as Qwen2-MoE's checkpoints: meshpar's qwen2_moe has q, k and v biases"}
 
 FAMILIES = {family.model_type: family for family in (
     Family("llama", "LlamaForCausalLM", fixed=(("attention_bias", False), ("mlp_bias", False))),
@@ -149,6 +169,11 @@ FAMILIES = {family.model_type: family for family in (
            fixed=(("attention_bias", False), ("use_sliding_window", False), ("decoder_sparse_step", 1),
                   ("mlp_only_layers", [])),
            experts=Experts(("num_experts", "num_local_experts"), "moe_intermediate_size", QWEN3_MOE_EXPERTS)),
+    Family("qwen2_moe", "Qwen2MoeForCausalLM", qkv_bias=True,
+           fixed=(("qkv_bias", True), ("use_sliding_window", False), ("decoder_sparse_step", 1),
+                  ("mlp_only_layers", [])),
+           experts=Experts(("num_experts",), "moe_intermediate_size", QWEN2_MOE_EXPERTS,
+                           shared_width_key="shared_expert_intermediate_size")),
 )}
 
 
@@ -198,17 +223,29 @@ def _experts_from_hf(d: dict, family: Family) -> dict:
     if experts is None:
         return {}
     count_key = next((k for k in experts.count_keys if d.get(k) is not None), experts.count_keys[0])
-    missing = [k for k in (count_key, "num_experts_per_tok", experts.width_key) if d.get(k) is None]
+    keys = (count_key, "num_experts_per_tok", experts.width_key, experts.shared_width_key)
+    missing = [k for k in keys if k and d.get(k) is None]
     if missing:
         raise InputError(f"config.json lacks {', '.join(missing)}")
     count = d[count_key]
     if count < 1:
         raise InputError(f"config.json: {count_key} = {count} is not implemented: meshpar converts "
                          f"{family.model_type} checkpoints with experts in every layer")
-    # transformers' default where a config.json leaves norm_topk_prob out (Qwen3-MoE's: False)
+    # transformers' default where a config.json leaves norm_topk_prob out (Qwen3-MoE's, Qwen2-MoE's: False)
     renormalised = experts.renormalised if experts.renormalised is not None else d.get("norm_topk_prob", False)
     return {"n_experts": count, "experts_per_token": d["num_experts_per_tok"], "d_expert": d[experts.width_key],
-            "norm_topk_prob": bool(renormalised)}
+            "norm_topk_prob": bool(renormalised), **_shared_from_hf(d, experts)}
+
+
+def _shared_from_hf(d: dict, experts: Experts) -> dict:
+    """The TransformerConfig fields of a family's gated shared expert (none where it has none)."""
+    if experts.shared_width_key is None:
+        return {}
+    shared, width = d[experts.shared_width_key], d[experts.width_key]
+    if shared < 1 or shared % width:  # meshpar's shared experts are a whole number of experts wide
+        raise InputError(f"config.json: {experts.shared_width_key} = {shared} is not implemented: meshpar's shared "
+                         f"expert is a whole number of experts wide, a multiple of {experts.width_key} = {width}")
+    return {"n_shared_experts": shared // width, "shared_expert_gate": True}
 
 
 def _refuse_what_is_not_implemented(d: dict, family: Family) -> None:
@@ -263,10 +300,10 @@ def _rope(d: dict) -> tuple[float, RopeScaling]:
 
 def family_of(cfg: TransformerConfig, model_type: str | None = None) -> Family:
     """The family a checkpoint of `cfg` is written as: `model_type` if given, else the one its options
-    name (with experts: qk_norm qwen3_moe, else mixtral; without: qkv_bias qwen2, qk_norm qwen3,
-    sliding_window mistral, none llama); refused where the family cannot hold them."""
+    name (with experts: qk_norm qwen3_moe, shared experts qwen2_moe, else mixtral; without: qkv_bias qwen2,
+    qk_norm qwen3, sliding_window mistral, none llama); refused where the family cannot hold them."""
     if model_type is None and cfg.n_experts:
-        model_type = "qwen3_moe" if cfg.qk_norm else "mixtral"
+        model_type = "qwen3_moe" if cfg.qk_norm else "qwen2_moe" if cfg.n_shared_experts else "mixtral"
     elif model_type is None:
         model_type = ("qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "mistral" if cfg.sliding_window
                       else "llama")
@@ -291,9 +328,13 @@ def _refuse_experts_it_cannot_hold(cfg: TransformerConfig, family: Family) -> No
     if bool(cfg.n_experts) != (experts is not None):
         raise InputError(f"model.n_experts = {cfg.n_experts}: a {name} checkpoint cannot hold it "
                          f"({family.architecture} has {'experts in every layer' if experts else 'no experts'})")
-    if cfg.n_shared_experts and experts:
+    shared = experts is not None and experts.shared_width_key is not None
+    if experts and bool(cfg.n_shared_experts) != shared:
         raise InputError(f"model.n_shared_experts = {cfg.n_shared_experts}: a {name} checkpoint cannot hold it "
-                         f"({family.architecture} has no shared experts)")
+                         f"({family.architecture} has {'a shared expert' if shared else 'no shared experts'})")
+    if shared and not cfg.shared_expert_gate:
+        raise InputError(f"model.shared_expert_gate = false: a {name} checkpoint cannot hold it ({family.architecture} "
+                         f"always gates its shared expert)")
     if experts and experts.renormalised not in (None, cfg.norm_topk_prob):
         raise InputError(f"model.norm_topk_prob = {str(cfg.norm_topk_prob).lower()}: a {name} checkpoint cannot "
                          f"hold it ({family.architecture} {'always' if experts.renormalised else 'never'} "
@@ -335,4 +376,6 @@ def _experts_to_hf(cfg: TransformerConfig, family: Family) -> dict:
         return {}
     return {experts.count_keys[0]: cfg.n_experts, "num_experts_per_tok": cfg.experts_per_token,
             experts.width_key: cfg.expert_width,
-            **({"norm_topk_prob": cfg.norm_topk_prob} if experts.renormalised is None else {})}
+            **({"norm_topk_prob": cfg.norm_topk_prob} if experts.renormalised is None else {}),
+            **({experts.shared_width_key: cfg.n_shared_experts * cfg.expert_width} if experts.shared_width_key
+               else {})}
