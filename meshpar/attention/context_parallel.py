@@ -180,7 +180,8 @@ def allgather_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array,
 # over the blocks b seen so far, with m their largest log-sum-exp under stop_gradient (the result o / l
 # does not depend on m, so the gradient is exact). Each block costs two exps over [B, t, N] and a scaled
 # add over the output; normalising at every block (a log-sum-exp merge) measured ~20% slower per ring layer
-# at 16 positions per device. The schedules give every row a finite log-sum-exp (step 0 sees the diagonal).
+# at 16 positions per device. The schedules give every row a finite log-sum-exp (step 0 sees the diagonal);
+# a later block where a row sees no key (documents, the window) gives it lse −inf, which adds nothing.
 
 
 def _start(block: tuple[jax.Array, jax.Array]):
@@ -204,92 +205,31 @@ def _finish(acc) -> jax.Array:
 
 def _ring_local(q_BtNH, k_BtKH, v_BtKH, seg_Bt, *, axis: str, n: int, balanced: bool, kernel: str, platform: str,
                 window: int | None):
-    B, t, N, H = q_BtNH.shape
+    t = q_BtNH.shape[1]
     i = lax.axis_index(axis)
-    attend_block = functools.partial(block_attention, kernel=kernel, platform=platform, needs_lse=True)
+    attend = functools.partial(block_attention, kernel=kernel, platform=platform, needs_lse=True)
     positions = lambda d, xp=jnp: zigzag.local_positions(d, t, n, balanced, xp)
+    # Step 0: the local (diagonal) block; every query sees itself, so the log-sum-exp starts finite. Its tile
+    # pattern holds for every device's positions (`Causal.layouts`).
+    own = tuple((positions(d, np),) * 2 for d in range(n))
+    diagonal = Causal(positions(i), positions(i), own, window, None if seg_Bt is None else (seg_Bt, seg_Bt))
+    acc = _start(jax.checkpoint(lambda q, k, v: attend(q, k, v, diagonal))(q_BtNH, k_BtKH, v_BtKH))
+    if balanced:  # the zigzag steps add blocks per chunk: o [2, B, c, N, H], m and l [2, B, c, N]
+        acc = tuple(_halves(a) for a in acc)
     # With a sliding window and the contiguous order, the block from i − s has every key at least
     # (s − 1)·t + 1 before every query: the steps past the window's reach are not run at all.
     steps = n if window is None or balanced else min(n, 1 + math.ceil((window - 1) / t))
+    if steps > 1:
+        later = _zigzag_steps if balanced else _contiguous_steps
+        compute = later(q_BtNH, seg_Bt, i=i, n=n, steps=steps, window=window, attend=attend)
+        acc = _pass_blocks(acc, compute, (jnp.stack([k_BtKH, v_BtKH]), seg_Bt), axis=axis, n=n, steps=steps)
+    out = _finish(acc)
+    return (_whole(out) if balanced else out).astype(v_BtKH.dtype)
 
-    # Step 0: the local (diagonal) block; every query sees itself, so the log-sum-exp starts finite. Its
-    # tile pattern is the same on every device (`Causal.layouts`).
-    pos_t = positions(i)
-    layouts = tuple((p, p) for p in (positions(d, np) for d in range(n)))
-    diagonal = Causal(pos_t, pos_t, layouts, window, None if seg_Bt is None else (seg_Bt, seg_Bt))
-    acc = _start(jax.checkpoint(lambda q, k, v: attend_block(q, k, v, diagonal))(q_BtNH, k_BtKH, v_BtKH))
-    if steps == 1:
-        return _finish(acc).astype(v_BtKH.dtype)
 
-    def add(acc, q, k, v, mask):
-        return _accumulate(acc, attend_block(q, k, v, mask))
-
-    # Without a window or documents every block that arrives is either fully visible or fully masked (its
-    # positions are all before or all after this device's, in both orders), so no mask is built after step
-    # 0; with them, a block is masked by the window from the positions of the device it came from and by
-    # the document ids that travel with its keys (`mask`). The compute of a step is rematerialised in the
-    # backward pass (jax.checkpoint), so only the step's inputs (the accumulators and the K/V block) are
-    # saved, never a score block.
-    masked = window is not None or seg_Bt is not None
-    if not balanced:
-        # Contiguous order: the block from src = i − s is visible iff src < i, else skipped with
-        # lax.cond: the skip is a data-dependent (per-device) branch, and a conditional is the only way
-        # to not do the work (arithmetic selection would compute and discard it). The devices still
-        # wait for the busiest one (device n−1 computes every block), which is what zigzag fixes.
-        arriving = tuple((positions(d, np), positions(d - s, np)) for s in range(1, steps) for d in range(s, n))
-
-        def mask(src, k_seg_Bt):
-            segments = None if seg_Bt is None else (seg_Bt, k_seg_Bt)
-            return Causal(pos_t, positions(src), arriving, window, segments) if masked else None
-
-        update = jax.checkpoint(lambda acc, q, k, v, src, k_seg: add(acc, q, k, v, mask(src, k_seg)),
-                                prevent_cse=False)
-
-        def compute(acc, block, s):
-            src, (kv_2BtKH, k_seg_Bt) = (i - s) % n, block
-            return lax.cond(src < i, lambda a: update(a, q_BtNH, kv_2BtKH[0], kv_2BtKH[1], src, k_seg_Bt),
-                            lambda a: a, acc)
-    else:
-        # Zigzag order: queries (q0, q1) = chunks (i, 2n−1−i), keys (k0, k1) = chunks (src, 2n−1−src).
-        # If src < i, q0·k0 and q1·k0 are visible; if src > i, q1·k0 and q1·k1; the other two blocks are
-        # masked. So every step is q1·k0 plus (qx·kx with x = [src > i]): two unmasked [c, c] blocks on
-        # every device, equal work, and the choice is a dynamic index (arithmetic), not a conditional:
-        # nothing masked is computed and no device runs a different program.
-        c = t // 2
-        halves = lambda a: jnp.moveaxis(a.reshape(a.shape[:1] + (2, c) + a.shape[2:]), 1, 0)  # T → [2, ..c..]
-        q_2BcNH = halves(q_BtNH)
-        acc = tuple(halves(a) for a in acc)  # o [2, B, c, N, H], m and l [2, B, c, N]
-        arriving = []  # every (query chunk, key chunk) pair a step computes, on any device
-        for s in range(1, n):
-            for d in range(n):
-                src = (d - s) % n
-                q_2c, k_2c, x = positions(d, np).reshape(2, c), positions(src, np).reshape(2, c), int(src > d)
-                arriving += [(q_2c[1], k_2c[0]), (q_2c[x], k_2c[x])]
-        q_seg_2Bc = None if seg_Bt is None else halves(seg_Bt)
-
-        def mask(q_c, k_c, q_seg_Bc, k_seg_Bc):
-            segments = None if seg_Bt is None else (q_seg_Bc, k_seg_Bc)
-            return Causal(q_c, k_c, tuple(arriving), window, segments) if masked else None
-
-        def balanced_step(acc, q_2BcNH, block, src):
-            (kv_2BtKH, k_seg_Bt), x = block, (src > i).astype(jnp.int32)
-            k_2BcKH, v_2BcKH = halves(kv_2BtKH[0]), halves(kv_2BtKH[1])
-            k_seg_2Bc = None if seg_Bt is None else halves(k_seg_Bt)
-            qpos_2c, kpos_2c = pos_t.reshape(2, c), positions(src).reshape(2, c)
-            pick = lambda a: None if a is None else lax.dynamic_index_in_dim(a, x, 0, keepdims=False)
-            half = lambda a, h: None if a is None else a[h]
-            acc1 = add(tuple(a[1] for a in acc), q_2BcNH[1], k_2BcKH[0], v_2BcKH[0],
-                       mask(qpos_2c[1], kpos_2c[0], half(q_seg_2Bc, 1), half(k_seg_2Bc, 0)))
-            acc = tuple(a.at[1].set(a1) for a, a1 in zip(acc, acc1))
-            accx = add(tuple(pick(a) for a in acc), pick(q_2BcNH), pick(k_2BcKH), pick(v_2BcKH),
-                       mask(pick(qpos_2c), pick(kpos_2c), pick(q_seg_2Bc), pick(k_seg_2Bc)))
-            return tuple(lax.dynamic_update_index_in_dim(a, ax, x, 0) for a, ax in zip(acc, accx))
-
-        update = jax.checkpoint(balanced_step, prevent_cse=False)
-
-        def compute(acc, block, s):
-            return update(acc, q_2BcNH, block, (i - s) % n)
-
+def _pass_blocks(acc, compute, block, *, axis: str, n: int, steps: int):
+    """Steps 1 … steps − 1: every device hands its K/V `block` (with their document ids) to the next one
+    and adds the block it holds, `compute(acc, block, s)`, the block of device i − s."""
     # The shift for step s+1 is issued before the compute of step s and does not depend on it, so the
     # transfer can overlap the block matmuls; the last step is peeled off so that exactly steps−1 shifts run.
     ring = [(j, (j + 1) % n) for j in range(n)]  # after s shifts device i holds the block of i − s
@@ -300,13 +240,96 @@ def _ring_local(q_BtNH, k_BtKH, v_BtKH, seg_Bt, *, axis: str, n: int, balanced: 
         return (compute(acc, block, s), block_next), None
 
     # One ppermute per step for K and V together (and another, small, for their document ids).
-    block = lax.ppermute((jnp.stack([k_BtKH, v_BtKH]), seg_Bt), axis, ring)
+    block = lax.ppermute(block, axis, ring)
     if steps > 2:
         (acc, block), _ = lax.scan(step, (acc, block), jnp.arange(1, steps - 1))
-    out = _finish(compute(acc, block, steps - 1))
-    if balanced:
-        out = jnp.moveaxis(out, 0, 1).reshape(B, t, N, H)
-    return out.astype(v_BtKH.dtype)
+    return compute(acc, block, steps - 1)
+
+
+# Without a window or documents every block a later step adds is either wholly visible or wholly masked (its
+# positions are all before or all after the queries', in both orders), so it needs no mask; with them, a
+# block is masked by the window from the positions of the device it came from and by the document ids that
+# travel with its keys. A step's compute is rematerialised in the backward pass (jax.checkpoint), so only
+# the step's inputs (the accumulators and the K/V block) are saved, never a score block.
+
+
+def _contiguous_steps(q_BtNH, seg_Bt, *, i, n: int, steps: int, window: int | None, attend):
+    """The contiguous order's later steps: `compute(acc, block, s)`, which adds the block of device i − s."""
+    t = q_BtNH.shape[1]
+    positions = lambda d, xp=jnp: zigzag.local_positions(d, t, n, False, xp)
+    arriving = tuple((positions(d, np), positions(d - s, np)) for s in range(1, steps) for d in range(s, n))
+    masked = window is not None or seg_Bt is not None
+
+    def step(acc, q_BtNH, k_BtKH, v_BtKH, src, k_seg_Bt):
+        segments = None if seg_Bt is None else (seg_Bt, k_seg_Bt)
+        mask = Causal(positions(i), positions(src), arriving, window, segments) if masked else None
+        return _accumulate(acc, attend(q_BtNH, k_BtKH, v_BtKH, mask))
+
+    update = jax.checkpoint(step, prevent_cse=False)
+
+    # The block from src = i − s is visible iff src < i, else skipped with lax.cond: the skip is a
+    # data-dependent (per-device) branch, and a conditional is the only way to not do the work (arithmetic
+    # selection would compute and discard it). The devices still wait for the busiest one (device n−1
+    # computes every block), which is what zigzag fixes.
+    def compute(acc, block, s):
+        src, (kv_2BtKH, k_seg_Bt) = (i - s) % n, block
+        return lax.cond(src < i, lambda a: update(a, q_BtNH, kv_2BtKH[0], kv_2BtKH[1], src, k_seg_Bt),
+                        lambda a: a, acc)
+
+    return compute
+
+
+def _zigzag_steps(q_BtNH, seg_Bt, *, i, n: int, steps: int, window: int | None, attend):
+    """The zigzag order's later steps, on accumulators per chunk: `compute(acc, block, s)`, which adds the
+    block of src = i − s. Queries (q0, q1) = chunks (i, 2n−1−i), keys (k0, k1) = chunks (src, 2n−1−src).
+    If src < i, q0·k0 and q1·k0 are visible; if src > i, q1·k0 and q1·k1; the other two blocks are masked.
+    So every step is q1·k0 plus qx·kx with x = [src > i]: two unmasked [c, c] blocks on every device, equal
+    work, and the choice is a dynamic index (arithmetic), not a conditional: nothing masked is computed and
+    no device runs a different program."""
+    t = q_BtNH.shape[1]
+    c = t // 2
+    chunks = lambda d, xp=jnp: zigzag.local_positions(d, t, n, True, xp).reshape(2, c)
+    arriving = []  # every (query chunk, key chunk) pair a step computes, on any device
+    for s in range(1, steps):
+        for d in range(n):
+            src = (d - s) % n
+            q_2c, k_2c, x = chunks(d, np), chunks(src, np), int(src > d)
+            arriving += [(q_2c[1], k_2c[0]), (q_2c[x], k_2c[x])]
+    arriving = tuple(arriving)
+    masked = window is not None or seg_Bt is not None
+    q_seg_2Bc = _halves(seg_Bt)
+
+    def add(acc, q_2BcNH, x, keys, y):
+        """acc with query chunk x over key chunk y of `keys` added to chunk x's part."""
+        k_2BcKH, v_2BcKH, kpos_2c, k_seg_2Bc = keys
+        segments = None if seg_Bt is None else (_at(q_seg_2Bc, x), _at(k_seg_2Bc, y))
+        mask = Causal(_at(chunks(i), x), _at(kpos_2c, y), arriving, window, segments) if masked else None
+        block = attend(_at(q_2BcNH, x), _at(k_2BcKH, y), _at(v_2BcKH, y), mask)
+        return tuple(lax.dynamic_update_index_in_dim(a, a_x, x, 0)
+                     for a, a_x in zip(acc, _accumulate(tuple(_at(a, x) for a in acc), block)))
+
+    def step(acc, q_2BcNH, block, src):
+        (kv_2BtKH, k_seg_Bt), x = block, (src > i).astype(jnp.int32)
+        keys = (_halves(kv_2BtKH[0]), _halves(kv_2BtKH[1]), chunks(src), _halves(k_seg_Bt))
+        return add(add(acc, q_2BcNH, 1, keys, 0), q_2BcNH, x, keys, x)
+
+    update, q_2BcNH = jax.checkpoint(step, prevent_cse=False), _halves(q_BtNH)
+    return lambda acc, block, s: update(acc, q_2BcNH, block, (i - s) % n)
+
+
+def _halves(x_Bt):
+    """[B, t, ...] → [2, B, c, ...]: the two zigzag chunks a device holds (None stays None)."""
+    return None if x_Bt is None else jnp.moveaxis(x_Bt.reshape(x_Bt.shape[:1] + (2, -1) + x_Bt.shape[2:]), 1, 0)
+
+
+def _whole(x_2Bc):
+    """The inverse of `_halves`."""
+    return jnp.moveaxis(x_2Bc, 0, 1).reshape((x_2Bc.shape[1], -1) + x_2Bc.shape[3:])
+
+
+def _at(x, j):
+    """x[j] along the first axis, j static or traced (None stays None)."""
+    return None if x is None else lax.dynamic_index_in_dim(x, j, 0, keepdims=False)
 
 
 def ring_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, *, mesh: Mesh,

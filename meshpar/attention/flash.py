@@ -58,16 +58,17 @@ def block_pattern(q_positions: Sequence[np.ndarray] | np.ndarray, k_positions: n
     sliding `window` (`kernels.Causal`) or none.
 
     `q_positions` may be several layouts (e.g. one per device, when every device runs the same program
-    on different positions): a pair is skipped only if every layout skips it, and FULL only if it is FULL
-    in every one.
+    on different positions), and `k_positions` as many, paired with them, or one for all: a pair of tiles is
+    skipped only if every layout skips it, and FULL only if it is FULL in every one.
     """
-    layouts = [np.asarray(q_positions)] if np.ndim(q_positions) == 1 else [np.asarray(p) for p in q_positions]
-    k = np.asarray(k_positions).reshape(-1, block_k)
-    k_min, k_max = k.min(axis=1)[None, :], k.max(axis=1)[None, :]
+    several = lambda positions: [np.asarray(p) for p in positions] if np.ndim(positions) == 2 else None
+    q_layouts = several(q_positions) or [np.asarray(q_positions)]
+    k_layouts = several(k_positions) or [np.asarray(k_positions)] * len(q_layouts)
     skip, full = True, True
-    for positions in layouts:
-        q = positions.reshape(-1, block_q)
+    for q_pos, k_pos in zip(q_layouts, k_layouts, strict=True):
+        q, k = q_pos.reshape(-1, block_q), k_pos.reshape(-1, block_k)
         q_min, q_max = q.min(axis=1)[:, None], q.max(axis=1)[:, None]
+        k_min, k_max = k.min(axis=1)[None, :], k.max(axis=1)[None, :]
         skip = skip & ((q_max < k_min) | (window is not None and q_min - k_max >= window))
         full = full & (q_min >= k_max) & (window is None or q_max - k_min < window)
     return np.where(skip, SKIP, np.where(full, FULL, MASKED)).astype(np.int8)

@@ -128,9 +128,7 @@ def block_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, cau
     platform = platform or jax.default_backend()
     kernel = resolve_kernel(kernel, S, platform, q_BTNH.dtype, q_BTNH.shape[3], needs_lse)
     if kernel == "cudnn" and (causal is None or causal.segments is None and is_plain_causal(causal, T, S)):
-        out_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, is_causal=causal is not None,
-                                                local_window_size=cudnn_window(causal), implementation="cudnn")
-        return out_BTNH.astype(jnp.float32), None
+        return cudnn_attention(q_BTNH, k_BSKH, v_BSKH, causal), None
     if kernel == "dense":
         return _dense(q_BTNH, k_BSKH, v_BSKH, causal)
     bt = largest_divisor(T, BLOCK.get(platform, DEFAULT_BLOCK))
@@ -139,13 +137,21 @@ def block_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, cau
         pattern = np.full((T // bt, S // bs), flash.FULL, np.int8)
         q_T, k_S = jnp.zeros(T, jnp.int32), jnp.zeros(S, jnp.int32)
     else:
-        pattern = flash.block_pattern([q for q, _ in causal.layouts], causal.layouts[0][1], bt, bs, causal.window)
-        for _, k in causal.layouts[1:]:  # the key layout differs by device too: a tile skipped by all
-            pattern = np.maximum(pattern, flash.block_pattern([q for q, _ in causal.layouts], k, bt, bs,
-                                                              causal.window))
+        pattern = flash.block_pattern([q for q, _ in causal.layouts], [k for _, k in causal.layouts], bt, bs,
+                                      causal.window)
         q_T, k_S = causal.q_T, causal.k_S
     window, segments = (None, None) if causal is None else (causal.window, causal.segments)
     return flash.attention(q_BTNH, k_BSKH, v_BSKH, q_T, k_S, pattern, window, segments)
+
+
+def cudnn_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, causal: Causal | None,
+                    implementation: str = "cudnn") -> jax.Array:
+    """The cuDNN kernel's call: `jax.nn.dot_product_attention` of a mask that is plain causal (a sliding
+    window included) or none, out f32 [B, T, N, H]. `implementation="xla"` runs the same call through JAX's
+    XLA implementation, on any platform (the tests')."""
+    out_BTNH = jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, is_causal=causal is not None,
+                                            local_window_size=cudnn_window(causal), implementation=implementation)
+    return out_BTNH.astype(jnp.float32)
 
 
 def cudnn_window(causal: Causal | None) -> tuple[int, int] | None:
