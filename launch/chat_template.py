@@ -3,7 +3,8 @@
 The template is tokenizer_config.json's `chat_template` (a string, or a list of {"name", "template"} of which
 "default" is taken), else a `chat_template.jinja` beside it. It is rendered with jinja2 in a sandbox with
 `trim_blocks` and `lstrip_blocks`, given `messages`, `add_generation_prompt`, `bos_token`, `eos_token`,
-`raise_exception` and a `tojson` filter that keeps non-ASCII text, as `tokenizer.apply_chat_template` does.
+`raise_exception`, `strftime_now` (today's date: Llama 3.2's and 3.3's system header) and a `tojson` filter that
+keeps non-ASCII text, as `tokenizer.apply_chat_template` does.
 
 An assistant turn is found by rendering prefixes of the conversation: it starts where the conversation before
 it, rendered with the generation prompt, ends, and it ends where the conversation up to and including it,
@@ -14,6 +15,7 @@ differently once later ones follow is refused.
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from pathlib import Path
 
 import jinja2
@@ -33,6 +35,7 @@ class ChatTemplate:
         environment.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False,
                                                                               indent=indent)
         environment.globals["raise_exception"] = self._raise
+        environment.globals["strftime_now"] = lambda format: datetime.now().strftime(format)
         try:
             self.template = environment.from_string(source)
         except jinja2.TemplateSyntaxError as err:

@@ -83,14 +83,20 @@ class MeshRun:
 
 def max_relative_error(tree, reference) -> float:
     """The largest |a - b| over max |b| of any leaf: gradients compared leaf by leaf. A non-finite value in
-    any leaf of either tree gives inf, so no comparison with a tolerance can pass on a NaN."""
-    def error(a, b) -> float:
+    any leaf of either tree gives inf, so no comparison with a tolerance can pass on a NaN. The trees must
+    have the same leaf paths and each leaf the same shape (else an AssertionError names the leaf):
+    broadcasting would compare a wrongly shaped leaf with its reference and hide it."""
+    leaves, reference_leaves = (jax.tree_util.tree_leaves_with_path(t) for t in (tree, reference))
+    paths, reference_paths = ([jax.tree_util.keystr(path) for path, _ in ls] for ls in (leaves, reference_leaves))
+    assert paths == reference_paths, (f"leaf paths differ: {' '.join(sorted(set(paths) - set(reference_paths)))} "
+                                      f"here, {' '.join(sorted(set(reference_paths) - set(paths)))} in the reference")
+    errors = []
+    for path, (_, a), (_, b) in zip(paths, leaves, reference_leaves):
         a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-        if not (np.all(np.isfinite(a)) and np.all(np.isfinite(b))):
-            return np.inf
-        return float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-30))
-
-    return max(jax.tree.leaves(jax.tree.map(error, tree, reference)))
+        assert a.shape == b.shape, f"leaf {path or '(root)'}: shape {a.shape} against the reference's {b.shape}"
+        finite = np.all(np.isfinite(a)) and np.all(np.isfinite(b))
+        errors.append(float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-30)) if finite else np.inf)
+    return max(errors)
 
 
 def param_bytes(layout: MeshRun) -> int:

@@ -2,11 +2,12 @@
 
 The packaged targets read back from the topologies XLA builds of them; every strategy row of the README
 compiles for 8 H100s; the README's GPU claims hold in the compiled program: `auto` attention is cuDNN's and
-falls back where it says, FSDP gathers weights and reduce-scatters gradients in bf16, collectives run
-asynchronously with compute between start and done, each GPU flag changes what it says it changes, remat
-`auto` decides under the GPU's memory; the README's GPU command runs. Full size (slow): `llama3_8b` on 8,
-`llama_70b` and `mixtral_8x7b` on 64 H100s, the memory table's rows against the GPU, and the planner's peak
-within 10% of the GPU compiler's on layouts its coefficients were fitted to and on layouts kept apart.
+falls back where it says, a sliding window reaches cuDNN's calls, FSDP gathers weights and reduce-scatters
+gradients in bf16, collectives run asynchronously with compute between start and done, each GPU flag changes
+what it says it changes, remat `auto` decides under the GPU's memory; the README's GPU command runs. Full
+size (slow): `llama3_8b` on 8, `llama_70b` and `mixtral_8x7b` on 64 H100s, the memory table's rows against
+the GPU, and the planner's peak within 10% of the GPU compiler's on layouts its coefficients were fitted to
+and on layouts kept apart.
 
 Collected only where jax's CUDA plugin and cuDNN's wheel are installed (`make test-gpu-compile`, conftest).
 """
@@ -176,6 +177,29 @@ def test_cudnn_asked_for_under_context_parallelism_is_refused_in_meshpars_words(
     with pytest.raises(InputError, match="'cudnn' cannot run ulysses attention over 'sequence'"):
         compiled("tiny", "sequence=2,fsdp=4", BF16, "parallel.context_attention=ulysses",
                  "parallel.load_balance=false", "train.attention_kernel=cudnn")
+
+
+def test_a_sliding_window_reaches_cudnns_calls_as_their_window_length():
+    """The cuDNN kernel with a window of W keys (GQA, bf16, one H100): the forward and backward fused
+    attention calls are causal with `sliding_window_length` W, cuDNN's count of the latest keys a query sees,
+    its own included (meshpar's window; the call's arguments against the formula: test_kernels_cudnn.py)."""
+    from meshpar.attention import kernels
+
+    W, T = 64, 1024
+    sharding = jax.sharding.SingleDeviceSharding(gpu.devices(gpu.Cluster.parse("h100", devices_per_host=1))[0])
+    q_BTNH = jax.ShapeDtypeStruct((1, T, 8, 128), jnp.bfloat16, sharding=sharding)
+    kv_BTKH = jax.ShapeDtypeStruct((1, T, 2, 128), jnp.bfloat16, sharding=sharding)
+    loss = lambda q, k, v: kernels.causal_attention(q, k, v, window=W, kernel="cudnn", platform="gpu").sum(
+        dtype=jnp.float32)
+    text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q_BTNH, kv_BTKH, kv_BTKH).compile().as_text()
+    calls = {}
+    for instructions in hlo.parse_module(text)[0].values():
+        for i in instructions:
+            if i.opcode == "custom-call" and gpu_program.CUDNN_ATTENTION in i.attributes:
+                target = re.search(r'custom_call_target="([^"]+)"', i.attributes)[1]
+                config = gpu_program._backend_config(i)["cudnn_fmha_backend_config"]
+                calls[target] = (config["mask_type"], config["sliding_window_length"])
+    assert calls == {"__cudnn$fmhaSoftmax": ("CAUSAL", W), "__cudnn$fmhaSoftmaxBackward": ("CAUSAL", W)}
 
 
 def test_fsdp_gathers_weights_and_reduce_scatters_gradients_in_bf16():

@@ -125,3 +125,36 @@ def test_a_schedule_read_kernel_by_kernel():
     assert step["collective_s"] == pytest.approx(gather_s + 4 * reduce_s)
     assert step["step_s"] == pytest.approx(step["matmul_s"] + step["attention_s"] + step["memory_s"]
                                            + step["exposed_s"])
+
+
+# A causal cuDNN attention call over T = 2048 with a sliding window of 512 keys, forward and backward, in
+# jax's BTNH layout (B = 1, 8 heads, head dim 128); both calls' backend configs name the window.
+WINDOW_CONFIG = ('{"cudnn_fmha_backend_config":{"intermediate_tensor_shape":{"dimensions":["1","8","2048","2048"]},'
+                 '"mask_type":"CAUSAL","sliding_window_length":512}}')
+WINDOWED = """
+HloModule windowed, is_scheduled=true
+
+ENTRY %main (q: bf16[1,2048,8,128], do: bf16[1,2048,8,128]) -> (bf16[1,2048,8,128], bf16[1,2048,8,128], bf16[1,2048,8,128]) {
+  %q = bf16[1,2048,8,128]{3,2,1,0} parameter(0)
+  %do = bf16[1,2048,8,128]{3,2,1,0} parameter(1)
+  %fwd = (bf16[1,2048,8,128]{3,2,1,0}, f32[1,8,2048]{2,1,0}, u8[0]{0}) custom-call(%q, %q, %q), custom_call_target="__cudnn$fmhaSoftmax", backend_config=CONFIG
+  %out = bf16[1,2048,8,128]{3,2,1,0} get-tuple-element(%fwd), index=0
+  %lse = f32[1,8,2048]{2,1,0} get-tuple-element(%fwd), index=1
+  %bwd = (bf16[1,2048,8,128]{3,2,1,0}, bf16[1,2048,8,128]{3,2,1,0}, bf16[1,2048,8,128]{3,2,1,0}, u8[0]{0}) custom-call(%q, %q, %q, %lse, %out, %do), custom_call_target="__cudnn$fmhaSoftmaxBackward", backend_config=CONFIG
+  %dq = bf16[1,2048,8,128]{3,2,1,0} get-tuple-element(%bwd), index=0
+  %dk = bf16[1,2048,8,128]{3,2,1,0} get-tuple-element(%bwd), index=1
+  %dv = bf16[1,2048,8,128]{3,2,1,0} get-tuple-element(%bwd), index=2
+  ROOT %grads = (bf16[1,2048,8,128]{3,2,1,0}, bf16[1,2048,8,128]{3,2,1,0}, bf16[1,2048,8,128]{3,2,1,0}) tuple(%dq, %dk, %dv)
+}
+""".replace("CONFIG", WINDOW_CONFIG)
+
+
+def test_windowed_cudnn_attention_counts_the_window_s_pairs_not_half_the_square():
+    """Query t sees its min(t + 1, 512) latest keys: 2048·512 − 512·511/2 pairs a head, 44% of the causal
+    half square the call would otherwise count."""
+    program = gpu_program.read(xla_client.hlo.hlo_module_from_text(WINDOWED).to_string(), ONE_HOST)
+    pairs = sum(min(t + 1, 512) for t in range(2048))
+    forward, backward = (2 * matmuls * 8 * pairs * 128 for matmuls in (2, 5))
+    assert program["kernels"]["attention"] == 2
+    assert program["flops_per_device"] == forward + backward
+    assert program["step_time"]["attention_s"] == pytest.approx((forward + backward) / (H100.flops * 0.5))

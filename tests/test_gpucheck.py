@@ -4,6 +4,7 @@ readable), the tables made from a recorded result (a fixture written here, not a
 at tiny sizes, so that the first GPU run does not stop on a typo."""
 
 import copy
+import dataclasses
 import inspect
 import json
 import os
@@ -18,6 +19,7 @@ import configs
 from launch import gpucheck
 from launch.gpucheck import jobs as job_functions, record, sections as section_plan, tables
 from meshpar import config as config_lib
+from meshpar.metrics import strict
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -223,6 +225,64 @@ def test_a_failing_job_and_a_failing_section_are_recorded_and_the_next_goes_on(t
     md = (tmp_path / "gpucheck.md").read_text()
     assert "- `bf16 against float32`: failed (JaxRuntimeError: INTERNAL: cuDNN fixture failure)" in md
     assert "Status: failed: KeyError: 'remat'." in md
+
+
+def test_a_training_job_whose_loss_is_nan_fails_its_table(tmp_path):
+    """The defaults' run ends on a NaN loss, printed as the job prints it (JSON holds no NaN: None): failed,
+    saying so under section 4's table, whose row stays as measured; the launch.compile job after it is done."""
+    clock = Clock()
+    jobs = StandInJobs(clock, tmp_path)
+
+    def run_job(job, timeout_s, log):
+        outcome = jobs(job, timeout_s, log)
+        if job.label != "defaults":
+            return outcome
+        printed = [json.loads(json.dumps(strict({**row, "loss_last": float("nan")}))) for row in outcome.rows]
+        return dataclasses.replace(outcome, rows=printed)
+
+    check = jobs.start(deadline=10_000)
+    check.run_job = run_job
+    section_plan.run_sections(check, ["training"])
+    doc = json.loads((tmp_path / "gpucheck.json").read_text())
+    training = jobs_of(doc, "training")
+    assert training["defaults"]["status"] == "failed" and training["launch.compile"]["status"] == "done"
+    assert training["defaults"]["reason"] == "the loss is not finite (loss 11.9 → not finite)"
+    assert statuses(doc)["training"] == "partial"
+    md = (tmp_path / "gpucheck.md").read_text().splitlines()
+    assert "- `defaults`: failed (the loss is not finite (loss 11.9 → not finite))" in md
+    assert any(line.startswith("| llama_1b | 4,096 |") for line in md)
+
+
+def numerics_run(out: Path, rows: list[dict]) -> tuple[dict, list[str]]:
+    """gpucheck.json and gpucheck.md's lines after the numerics section, its job's rows `rows`, printed as the
+    job prints them (NaN and ∞ as None: JSON holds neither)."""
+    jobs = StandInJobs(Clock(), out)
+
+    def run_job(job, timeout_s, log):
+        printed = [json.loads(json.dumps(strict(row))) for row in rows]
+        return dataclasses.replace(jobs(job, timeout_s, log), rows=printed)
+
+    check = jobs.start(deadline=10_000)
+    check.run_job = run_job
+    section_plan.run_sections(check, ["numerics"])
+    return json.loads((out / "gpucheck.json").read_text()), (out / "gpucheck.md").read_text().splitlines()
+
+
+def test_a_kernel_error_that_is_nan_is_a_failure_not_a_figure_not_measured(tmp_path):
+    """cuDNN's dq comes out NaN beside blockwise's finite errors: its cell says so instead of – (which is a
+    kernel not measured), and the job and the section are partial; where no kernel's errors are finite, failed."""
+    fine = fixture_row("bf16 against float32")  # blockwise, head dim 64
+    nan_dq = {**fine, "kernel": "cudnn", "head_dim": 128, "dq": float("nan")}
+    doc, md = numerics_run(tmp_path / "one", [fine, nan_dq])
+    job = jobs_of(doc, "numerics")["bf16 against float32"]
+    assert job["status"] == statuses(doc)["numerics"] == "partial"
+    assert "| cudnn | 128 | 1.2e-03 | not finite | 3.1e-03 | 2.7e-03 |  |" in md
+    assert "| blockwise | 64 | 1.2e-03 | 4.5e-03 | 3.1e-03 | 2.7e-03 |  |" in md
+    assert "- `bf16 against float32`: partial (the error is not finite (cudnn, head dim 128: dq))" in md
+    doc, _ = numerics_run(tmp_path / "all", [nan_dq, {**fine, "out": float("inf")}])
+    assert statuses(doc)["numerics"] == "failed"
+    assert jobs_of(doc, "numerics")["bf16 against float32"]["reason"] == (
+        "the error is not finite (cudnn, head dim 128: dq; blockwise, head dim 64: out)")
 
 
 class OutlivesTheDeadline(record.Job):

@@ -2,12 +2,14 @@
 EOS, in the flat uint16 / uint32 file that training's `data.source=bin` memory-maps; with a model family's
 tokenizer files, one BOS per document where the family has one and the EOS its tokenizer_config.json names; with
 `--format`, the prepared directory of `data.source=prepared`: documents, and which tokens are trained on (the
-response of prompt/response records, the assistant's turns of chats)."""
+response of prompt/response records, the assistant's turns of chats); the families' chat templates render as
+transformers' apply_chat_template renders them."""
 
 import json
 import re
 from pathlib import Path
 
+import jinja2
 import numpy as np
 import pytest
 from test_tokenizer import write_family
@@ -234,6 +236,38 @@ def test_chat_records_train_on_the_assistant_s_turns(chat_tokenizer):
     assert decode(ids_) == template.render(CHAT)  # the whole conversation, as rendered
     assert [decode(run) for run in runs(ids_, weights)] == ["It sat on the mat.<|im_end|>\n",
                                                             "A log, 12 logs.<|im_end|>\n"]
+
+
+# Chat templates written here, each in the style of a family's own (its tokenizer_config.json's) and using the
+# template features that family's uses: Llama 3's headers with bos_token, strftime_now and | trim; Qwen's ChatML
+# with a namespace() and loop.first / loop.last; Mistral's [INST] with an alternation check; tojson on non-ASCII
+# text. Each is given the tokenizer files of its family (test_tokenizer.write_family).
+TEMPLATES = Path(__file__).with_name("chat_templates")
+FAMILY_TEMPLATES = {"llama3_style": "llama3-instruct", "chatml_style": "qwen-instruct", "mistral_style": "mistral",
+                    "json_turns": "qwen-instruct"}
+
+
+@pytest.mark.parametrize("template", FAMILY_TEMPLATES)
+def test_family_chat_templates_render_as_transformers_does(template, tmp_path):
+    """transformers' apply_chat_template on the same files is the reference: with and without a system message,
+    ending on the user (with and without the generation prompt) or on the assistant; a conversation the template
+    refuses (raise_exception) is refused with the template's message."""
+    transformers = pytest.importorskip("transformers")
+    path = write_family(tmp_path, FAMILY_TEMPLATES[template])
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    config["chat_template"] = (TEMPLATES / f"{template}.jinja").read_text()
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    ours = chat_template.load(tokenizer.load(str(path)), str(path))
+    reference = transformers.AutoTokenizer.from_pretrained(tmp_path)
+    for messages in (CHAT, CHAT[1:], CHAT[:4], CHAT[1:4]):
+        for prompt in (False, True):
+            assert ours.render(messages, add_generation_prompt=prompt) == reference.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=prompt), (len(messages), prompt)
+    unknown_role = [CHAT[1], {"role": "narrator", "content": "The cat sat."}]
+    with pytest.raises(jinja2.TemplateError) as refused:  # transformers' raise_exception
+        reference.apply_chat_template(unknown_role, tokenize=False)
+    with pytest.raises(InputError, match=f"refuses the conversation: {re.escape(str(refused.value))}$"):
+        ours.render(unknown_role)
 
 
 def test_records_of_unknown_shape_name_their_keys(chat_tokenizer, tmp_path):

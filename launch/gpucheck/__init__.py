@@ -21,9 +21,11 @@ starts its backend (the flags' A/B needs a process per variant), a device's peak
 process's start, and a child can be stopped at the deadline. This process never starts JAX, so each job has
 the GPUs' memory to itself. A job starts only if its estimate (a generous constant, or the measured time of
 the training job it varies) fits the time left, and is stopped at the deadline; either way it is recorded
-(done, skipped, failed with its error in one line, cut off) and the run goes on. gpucheck.json and
-gpucheck.md are rewritten whole after every job, each job's output goes to logs/, and nothing in them is
-estimated: a figure not measured is absent (–). Without a GPU it says so in one line and exits 2.
+(done, skipped, failed with its error in one line, cut off) and the run goes on; a training job whose loss
+is not finite is failed, and a kernel whose error against float32 is not finite leaves its numerics job
+partial, their figures kept. gpucheck.json and gpucheck.md are rewritten whole after every job, each job's
+output goes to logs/, and nothing in them is estimated: a figure not measured is absent (–). Without a GPU
+it says so in one line and exits 2.
 """
 
 from __future__ import annotations

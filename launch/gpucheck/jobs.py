@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 
 ROW, ERROR = "gpucheck-row ", "gpucheck-error "  # a job's stdout lines for the parent: a result row, its error
 KERNELS_CHECKED = ("dense", "blockwise", "cudnn")  # dense: the error plain bf16 attention makes, for scale
+ERRORS = ("out", "dq", "dk", "dv")  # a numerics row's relative errors: the output's, then the gradients'
 CUDA_PACKAGES = ("jax-cuda12-plugin", "jax-cuda12-pjrt", "jax-cuda13-plugin", "jax-cuda13-pjrt",
                  "nvidia-cudnn-cu12", "nvidia-cudnn-cu13")
 
@@ -210,7 +211,7 @@ def kernel_errors(attention, inputs, want) -> dict:
     import jax
 
     got = jax.jit(functools.partial(attention_vjp, attention))(*inputs)
-    return {name: relative_error(g, w) for name, g, w in zip(("out", "dq", "dk", "dv"), got, want)}
+    return {name: relative_error(g, w) for name, g, w in zip(ERRORS, got, want)}
 
 
 def kernel_times(attention, inputs, repeats: int) -> dict:

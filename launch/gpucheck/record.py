@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import json
+import math
 import os
 import re
 import subprocess
@@ -14,7 +15,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from launch.gpucheck.jobs import ERROR, ROW
+from launch.gpucheck.jobs import ERROR, ERRORS, ROW
 from launch.gpucheck.tables import find_row, markdown
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,7 +43,7 @@ class Job:
 
 @dataclasses.dataclass(frozen=True)
 class Outcome:
-    status: str  # done, failed, cut off (stopped at the deadline), skipped (not started: would not fit)
+    status: str  # done, partial (some rows failed), failed, cut off (stopped at the deadline), skipped (not started)
     rows: list[dict]
     wall_s: float | None = None
     reason: str | None = None  # why not done, in one line
@@ -118,7 +119,8 @@ class Check:
             outcome = Outcome("skipped", [], reason=f"needs up to {job.estimate_s:.0f} s, {max(left, 0):.0f} s left")
         else:
             number = sum(len(section["jobs"]) for section in self.doc["sections"])  # the machine's is 00
-            outcome = self.run_job(job, left, self.out / "logs" / f"{number:02d}-{file_name(job.label)}.log")
+            log = self.out / "logs" / f"{number:02d}-{file_name(job.label)}.log"
+            outcome = finite_errors(job, finite_losses(job, self.run_job(job, left, log)))
         self.record(job, outcome)
         return outcome
 
@@ -146,6 +148,41 @@ class Check:
     def flush(self) -> None:
         self.doc["elapsed_s"] = round(self.clock() - self.started)
         write(self.out, self.doc)
+
+
+def finite(value) -> bool:
+    """A figure that is a finite number: the jobs print NaN and ∞ as None (`meshpar.metrics.strict`)."""
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def finite_losses(job: Job, outcome: Outcome) -> Outcome:
+    """A training job that ran to its end with a loss that is not finite failed: its step times and memory
+    are those of a run that did not train. Its row is kept, as measured."""
+    if job.function != "train" or outcome.status != "done":
+        return outcome
+    for row in outcome.rows:
+        losses = [row.get(key) for key in ("loss_first", "loss_last")]
+        if not all(finite(loss) for loss in losses):
+            shown = " → ".join("not finite" if loss is None else str(loss) for loss in losses)
+            return dataclasses.replace(outcome, status="failed", reason=f"the loss is not finite (loss {shown})")
+    return outcome
+
+
+def finite_errors(job: Job, outcome: Outcome) -> Outcome:
+    """A kernel measured with an error against float32 that is not finite failed (a kernel not measured has
+    no errors, and a note): its job is partial, or failed where no kernel's errors are all finite. The rows
+    are kept, as measured."""
+    if job.function != "attention_numerics" or outcome.status != "done":
+        return outcome
+    measured = [row for row in outcome.rows if all(key in row for key in ERRORS)]
+    failed = []
+    for row in measured:
+        if not_finite := [key for key in ERRORS if not finite(row[key])]:
+            failed.append(f"{row['kernel']}, head dim {row['head_dim']}: {', '.join(not_finite)}")
+    if not failed:
+        return outcome
+    return dataclasses.replace(outcome, status="failed" if len(failed) == len(measured) else "partial",
+                               reason=f"the error is not finite ({'; '.join(failed)})")
 
 
 def file_name(label: str) -> str:

@@ -1,6 +1,9 @@
-"""gpucheck.md: the tables of a gpucheck.json; a figure not measured is absent (–)."""
+"""gpucheck.md: the tables of a gpucheck.json; a figure not measured is absent (–), a kernel's error
+measured as NaN or ∞ is "not finite"."""
 
 from __future__ import annotations
+
+from launch.gpucheck.jobs import ERRORS
 
 GB = 1e9
 
@@ -48,10 +51,16 @@ def target_cell(machine: dict) -> str:
     return f"{target['packaged']}: " + (f"differs in {differs}" if differs else "the same in every field")
 
 
+def error_cell(row: dict, key: str) -> str:
+    """A kernel's relative error: – where the kernel was not measured, "not finite" where it was and the error
+    is NaN or ∞ (which the job prints as None)."""
+    return "not finite" if key in row and row[key] is None else cell(row.get(key), ".1e")
+
+
 def numerics_table(section: dict, doc: dict) -> list[str]:
-    return table(["kernel", "head dim", "out", "dq", "dk", "dv", "note"],
-                 [[r["kernel"], str(r["head_dim"]), *[cell(r.get(k), ".1e") for k in ("out", "dq", "dk", "dv")],
-                   r.get("note", "")] for r in section["rows"]])
+    return table(["kernel", "head dim", *ERRORS, "note"],
+                 [[r["kernel"], str(r["head_dim"]), *[error_cell(r, k) for k in ERRORS], r.get("note", "")]
+                  for r in section["rows"]])
 
 
 def speed_table(section: dict, doc: dict) -> list[str]:

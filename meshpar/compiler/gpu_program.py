@@ -15,7 +15,8 @@ pair) and how many of those have compute kernels scheduled between their start a
 The step time is a roofline of the program as scheduled, the planner's assumptions (`meshpar.plan.time`)
 applied to what XLA emitted instead of to the model:
 - a GEMM or an attention call costs its FLOPs over the target's peak for its dtype times `efficiency` (the
-  planner's); causal cuDNN attention computes half its score square; its backward pass 2.5 forwards;
+  planner's); causal cuDNN attention computes half its score square (with a sliding window of W keys, query
+  t's min(t + 1, W) keys); its backward pass 2.5 forwards;
 - any other kernel costs the bytes it reads and writes over HBM bandwidth;
 - a collective costs its ring time (all-gather and all-to-all (S−1)/S of the result, reduce-scatter (S−1)
   times its result, all-reduce twice (S−1)/S, a permute the result) over NVLink or, where its group spans
@@ -109,14 +110,19 @@ def _backend_config(instruction: Instruction) -> dict:
 
 
 def _attention_flops(call: Instruction, target: str) -> float:
-    """FLOPs of a cuDNN attention call: its scores [B, N, T, S] times the head dim, 2 matmuls forward
-    (half of them under a causal mask), 5 backward (the scores recomputed, dV, dP, dQ, dK)."""
+    """FLOPs of a cuDNN attention call: the (query, key) pairs it scores times the head dim, 2 matmuls forward,
+    5 backward (the scores recomputed, dV, dP, dQ, dK). Of its scores [B, N, T, S] a causal mask leaves half; a
+    sliding window of W keys (the query's own included; causal, T = S) leaves query t its min(t + 1, W)
+    latest: T·W − W(W − 1)/2 a head where W ≤ T."""
     config = _backend_config(call)["cudnn_fmha_backend_config"]
-    scores = [int(x) for x in config["intermediate_tensor_shape"]["dimensions"]]
+    B, N, T, S = (int(x) for x in config["intermediate_tensor_shape"]["dimensions"])
     head_dim = arrays(call.shape)[0].dims[-1]
     matmuls = 5 if "Backward" in target else 2
-    causal = 0.5 if config.get("mask_type") == "CAUSAL" else 1.0
-    return 2.0 * matmuls * float(np.prod(scores)) * head_dim * causal
+    if window := min(int(config.get("sliding_window_length", 0)), T):  # 0: no window
+        pairs = T * window - window * (window - 1) / 2
+    else:
+        pairs = T * S * (0.5 if config.get("mask_type") == "CAUSAL" else 1.0)
+    return 2.0 * matmuls * B * N * pairs * head_dim
 
 
 def _gemm_flops(call: Instruction, defined: dict[str, Instruction]) -> float:
