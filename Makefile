@@ -26,7 +26,7 @@ NEWEST_TESTS := tests/test_train.py tests/test_parallel.py tests/test_pipeline.p
 CUDNN_WHEEL := nvidia-cudnn-cu12==9.28.0.42
 
 .PHONY: train test test-slow test-newest test-gpu-compile gpu-compile-deps bench
-train: $(VENV)/installed
+train: $(VENV)/core
 	$(PY) -m launch.train --config tiny --cpu-devices 8 --mesh fsdp=8
 
 test: $(VENV)/installed
@@ -46,9 +46,14 @@ gpu-compile-deps: $(VENV312)/gpu-compile
 bench: $(VENV)/installed
 	$(PY) -m launch.bench
 
-$(VENV)/installed: pyproject.toml
+# Training needs the core only (jax, flax, optax, orbax, numpy); the test extras (torch, transformers,
+# datasets, matplotlib) come with the first `make test`.
+$(VENV)/core: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e .
+	touch $@
+
+$(VENV)/installed: $(VENV)/core
 	$(PY) -m pip install --quiet -e ".[dev]"
 	touch $@
 

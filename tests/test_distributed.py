@@ -56,13 +56,14 @@ def test_two_processes_match_one_across_checkpoints(reference, tmp_path):
     from test_checkpoint import spoil
 
     first, _ = train(2, "fsdp=8", 2, tmp_path, "a")
+    assert first == reference[:2]  # the same program on 2 × 4 devices as on 1 × 8: bit for bit
     second, _ = train(1, "data=8", 4, tmp_path, "b")
-    np.testing.assert_allclose(first + second, reference[:4], rtol=1e-4)
+    np.testing.assert_allclose(second, reference[2:4], rtol=1e-6)  # another mesh: float32 rounding
     damaged = spoil(tmp_path / "ckpt" / "4", "altered")
     last, out = train(2, "data=2,fsdp=2,model=2", 6, tmp_path, "c")
     assert f"[p0] warning: {tmp_path / 'ckpt'}: step 4 is damaged: {damaged} (" in out, out[-3000:]
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["2", "4.damaged", "6"]
-    np.testing.assert_allclose(first + last, reference, rtol=1e-4)
+    np.testing.assert_allclose(last, reference[2:], rtol=1e-6)
 
 
 ROWS = textwrap.dedent("""

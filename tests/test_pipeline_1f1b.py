@@ -15,7 +15,7 @@ import optax
 import pytest
 from flax import nnx
 
-from conftest import README_FIGURES_APPLY, require_devices
+from conftest import readme_figure, require_devices
 from layouts import MODEL, TRAIN, MeshRun, max_relative_error
 from meshpar import compiler, context, layers, mesh as mesh_lib, plan, rules as rules_lib, sharding, train
 from meshpar.compiler import fit
@@ -236,7 +236,7 @@ def readme_table() -> dict[int, list[float]]:
     rows = {}
     for line in block.splitlines()[2:]:
         cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
-        rows[int(cells[0])] = [float(cell) for cell in cells[1:]]
+        rows[int(cells[0])] = [readme_figure(cell) for cell in cells[1:]]
     return rows
 
 
@@ -246,7 +246,8 @@ def test_memory_is_flat_in_microbatches_and_the_bubble_is_gpipes():
     too); the bubble 1 − FLOPs(no stages)/FLOPs(P stages) of matmul FLOPs (trip counts read, per device),
     each schedule against itself without stages (GPipe: the plain layer scan; 1F1B: P = 1, which also
     recomputes each stage's forward), within 0.012 of (P − 1)/(M + P − 1) for both: the head, run on
-    every stage, is the rest. The README's table is this test's output; held to 2% and 0.002."""
+    every stage, is the rest. The README's table is this test's output; held to 2% (on the JAX
+    release running) and 0.002."""
     require_devices(8)
     P, base = 4, 8
     reference = {"gpipe": compiler.matmul_flops(compiled_loss_and_grads("data=2,fsdp=4", base, "gpipe", "none").as_text()),
@@ -269,7 +270,7 @@ def test_memory_is_flat_in_microbatches_and_the_bubble_is_gpipes():
     assert table[32][0] > 3 * table[8][0] and table[32][1] > 3 * table[8][1]  # GPipe: grows with M
     for M, row in readme_table().items():
         assert row[3:] == pytest.approx(table[M][3:], abs=0.002)
-        assert row[:3] == pytest.approx(table[M][:3], rel=0.02) or not README_FIGURES_APPLY
+        assert row[:3] == pytest.approx(table[M][:3], rel=0.02)
 
 
 def test_planner_predicts_the_compiled_peak():

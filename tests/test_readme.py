@@ -3,6 +3,7 @@ its 8 devices) and the `python -m launch.*` commands of its code blocks (as subp
 most a few steps, in a scratch directory)."""
 
 import itertools
+import json
 import os
 import re
 import shlex
@@ -103,3 +104,26 @@ def test_python_block_runs(block):
     require_devices(8)
     code = re.findall(r"```python\n(.*?)```", README, re.S)[block]
     exec(compile(code, f"README.md python block {block}", "exec"), {})
+
+
+@pytest.mark.slow  # four 60-step runs
+def test_the_tiny_layouts_give_the_losses_the_readme_states(tmp_path):
+    """The speed section's `tiny` layouts train to the same losses, the README's, to its 4 decimals; and the
+    two-commands section's first and last figures of `make train` (100 steps) are the same run's."""
+    first, last = map(float, re.search(r"All four give the same losses \(([\d.]+) at step 1, ([\d.]+) at step 60\)",
+                                       README).groups())
+    start, end = map(float, re.search(r"the loss falling from ([\d.]+) to about ([\d.]+) in 100 steps", README).groups())
+
+    def losses(steps: int, *flags: str) -> list[float]:
+        metrics = tmp_path / f"{len(os.listdir(tmp_path))}.jsonl"
+        proc = subprocess.run([sys.executable, "-m", "launch.train", "--config", "tiny", *flags, "--steps", str(steps),
+                               "--metrics-file", str(metrics)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+
+    for flags in (["--cpu-devices", "1"], *(["--cpu-devices", "8", "--mesh", mesh]
+                                            for mesh in ("data=8", "fsdp=8", "data=2,fsdp=4"))):
+        run = losses(60, *flags)
+        assert (round(run[0], 4), round(run[-1], 4)) == (first, last), flags
+    run = losses(100, "--cpu-devices", "8", "--mesh", "fsdp=8")  # `make train` (the schedule spans 100 steps)
+    assert (round(run[0], 2), round(run[-1], 1)) == (start, end), run[-1]
