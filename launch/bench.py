@@ -3,6 +3,7 @@
     python -m launch.bench                      # every layout, tiny, 8 fake CPU devices
     python -m launch.bench --layouts fsdp8,tp8 --steps 30 --set train.seq_len=256
     python -m launch.bench --config tiny_moe --layouts single,single+capacity,ep8,ep8+capacity
+    python -m launch.bench --layouts pp4-gpipe,pp4-circular,pp4-1f1b,pp4-interleaved --set model.n_layers=8
 
 Each layout trains the same config for `--steps` steps (the first step is left out of the medians) and
 reports the median step time and tokens/s, the per-device argument bytes (parameters + optimizer
@@ -40,6 +41,12 @@ LAYOUTS = {  # name → (mesh, overrides)
     "dp2+cp4": ("data=2,sequence=4", []),
     "pp2+dp4": ("stage=2,data=4", ["parallel.microbatches=4"]),
     "pp2+fsdp2+tp2": ("stage=2,fsdp=2,model=2", ["parallel.microbatches=4"]),
+    # the pipeline schedules at P = 4, M = 8 (--set model.n_layers=8: P·R divides the layers)
+    "pp4-gpipe": ("stage=4,data=2", ["parallel.microbatches=8"]),
+    "pp4-circular": ("stage=4,data=2", ["parallel.microbatches=8", "parallel.pipeline_repeats=2"]),
+    "pp4-1f1b": ("stage=4,data=2", ["parallel.microbatches=8", "parallel.pipeline_schedule=1f1b"]),
+    "pp4-interleaved": ("stage=4,data=2", ["parallel.microbatches=8", "parallel.pipeline_schedule=1f1b",
+                                           "parallel.pipeline_repeats=2"]),
     # a mixture of experts (--config tiny_moe): dropless, and at capacity 1.25
     "single+capacity": ("", ["parallel.expert_capacity=1.25"]),
     "ep8": ("expert=8", []),

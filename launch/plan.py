@@ -31,7 +31,8 @@ from meshpar.errors import InputError
 
 # chosen by the search (a capacity only with --mesh); train.attention_kernel is not (it is a what-if)
 SETTINGS = ("parallel.zero_stage", "parallel.sequence_parallel", "parallel.context_attention",
-            "parallel.load_balance", "parallel.microbatches", "parallel.pipeline_repeats", "parallel.offload",
+            "parallel.load_balance", "parallel.microbatches", "parallel.pipeline_repeats",
+            "parallel.pipeline_schedule", "parallel.offload",
             "parallel.expert_capacity", "train.remat", "train.grad_accum")
 
 

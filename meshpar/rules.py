@@ -61,7 +61,7 @@ class ParallelConfig:
     load_balance: bool = True  # zigzag the sequence so causal attention work is equal on every shard
     microbatches: int = 0  # pipeline microbatches M; 0: the default, meshpar.pipeline.schedule.microbatches
     pipeline_repeats: int = 1  # R > 1: circular (interleaved) pipeline, bubble (P-1)/(R·M+P-1)
-    pipeline_schedule: str = "gpipe"  # gpipe, or 1f1b: the same bubble, activation memory flat in M (R = 1)
+    pipeline_schedule: str = "gpipe"  # gpipe, or 1f1b: the same bubble, activation memory flat in M (R > 1: interleaved)
     offload: str = "none"  # host memory: none, optimizer (Adam moments), optimizer+params (+ float32 weights)
     # Mixture of experts: 0 is dropless (every routed token computed); c > 0 caps what each expert takes from
     # a device's n tokens at ceil(c · n · k / E) and drops the rest (meshpar.moe.dispatch)
@@ -80,10 +80,6 @@ class ParallelConfig:
         if self.pipeline_schedule not in PIPELINE_SCHEDULES:
             raise InputError(f"parallel.pipeline_schedule = '{self.pipeline_schedule}' is not one of "
                              f"{', '.join(PIPELINE_SCHEDULES)}")
-        if self.pipeline_schedule == "1f1b" and self.pipeline_repeats > 1:
-            raise InputError(f"parallel.pipeline_schedule = 1f1b runs each stage's layers as one chunk: "
-                             f"parallel.pipeline_repeats = {self.pipeline_repeats} (interleaved 1F1B) is not "
-                             f"supported; use pipeline_schedule=gpipe for the circular schedule")
         if self.offload not in OFFLOAD:
             raise InputError(f"parallel.offload = '{self.offload}' is not one of {', '.join(OFFLOAD)}")
         if self.expert_capacity < 0:

@@ -48,7 +48,7 @@ from meshpar.errors import InputError
 from meshpar.loss import next_token_loss_and_routing
 from meshpar.moe import routing
 from meshpar.pipeline import one_f_one_b
-from meshpar.rules import Rules
+from meshpar.rules import ParallelConfig, Rules
 
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 NONFINITE = ("stop", "skip")
@@ -180,7 +180,7 @@ def sharded_abstract(make_model: ModelFactory, tx: optax.GradientTransformation,
         abstract_ts = nnx.eval_shape(lambda: TrainState(make_model(nnx.Rngs(seed)), tx))
     graphdef, abstract = nnx.split(abstract_ts)
     if mesh.shape["stage"] > 1:
-        check_schedule(rules.parallel.pipeline_schedule, sharding.axis_size(abstract, "experts") is not None)
+        check_schedule(rules.parallel, mesh.shape["stage"], sharding.axis_size(abstract, "experts") is not None)
     if mesh.shape["stage"] > 1 and sharding.axis_size(abstract, "layers") is None:
         raise InputError(f"mesh axis stage = {mesh.shape['stage']} pipelines a stack of layers, and this model "
                          f"names no 'layers' axis: build its blocks with meshpar.layers.scan over a stacked "
@@ -188,10 +188,13 @@ def sharded_abstract(make_model: ModelFactory, tx: optax.GradientTransformation,
     return Sharded(graphdef, abstract, sharding.state_shardings(abstract, mesh, rules), mesh, rules)
 
 
-def check_schedule(schedule: str, experts: bool) -> None:
-    """Refuse a pipeline schedule that cannot train this model (`experts`: a mixture of experts). The training
-    step and the planner both ask this."""
-    if schedule == "1f1b" and experts:
+def check_schedule(parallel: ParallelConfig, stages: int, experts: bool) -> None:
+    """Refuse a pipeline schedule that cannot train this model (`experts`: a mixture of experts) or run these
+    microbatches. The training step and the planner both ask this."""
+    if parallel.pipeline_schedule == "1f1b":
+        pipeline.schedule.check_interleaving(stages, pipeline.schedule.microbatches(parallel.microbatches, stages),
+                                             parallel.pipeline_repeats)
+    if parallel.pipeline_schedule == "1f1b" and experts:
         raise InputError("parallel.pipeline_schedule = 1f1b cannot train a mixture of experts: its load-balancing "
                          "loss pools the router statistics of the whole batch, and 1F1B starts a microbatch's "
                          "backward pass before the last one's forward pass; use pipeline_schedule=gpipe")

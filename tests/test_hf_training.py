@@ -108,6 +108,21 @@ def test_training_matches_transformers_step_for_step(family, spec, parallel):
     assert relative[worst] < TOLERANCE, (losses, reference)
 
 
+def test_interleaved_1f1b_trains_as_transformers_step_for_step(tmp_path):
+    """Interleaved 1F1B (`stage=2`, R = 2 chunks of one layer each, M = 2) on a 4-layer Llama: 20 steps
+    against transformers + the PyTorch AdamW loop, within TOLERANCE at every step."""
+    fields = {**FAMILIES["llama"], "num_hidden_layers": 4}
+    call("save_random", str(tmp_path), "llama", fields, 0)
+    tokens = batches(fields["vocab_size"])
+    settings = {k: getattr(TRAIN, k) for k in ("lr", "warmup_steps", "steps", "decay_steps", "weight_decay",
+                                               "clip_norm")}
+    reference = np.asarray(call("train_losses", str(tmp_path), tokens.tolist(), settings))
+    parallel = rules_lib.ParallelConfig(pipeline_schedule="1f1b", pipeline_repeats=2, microbatches=2)
+    relative = np.abs(meshpar_losses(str(tmp_path), tokens, "stage=2", parallel) - reference) / np.abs(reference)
+    print(f"llama, 4 layers, interleaved 1F1B on stage=2: worst relative loss difference {relative.max():.2e}")
+    assert reference[-1] < reference[0] - 0.5 and relative.max() < TOLERANCE
+
+
 def prompt_weights(tokens: np.ndarray) -> np.ndarray:
     """[steps, B, T + 1] weights of a fine-tuning set: each row's first targets are a prompt (weight 0), the
     rest its response (1); the rows of the batch's first half have prompts of 12 to 28 targets, the others of

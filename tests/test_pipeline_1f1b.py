@@ -17,7 +17,7 @@ from flax import nnx
 
 from conftest import readme_figure, require_devices
 from layouts import MODEL, TRAIN, MeshRun, max_relative_error
-from meshpar import compiler, context, layers, mesh as mesh_lib, plan, rules as rules_lib, sharding, train
+from meshpar import compiler, context, layers, mesh as mesh_lib, pipeline, plan, rules as rules_lib, sharding, train
 from meshpar.compiler import fit
 from meshpar.mesh import MeshConfig
 from meshpar.pipeline import one_f_one_b, schedule
@@ -34,36 +34,46 @@ README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
 
 @pytest.mark.parametrize("P", [1, 2, 4, 8])
 @pytest.mark.parametrize("ratio", [0.5, 1, 2, 4])
-def test_slot_table(P, ratio):
-    """Every stage forwards and backwards every microbatch once, in dependency order; the forward-only and
-    backward-only slots are exactly those without the other kind of work, so the step costs
-    (M + P − 1)·(F + B): GPipe's bubble; a stage never holds more than 2(P − 1) stashed inputs, and the
-    ring entry a backward reads is the one its forward wrote, never overwritten in between."""
+@pytest.mark.parametrize("R", [1, 2, 3])
+def test_slot_table(P, ratio, R):
+    """Every stage forwards and backwards every (microbatch, chunk) once, in dependency order (an activation
+    from the stage before, or from the last stage's previous chunk; a cotangent from the stage after, or
+    from the first stage's next chunk); the forward-only and backward-only slots are exactly those without
+    the other kind of work, so the step costs (R·M + P − 1)·(F + B)/R: the bubble (P − 1)/(R·M + P − 1);
+    a stage never holds more than 2(R·P − 1) stashed inputs, and the ring entry a backward reads is the
+    one its forward wrote, never overwritten in between. Interleaving (R > 1) takes M in groups of P."""
     M = max(1, int(ratio * P))
-    n = schedule.slots(P, M)
-    assert n == M + 2 * (P - 1)
-    forward, backward = {}, {}  # (stage, microbatch) → slot
+    if R > 1 and M % P:
+        with pytest.raises(InputError, match=f"parallel.microbatches = {M} must be a multiple of {P}"):
+            schedule.check_interleaving(P, M, R)
+        return
+    n = schedule.slots(P, M, R)
+    assert n == R * M + P - 1 + R * P - 1
+    forward, backward = {}, {}  # (stage, microbatch, chunk) → slot
     for t in range(n):
-        m_F, m_B = schedule.microbatches_in(t, P)
+        m_F, c_F, m_B, c_B = schedule.microbatches_in(t, P, R)
         for s in range(P):
             if 0 <= m_F[s] < M:
-                forward[s, m_F[s]] = t
+                assert schedule.forward_slot(m_F[s], c_F[s], s, P, R) == t
+                forward[s, m_F[s], c_F[s]] = t
             if 0 <= m_B[s] < M:
-                backward[s, m_B[s]] = t
+                backward[s, m_B[s], c_B[s]] = t
         has_forward, has_backward = ((0 <= m) & (m < M) for m in (m_F, m_B))
-        assert has_forward.any() == (t < M + P - 1) and has_backward.any() == (t >= P - 1)
-    assert len(forward) == len(backward) == P * M
-    W = schedule.stash_size(P)
+        assert has_forward.any() == (t < R * M + P - 1) and has_backward.any() == (t >= R * P - 1)
+    assert len(forward) == len(backward) == P * M * R
+    W = schedule.stash_size(P, R)
+    for (s, m, c), t in forward.items():
+        before = (s - 1, m, c) if s else (P - 1, m, c - 1)
+        assert before not in forward or forward[before] == t - 1
+        after = (s + 1, m, c) if s < P - 1 else (0, m, c + 1)
+        assert backward[s, m, c] == (backward[after] + 1 if after in backward else t)  # the loss: at once
+        written = {forward[k] % W for k in forward if k[0] == s and t < forward[k] < backward[s, m, c]}
+        assert t % W not in written  # read (in slot backward[s, m, c]) before overwritten
     for s in range(P):
-        for m in range(M):
-            assert s == 0 or forward[s, m] == forward[s - 1, m] + 1  # the activation comes from stage s − 1
-            assert backward[s, m] == (forward[s, m] if s == P - 1 else backward[s + 1, m] + 1)
-            written = {forward[s, k] % W: k for k in range(M) if forward[s, m] < forward[s, k] < backward[s, m]}
-            assert forward[s, m] % W not in written  # read (in slot backward[s, m]) before overwritten
-        in_flight = max(sum(forward[s, m] <= t < backward[s, m] for m in range(M)) for t in range(n))
-        assert in_flight <= min(W, 2 * (P - 1 - s), M) if s < P - 1 else in_flight == 0
-    stage_work = (P - 1) * 1 + M * 2 + (P - 1) * 1  # F-only, F+B, B-only slots in units of F = B
-    assert 1 - 2 * M / stage_work == pytest.approx(schedule.bubble_fraction(P, M))
+        held = max(sum(forward[k] <= t < backward[k] for k in forward if k[0] == s) for t in range(n))
+        assert held <= min(W, 2 * (R * P - 1 - s), M * R) if (s, R) != (P - 1, 1) else held == 0
+    stage_work = (R * P - 1) + R * M * 2 + (R * P - 1) - (R - 1) * P * 2  # F-only, F+B, B-only slots, F = B = 1
+    assert 1 - 2 * M * R / stage_work == pytest.approx(schedule.bubble_fraction(P, M, R))
 
 
 # --- a cheap model in the parts 1F1B takes ------------------------------------------------------------------
@@ -125,6 +135,7 @@ class Size:
 
 
 PARITY = Size(V=64, D=32, F=64, L=8, T=16)
+PARITY12 = dataclasses.replace(PARITY, L=12)  # P·R divides L for R = 3 too
 B = 64  # rows: divisible by M·data·fsdp for every case below
 CFG = train.TrainConfig(global_batch=B, seq_len=PARITY.T, remat="none")
 FAST_COMPILE = {"xla_backend_optimization_level": 0}  # no LLVM optimisation: the same HLO, compiled ~2× faster
@@ -141,43 +152,49 @@ def planned(size: Size, spec: str, parallel: ParallelConfig = ParallelConfig(), 
 
 
 @functools.cache
-def one_device() -> tuple:
+def one_device(size: Size = PARITY) -> tuple:
     """The host state, a batch, and the loss and gradients of one device: `train.loss_and_grads`, no pipeline."""
-    sharded, tokens = planned(PARITY, "single")
-    state = train.init_state(PARITY.make, TX, sharded)
-    batch = np.random.default_rng(0).integers(0, PARITY.V, (B, PARITY.T + 1)).astype(np.int32)
+    sharded, tokens = planned(size, "single")
+    state = train.init_state(size.make, TX, sharded)
+    batch = np.random.default_rng(0).integers(0, size.V, (B, size.T + 1)).astype(np.int32)
     loss, grads = train.loss_and_grads(sharded, tokens, CFG)(state, jax.device_put(batch, tokens))
     return jax.device_get(state), batch, float(loss), jax.tree.map(np.asarray, grads)
 
 
-# (mesh, P, M, remat): every P in {2, 4, 8} with M in {P, 2P, 4P}, data, fsdp and model beside `stage`, P
-# stages on fewer stage groups (two and four per group), M < P, and each remat policy.
+# (mesh, P, M, remat, R): every P in {2, 4, 8} with M in {P, 2P, 4P}, data, fsdp and model beside `stage`, P
+# stages on fewer stage groups (two and four per group), M < P, and each remat policy; interleaved (R > 1):
+# P = 2 and 4, R = 2 and 3, M = P and 2P, beside data, fsdp and model, two stages per group.
 CASES = [
-    ("stage=2,data=2,fsdp=2", 2, 2, "none"), ("stage=2,fsdp=2,model=2", 2, 4, "dots"),
-    ("stage=2,data=2,model=2", 2, 8, "none"), ("stage=4,data=2", 4, 4, "none"), ("stage=4,fsdp=2", 4, 8, "full"),
-    ("stage=4,model=2", 4, 16, "none"), ("stage=8", 8, 8, "none"), ("stage=4,data=2", 8, 16, "dots"),
-    ("stage=2,fsdp=2,model=2", 8, 32, "none"), ("stage=4,data=2", 4, 2, "none"),
+    ("stage=2,data=2,fsdp=2", 2, 2, "none", 1), ("stage=2,fsdp=2,model=2", 2, 4, "dots", 1),
+    ("stage=2,data=2,model=2", 2, 8, "none", 1), ("stage=4,data=2", 4, 4, "none", 1), ("stage=4,fsdp=2", 4, 8, "full", 1),
+    ("stage=4,model=2", 4, 16, "none", 1), ("stage=8", 8, 8, "none", 1), ("stage=4,data=2", 8, 16, "dots", 1),
+    ("stage=2,fsdp=2,model=2", 8, 32, "none", 1), ("stage=4,data=2", 4, 2, "none", 1),
+    ("stage=2,data=2,fsdp=2", 2, 2, "none", 2), ("stage=2,fsdp=2,model=2", 2, 4, "dots", 3),
+    ("stage=4,data=2", 4, 4, "none", 2), ("stage=4,model=2", 4, 8, "full", 3), ("stage=2,data=2,fsdp=2", 4, 8, "none", 2),
 ]
 
 
-@pytest.mark.parametrize("spec,P,M,remat", CASES, ids=[f"{m}-P{s}-M{mb}-{r}" for m, s, mb, r in CASES])
-def test_matches_one_device_with_poisoned_bubbles(spec, P, M, remat):
+@pytest.mark.parametrize("spec,P,M,remat,R", CASES, ids=[f"{m}-P{s}-M{mb}-{r}-R{R}" for m, s, mb, r, R in CASES])
+def test_matches_one_device_with_poisoned_bubbles(spec, P, M, remat, R):
     """Bubble slots compute on NaN: the stages they feed end the step holding NaN (the activations that
     went to stages 1 … P−1 after the last forward slot, the cotangents that came back to stages 0 … P−2
-    after the last backward slot), and none of it reaches the loss or a gradient."""
+    after the last backward slot), and none of it reaches the loss or a gradient. Interleaved, the stack
+    and its gradient are in the order at rest (`meshpar.pipeline.order`)."""
     require_devices(8)
-    state, batch, ref_loss, ref_grads = one_device()
-    sharded, tokens = planned(PARITY, spec)
+    size = PARITY12 if R == 3 else PARITY
+    state, batch, ref_loss, ref_grads = one_device(size)
+    sharded, tokens = planned(size, spec, ParallelConfig(pipeline_repeats=R))
 
     def run(state, tokens_BT):
         with context.use(train.compute_context(sharded, dataclasses.replace(CFG, remat=remat))):
             model = nnx.merge(sharded.graphdef, state).model
             return one_f_one_b.model_loss_and_grads(model, tokens_BT, mesh=sharded.mesh, stages=P, microbatches=M,
-                                                    remat=remat, poison_bubbles=True)
+                                                    repeats=R, remat=remat, poison_bubbles=True)
 
-    args = jax.device_put(state, sharded.shardings), jax.device_put(batch, tokens)
+    args = pipeline.to_rest(jax.device_put(state, sharded.shardings), sharded.mesh, R), jax.device_put(batch, tokens)
     compiled = jax.jit(run).lower(*args).compile(compiler_options=FAST_COMPILE)
-    loss, grads, (x_PZbTD, g_PZbTD) = jax.device_get(compiled(*args))
+    loss, grads, (x_PZbTD, g_PZbTD) = compiled(*args)
+    loss, grads, x_PZbTD, g_PZbTD = jax.device_get((loss, pipeline.to_layers(grads, sharded.mesh, R), x_PZbTD, g_PZbTD))
     assert np.isnan(x_PZbTD[1:]).all() and np.isfinite(x_PZbTD[0]).all()
     assert np.isnan(g_PZbTD[:-1]).all() and np.isfinite(g_PZbTD[-1]).all()
     assert all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(grads))
@@ -193,17 +210,56 @@ def deep_reference():
     return MeshRun("single", model=dataclasses.replace(MODEL, n_layers=4)).loss_and_grads()
 
 
-def test_training_step_matches_one_device(deep_reference):
-    """`parallel.pipeline_schedule=1f1b` through `train.loss_and_grads` with meshpar's transformer: ring
-    attention (zigzag) and tensor parallelism (heads, MLP, vocabulary over `model`) inside the stages,
-    gradient accumulation around the pipeline."""
+# (mesh, R, more settings): ring attention (zigzag) with TP; interleaved, also with FSDP, all-gather attention
+# with Megatron SP, and Ulysses attention
+STEP_LAYOUTS = [("stage=2,sequence=2,model=2", 1, {}), ("stage=2,sequence=2,model=2", 2, {}),
+                ("stage=2,fsdp=2,data=2", 2, {}),
+                ("stage=2,sequence=2,model=2", 2, {"context_attention": "allgather", "sequence_parallel": True}),
+                ("stage=2,sequence=2,data=2", 2, {"context_attention": "ulysses"})]
+
+
+@pytest.mark.parametrize("spec,R,settings", STEP_LAYOUTS,
+                         ids=[f"{spec}-R{R}{''.join('-' + str(v) for v in more.values())}" for spec, R, more in STEP_LAYOUTS])
+def test_training_step_matches_one_device(deep_reference, spec, R, settings):
+    """`parallel.pipeline_schedule=1f1b` through `train.loss_and_grads` with meshpar's transformer: context
+    attention (each mode, zigzag), tensor parallelism (heads, MLP, vocabulary over `model`, with SP), or
+    FSDP, inside the stages, gradient accumulation around the pipeline; plain and interleaved (R = 2: one
+    layer a chunk)."""
     require_devices(8)
-    layout = MeshRun("stage=2,sequence=2,model=2", cfg=dataclasses.replace(TRAIN, grad_accum=2),
-                    model=dataclasses.replace(MODEL, n_layers=4),
-                    parallel=ParallelConfig(microbatches=2, pipeline_schedule="1f1b"))
+    layout = MeshRun(spec, cfg=dataclasses.replace(TRAIN, grad_accum=2), model=dataclasses.replace(MODEL, n_layers=4),
+                    parallel=ParallelConfig(microbatches=2, pipeline_schedule="1f1b", pipeline_repeats=R, **settings))
     loss, grads = layout.loss_and_grads()
     assert abs(loss - deep_reference[0]) / deep_reference[0] < 1e-5
     assert max_relative_error(grads, deep_reference[1]) < 1e-5
+
+
+def test_interleaved_packed_documents_match_one_device():
+    """Interleaved 1F1B (R = 2) on a batch of packed documents (their ids and positions ride with each
+    microbatch's rows through every chunk): the loss and every gradient of one device on the same batch."""
+    require_devices(8)
+    from test_documents import CFG as DOCS_CFG, packed_batch
+
+    model = dataclasses.replace(MODEL, n_layers=4)
+    batch = packed_batch(DOCS_CFG)[0]
+    runs = {spec: MeshRun(spec, DOCS_CFG, model, ParallelConfig(microbatches=2, pipeline_schedule="1f1b",
+                                                                pipeline_repeats=1 if spec == "single" else 2))
+            for spec in ("single", "stage=2,data=2,model=2")}
+    (ref_loss, ref_grads), (loss, grads) = (
+        train.loss_and_grads(run.sharded, run.tokens_sharding, run.cfg)(
+            run.state, jax.tree.map(lambda x: jax.device_put(x, run.tokens_sharding), batch)) for run in runs.values())
+    assert abs(float(loss) - float(ref_loss)) / float(ref_loss) < 1e-5
+    assert max_relative_error(jax.device_get(grads), jax.device_get(ref_grads)) < 1e-5
+
+
+def test_interleaved_with_the_optimizer_in_host_memory_trains_as_on_the_devices():
+    """Interleaved 1F1B (R = 2) with `parallel.offload=optimizer`: the update streams the stacks in their order
+    at rest; three steps' losses as with the moments on the devices."""
+    require_devices(8)
+    model = dataclasses.replace(MODEL, n_layers=4)
+    losses = [MeshRun("stage=2,data=4", TRAIN, model, ParallelConfig(microbatches=2, pipeline_schedule="1f1b",
+                                                                     pipeline_repeats=2, offload=offload)).losses(3)
+              for offload in ("none", "optimizer")]
+    assert np.max(np.abs(np.subtract(*losses))) <= 1e-6, losses
 
 
 # --- memory and the bubble, compiled: the README's table ----------------------------------------------------
@@ -212,65 +268,79 @@ TABLE = Size(V=8, D=64, F=256, L=8, T=64)  # a vocabulary of 8: the head (run on
 ROWS = 8  # per microbatch: the batch grows with M
 
 
-def compiled_loss_and_grads(spec: str, M: int, kind: str, remat: str, stages: int | None = None):
-    """`train`'s loss and gradients for TABLE on `spec` with M microbatches of ROWS rows, compiled for
-    abstract inputs; `stages`: call the 1F1B schedule directly with P stages (P = 1 on a mesh without
-    `stage`: the same arithmetic, no bubble)."""
+def compiled_loss_and_grads(spec: str, M: int, kind: str, remat: str, stages: int | None = None, repeats: int = 1):
+    """`train`'s loss and gradients for TABLE on `spec` with M microbatches of ROWS rows (R `repeats`),
+    compiled for abstract inputs; `stages`: call the 1F1B schedule directly with P stages (P = 1 on a mesh
+    without `stage`: the same arithmetic, no bubble)."""
     cfg = train.TrainConfig(global_batch=M * ROWS, seq_len=TABLE.T, remat=remat)
-    sharded, _ = planned(TABLE, spec, ParallelConfig(microbatches=M, pipeline_schedule=kind), M * ROWS)
+    parallel = ParallelConfig(microbatches=M, pipeline_schedule=kind, pipeline_repeats=repeats)
+    sharded, _ = planned(TABLE, spec, parallel, M * ROWS)
 
     def run(state, tokens_BT):
         with context.use(train.compute_context(sharded, cfg)):
             model = nnx.merge(sharded.graphdef, state).model
             if stages is not None:
                 return one_f_one_b.model_loss_and_grads(model, tokens_BT, mesh=sharded.mesh, stages=stages,
-                                                        microbatches=M, remat=remat)[:2]
+                                                        microbatches=M, repeats=repeats, remat=remat)[:2]
             return train._loss_and_grads(sharded, cfg, None, model, tokens_BT)
 
     return jax.jit(run).lower(*fit.abstract_inputs(sharded, cfg)).compile(compiler_options=FAST_COMPILE)
 
 
-def readme_table() -> dict[int, list[float]]:
-    """M → the numbers of the README's row (temp MB: GPipe none, GPipe full, 1F1B; bubble: formula, GPipe, 1F1B)."""
-    block = README.split("| M | GPipe temp MB (remat none) |", 1)[1].split("\n\n", 1)[0]
+# The README's table: name → (pipeline_schedule, R, remat) on stage=4,data=2.
+SCHEDULES = {"GPipe": ("gpipe", 1, "none"), "circular, R = 2": ("gpipe", 2, "none"), "1F1B": ("1f1b", 1, "none"),
+             "interleaved 1F1B, R = 2": ("1f1b", 2, "none")}
+
+
+def readme_table() -> dict[tuple[str, int], list[float]]:
+    """(schedule, M) → the numbers of the README's row: bubble formula, bubble measured, temp MB, permutes."""
+    block = README.split("| schedule | M | bubble (P−1)/(R·M+P−1) |", 1)[1].split("\n\n", 1)[0]
     rows = {}
     for line in block.splitlines()[2:]:
-        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
-        rows[int(cells[0])] = [readme_figure(cell) for cell in cells[1:]]
+        name, M, *cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        rows[name, int(M)] = [readme_figure(cell) for cell in cells]
     return rows
 
 
-def test_memory_is_flat_in_microbatches_and_the_bubble_is_gpipes():
+def test_memory_is_flat_in_microbatches_and_the_bubble_is_the_formula():
     """P = 4 on stage=4,data=2, microbatches of ROWS rows (the batch grows with M), per device from the
-    compiler: 1F1B's temp bytes within 15% from M = 8 to 32 where GPipe's grow with M (with remat full
-    too); the bubble 1 − FLOPs(no stages)/FLOPs(P stages) of matmul FLOPs (trip counts read, per device),
-    each schedule against itself without stages (GPipe: the plain layer scan; 1F1B: P = 1, which also
-    recomputes each stage's forward), within 0.012 of (P − 1)/(M + P − 1) for both: the head, run on
-    every stage, is the rest. The README's table is this test's output; held to 2% (on the JAX
-    release running) and 0.002."""
+    compiler: 1F1B's temp bytes, interleaved or not, within 15% from M = 8 to 32, where GPipe's and the
+    circular schedule's grow with M; the bubble 1 − FLOPs(no stages)/FLOPs(P stages)
+    of matmul FLOPs (trip counts read, per device), each schedule against itself without stages (GPipe:
+    the plain layer scan; 1F1B: P = 1 in chunks of as many layers, L/(P·R), as the schedule's, for it
+    recomputes each chunk's forward, and XLA drops the last matmul of a one-layer chunk's), within 0.012 of
+    (P − 1)/(R·M + P − 1): the head, run on every stage, is the rest; 1F1B's collective-permutes one per
+    slot that forwards and one per slot that backwards, 2(R·M + P − 1). The README's table is this test's
+    output; held to 2% (temp, on the JAX release running), 0.002 (bubble) and exactly (permutes)."""
     require_devices(8)
     P, base = 4, 8
-    reference = {"gpipe": compiler.matmul_flops(compiled_loss_and_grads("data=2,fsdp=4", base, "gpipe", "none").as_text()),
-                 "1f1b": compiler.matmul_flops(compiled_loss_and_grads("data=2,fsdp=4", base, "1f1b", "none", 1).as_text())}
+    def reference(kind: str, R: int) -> int:  # one device's share of the work, as the schedule runs it
+        if kind == "gpipe":
+            return compiler.matmul_flops(compiled_loss_and_grads("data=2,fsdp=4", base, kind, "none").as_text())
+        return compiler.matmul_flops(compiled_loss_and_grads("data=2,fsdp=4", base, kind, "none", 1, P * R).as_text())
+
     table = {}
-    for M in (8, 16, 32):
-        programs = {"gpipe": compiled_loss_and_grads(f"stage={P},data=2", M, "gpipe", "none"),
-                    "gpipe full": compiled_loss_and_grads(f"stage={P},data=2", M, "gpipe", "full"),
-                    "1f1b": compiled_loss_and_grads(f"stage={P},data=2", M, "1f1b", "none")}
-        temp = {name: c.memory_analysis().temp_size_in_bytes / 1e6 for name, c in programs.items()}
-        bubble = {name: 1 - reference[name] * M / base / compiler.matmul_flops(programs[name].as_text())
-                  for name in ("gpipe", "1f1b")}
-        table[M] = [temp["gpipe"], temp["gpipe full"], temp["1f1b"], schedule.bubble_fraction(P, M),
-                    bubble["gpipe"], bubble["1f1b"]]
-        print(f"| {M} | " + " | ".join(f"{x:.2f}" for x in table[M][:3]) + " | "
-              + " | ".join(f"{x:.3f}" for x in table[M][3:]) + " |")
-        for name in ("gpipe", "1f1b"):
-            assert bubble[name] == pytest.approx(schedule.bubble_fraction(P, M), abs=0.012), (name, M)
-    assert table[32][2] < 1.15 * table[8][2]  # 1F1B: flat in M
-    assert table[32][0] > 3 * table[8][0] and table[32][1] > 3 * table[8][1]  # GPipe: grows with M
-    for M, row in readme_table().items():
-        assert row[3:] == pytest.approx(table[M][3:], abs=0.002)
-        assert row[:3] == pytest.approx(table[M][:3], rel=0.02)
+    for name, (kind, R, remat) in SCHEDULES.items():
+        unstaged = reference(kind, R)
+        for M in (8, 16, 32):
+            program = compiled_loss_and_grads(f"stage={P},data=2", M, kind, remat, repeats=R)
+            flops = compiler.matmul_flops(program.as_text())
+            formula = schedule.bubble_fraction(P, M, R)
+            permutes = compiler.collectives(program.as_text())["collective-permute"]["count"]
+            table[name, M] = [formula, 1 - unstaged * M / base / flops,
+                              program.memory_analysis().temp_size_in_bytes / 1e6, permutes]
+            print(f"| {name} | {M} | {formula:.3f} | {table[name, M][1]:.3f} | {table[name, M][2]:.2f} | {permutes} |")
+            assert table[name, M][1] == pytest.approx(formula, abs=0.012), (name, M)
+            if kind == "1f1b":
+                assert permutes == 2 * (R * M + P - 1), (name, M)
+    temp = lambda name, M: table[name, M][2]
+    assert all(temp(name, 32) < 1.15 * temp(name, 8) for name in ("1F1B", "interleaved 1F1B, R = 2"))
+    assert all(temp(name, 32) > 3 * temp(name, 8) for name in ("GPipe", "circular, R = 2"))
+    assert table["interleaved 1F1B, R = 2", 8][1] < 0.6 * table["1F1B", 8][1]
+    assert readme_table().keys() == table.keys()
+    for key, row in readme_table().items():
+        assert row[:2] == pytest.approx(table[key][:2], abs=0.002), key
+        assert row[2] == pytest.approx(table[key][2], rel=0.02) and row[3] == table[key][3], key
 
 
 def test_planner_predicts_the_compiled_peak():
@@ -299,10 +369,12 @@ def test_planner_predicts_the_compiled_peak():
 # --- what it refuses ---------------------------------------------------------------------------------------
 
 
-def test_refuses_interleaving_host_weights_and_unknown_schedules():
-    with pytest.raises(InputError, match=r"pipeline_schedule = 1f1b .*pipeline_repeats = 2 \(interleaved 1F1B\) "
-                                         r"is not supported"):
-        ParallelConfig(pipeline_schedule="1f1b", pipeline_repeats=2)
+def test_refuses_interleaving_other_microbatches_host_weights_and_unknown_schedules():
+    """Interleaved 1F1B takes M in groups of P: another M is refused up front, in the step's own check."""
+    require_devices(8)
+    with pytest.raises(InputError, match=r"interleaved 1F1B \(parallel.pipeline_repeats = 2\) runs the microbatches "
+                                         r"in groups of P = 2 stages: parallel.microbatches = 3 must be a multiple of 2"):
+        planned(PARITY, "stage=2,data=4", ParallelConfig(pipeline_schedule="1f1b", pipeline_repeats=2, microbatches=3))
     with pytest.raises(InputError, match=r"parallel.pipeline_schedule = 'zb' is not one of gpipe, 1f1b"):
         ParallelConfig(pipeline_schedule="zb")
     with pytest.raises(InputError, match=r"1f1b does not fetch weights from host memory"):

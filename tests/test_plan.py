@@ -528,7 +528,7 @@ def test_cli_ranked_table(capsys):
     plan_cli.main(["--config", "llama_8b", "--devices", "64", "--devices-per-host", "8", "--hardware", "h100",
                    "--global-batch", "512", "--seq-len", "8192", "--top", "3"])
     out = capsys.readouterr().out
-    for column in ("mesh", "zero", "sp", "attention", "M/R", "remat", "params", "grads", "optim", "acts", "total",
+    for column in ("mesh", "zero", "sp", "attention", "pipeline", "remat", "params", "grads", "optim", "acts", "total",
                    "fits", "comm per axis", "compute s", "step s", "tokens/s", "MFU"):
         assert column in out
     assert re.findall(r"^ *(\d+)  \w+=", out, re.M) == ["1", "2", "3"]

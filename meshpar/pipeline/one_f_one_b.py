@@ -1,4 +1,5 @@
-"""The 1F1B pipeline schedule (PipeDream-Flush, Narayanan et al. 2021) as one SPMD program.
+"""The 1F1B pipeline schedule (PipeDream-Flush, Narayanan et al. 2021), plain or interleaved, as one SPMD
+program.
 
 Letters: P stages, M microbatches, J = L/P layers per stage, Z batch shards (data × fsdp), b rows of a
 microbatch on one shard, W stash entries.
@@ -28,6 +29,16 @@ and costs F, a backward-only one B: the step takes (P − 1)·F + M·(F + B) + (
 and each stage works M·(F + B) of it: GPipe's bubble (`schedule.bubble_fraction`). Bubble slots compute on
 zeros and selects drop their results; `poison_bubbles=True` feeds them NaN instead, so a test proves
 none reaches the loss or a gradient.
+
+Interleaved (R > 1 chunks per stage; Narayanan et al. 2021 §2.2). Stage q holds chunks c = 0 … R−1 of
+J = L/(P·R) layers, chunk c being virtual stage c·P + q (the order at rest of `meshpar.pipeline.order`).
+Microbatches go in groups of P, each group through chunk 0 of every stage, then chunk 1, … (M a multiple
+of P); an activation leaving stage P − 1 goes round the ring to stage 0 for the next chunk, and the
+backwards mirror the forwards R·P − 1 slots later, cotangents going round the other way. A slot then runs
+one chunk's forward and one chunk's backward per stage (the chunks picked per stage by a dynamic index),
+R·M + R·P + P − 2 slots in the same three phases, R·P − 1 forward-only and R·P − 1 backward-only: the step
+takes (R·M + P − 1)·(F + B)/R, the bubble (P − 1)/(R·M + P − 1); the stash holds 2(R·P − 1) chunk inputs
+(`schedule`: `microbatches_in`, `forward_slot`, `phases`, `stash_size`). Everything below holds per chunk.
 
 Each slot is computed like GPipe's iterations, under the vmaps over stages and batch shards of
 `meshpar.pipeline.stages`, so the layers run unchanged under GSPMD. The loss runs per microbatch inside the
@@ -93,11 +104,16 @@ Last = Callable[[nnx.State, jax.Array, tuple[jax.Array, jax.Array]], jax.Array]
 
 
 class _Flags(NamedTuple):
-    """Per stage in a slot: whether it is the first or the last stage, and whether the microbatch it
-    forwards (F) and the one it backwards (B) exist (else it computes on a bubble)."""
+    """Per stage in a slot: the chunks of its layers it forwards (F) and backwards (B) (0 without
+    interleaving), whether each is the model's first chunk (stage 0's chunk 0: the embedding before it) or
+    the forward its last (the last stage's last chunk: the loss after it), and whether the microbatches
+    exist (else it computes on a bubble)."""
 
-    first: jax.Array
-    last: jax.Array
+    chunk_F: jax.Array
+    chunk_B: jax.Array
+    first_F: jax.Array
+    first_B: jax.Array
+    last_F: jax.Array
     real_F: jax.Array
     real_B: jax.Array
 
@@ -159,32 +175,44 @@ class _Schedule:
 
     def __init__(self, stack: nnx.Module, other: nnx.State, first: First, last: Last, inputs_BT: jax.Array,
                  targets: tuple[jax.Array, jax.Array], args: tuple, *, mesh: Mesh, stages: int, microbatches: int,
-                 remat: str, poison_bubbles: bool):
+                 repeats: int, remat: str, poison_bubbles: bool):
         self.graphdef, weights, consts = nnx.split(stack, nnx.Param, ...)
         leaves = jax.tree.leaves(weights)
         if not leaves:
             raise InputError("1f1b pipeline: the stack has no parameters")
         self.L, batch = leaves[0].shape[0], stages_lib.batch_axes(mesh)
-        stages_lib.check(self.L, inputs_BT.shape[0], mesh.shape, stages=stages, microbatches=microbatches, repeats=1,
-                         batch=batch)
+        stages_lib.check(self.L, inputs_BT.shape[0], mesh.shape, stages=stages, microbatches=microbatches,
+                         repeats=repeats, batch=batch)
+        schedule.check_interleaving(stages, microbatches, repeats)
         self.policy = None if remat == "none" else remat_lib.policy(remat)  # per layer, in the recompute
-        self.P, self.M, self.mesh, self.args = stages, microbatches, mesh, args
+        self.P, self.M, self.R, self.mesh, self.args = stages, microbatches, repeats, mesh, args
         self.batch, self.Z = batch or None, math.prod(mesh.shape[axis] for axis in batch)
-        self.W, self.fill = schedule.stash_size(stages), jnp.nan if poison_bubbles else 0.0
+        self.W, self.fill = schedule.stash_size(stages, repeats), jnp.nan if poison_bubbles else 0.0
         self.first, self.last, self.lane_compute = first, last, stages_lib.lane_context(self.batch)
         # The stage weights [L, ...] → [P, J, ...] with P on `stage`, and the other weights (embedding,
         # head) in their compute layout: gathered over fsdp here, ONCE per step.
-        self.weights_PJ, self.consts_PJ = (jax.tree.map(self._stage_view, tree, is_leaf=_is_variable)
+        self.weights_PRJ, self.consts_PRJ = (jax.tree.map(self._stage_view, tree, is_leaf=_is_variable)
                                            for tree in (weights, consts))
         self.other = jax.tree.map(self._compute_view, other, is_leaf=_is_variable)
         self.inputs_MZbT, self.targets_MZbT = self._microbatched(inputs_BT), jax.tree.map(self._microbatched, targets)
         self.rows_MZb = jax.tree.map(self._microbatched, stages_lib.row_args(args, inputs_BT.shape[0]))
 
     def _stage_view(self, variable: nnx.Variable) -> nnx.Variable:
+        """[L, ...] at rest → [P, R, J, ...]: stage q's chunk c, the layers of virtual stage c·P + q. At rest
+        each of the p stage groups holds its R chunks in turn (`meshpar.pipeline.order`), each the layers
+        of its P/p stages: a local transpose."""
         rest = stages_lib.weight_spec(variable, self.mesh, stacked=True)
         value = constrain(variable[...], self.mesh, "stage", *rest)
-        value = value.reshape(self.P, self.L // self.P, *variable.shape[1:])
-        return variable.replace(constrain(value, self.mesh, "stage", None, *rest))
+        p = self.mesh.shape["stage"]
+        value = value.reshape(p, self.R, self.P // p, self.L // (self.P * self.R), *variable.shape[1:])
+        value = value.swapaxes(1, 2).reshape(self.P, self.R, self.L // (self.P * self.R), *variable.shape[1:])
+        return variable.replace(constrain(value, self.mesh, "stage", None, None, *rest))
+
+    def _at_rest(self, g_PRJ: jax.Array) -> jax.Array:
+        """The inverse of `_stage_view`: [P, R, J, ...] → [L, ...] in the order at rest."""
+        p, J = self.mesh.shape["stage"], self.L // (self.P * self.R)
+        g = g_PRJ.reshape(p, self.P // p, self.R, J, *g_PRJ.shape[3:]).swapaxes(1, 2)
+        return g.reshape(self.L, *g_PRJ.shape[3:])
 
     def _compute_view(self, variable: nnx.Variable) -> nnx.Variable:
         if context.active() is None or variable.get_metadata().get("out_sharding") is None:
@@ -204,8 +232,9 @@ class _Schedule:
     def _activations(self, x: jax.Array) -> jax.Array:
         return constrain(x, self.mesh, "stage", self.batch, None, U, U)
 
-    def _stage(self, w_J: nnx.State, c_J: nnx.State, x_bTD: jax.Array, rows: tuple) -> jax.Array:
-        """A stage's J layers on one batch shard's rows of a microbatch."""
+    def _stage(self, w_RJ: nnx.State, c_RJ: nnx.State, chunk: jax.Array, x_bTD: jax.Array, rows: tuple) -> jax.Array:
+        """Chunk `chunk` of a stage's R: its J layers on one batch shard's rows of a microbatch."""
+        w_J, c_J = (jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, chunk, 0, False), tree) for tree in (w_RJ, c_RJ))
         args = stages_lib.lane_args(self.args, rows)
 
         def one_layer(x, layer):
@@ -215,18 +244,18 @@ class _Schedule:
             one_layer = jax.checkpoint(one_layer, policy=self.policy, prevent_cse=False)
         return jax.lax.scan(one_layer, x_bTD, (w_J, c_J))[0]
 
-    def _forward_lane(self, w_J: nnx.State, c_J: nnx.State, lane: _Lane, flags: _Flags) -> tuple[jax.Array, jax.Array]:
-        """One stage on one batch shard: the forward of microbatch m_F, whose input is the embedding on
-        stage 0, else what came from the stage before. Returns (its input, its output)."""
+    def _forward_lane(self, w_RJ: nnx.State, c_RJ: nnx.State, lane: _Lane, flags: _Flags) -> tuple[jax.Array, jax.Array]:
+        """One stage on one batch shard: the forward of microbatch m_F through chunk c_F, whose input is the
+        embedding for the first chunk, else what came from the stage before. Returns (its input, its output)."""
         with self._in_lane():
-            x_bTD = jnp.where(flags.first, self.first(self.other, lane.inputs_F), lane.x)
+            x_bTD = jnp.where(flags.first_F, self.first(self.other, lane.inputs_F), lane.x)
             x_bTD = jnp.where(flags.real_F, x_bTD, self.fill)
-            return x_bTD, self._stage(w_J, c_J, x_bTD, lane.rows_F)
+            return x_bTD, self._stage(w_RJ, c_RJ, flags.chunk_F, x_bTD, lane.rows_F)
 
     def _loss_lane(self, lane: _Lane, flags: _Flags) -> tuple[jax.Array, nnx.State, jax.Array, jax.Array]:
         """The last stage's loss of the microbatch it just forwarded: (loss, its gradient of `other`, the
         cotangent and input its backward takes there), zeros and `lane`'s own elsewhere."""
-        at_loss = flags.last & flags.real_F
+        at_loss = flags.last_F & flags.real_F
         y_bTD = _after(lane.y, lane.shifted)  # the loss's collectives after the shift's
         loss, loss_vjp = jax.vjp(lambda o, y: self.last(o, y, lane.targets), self.other, y_bTD)
         d_loss, g_last = loss_vjp(jnp.ones_like(loss))
@@ -234,30 +263,33 @@ class _Schedule:
         return (jnp.where(at_loss, loss, 0.0), _masked(at_loss, d_loss), jnp.where(at_loss, g_last, lane.g),
                 jnp.where(at_loss, lane.x, x_B))
 
-    def _backward_lane(self, w_J: nnx.State, c_J: nnx.State, lane: _Lane, flags: _Flags, *,
+    def _backward_lane(self, w_RJ: nnx.State, c_RJ: nnx.State, lane: _Lane, flags: _Flags, *,
                        with_loss: bool) -> _Backward:
-        """One stage on one batch shard: the backward of microbatch m_B, recomputing the stage from its
-        stashed input, with the cotangent from the stage after; `with_loss`: the last stage first turns its
-        forward output (of m_F, which is m_B there) into the loss and that cotangent."""
+        """One stage on one batch shard: the backward of microbatch m_B through chunk c_B, recomputing the
+        chunk from its stashed input, with the cotangent from the stage after; `with_loss`: the last chunk of
+        the last stage first turns its forward output (of m_F, which is m_B there) into the loss and that
+        cotangent. The weights' gradient is the stage's [R, J, ...], zeros but for chunk c_B."""
         with self._in_lane():
             loss, d_loss, g_bTD, x_B = jnp.zeros(()), None, lane.g, lane.stashed
             if with_loss:
                 loss, d_loss, g_bTD, x_B = self._loss_lane(lane, flags)
             real = flags.real_B
             g_bTD, x_B = jnp.where(real, g_bTD, self.fill), jnp.where(real, x_B, self.fill)
-            d_w, dx_bTD = jax.vjp(lambda w, x: self._stage(w, c_J, x, lane.rows_B), w_J, x_B)[1](g_bTD)
-            # Stage 0 hands its input's cotangent to the embedding (zeros elsewhere: a scatter of zeros).
+            d_w, dx_bTD = jax.vjp(lambda w, x: self._stage(w, c_RJ, flags.chunk_B, x, lane.rows_B), w_RJ, x_B)[1](g_bTD)
+            # The first chunk hands its input's cotangent to the embedding (zeros elsewhere: a scatter of zeros).
             d_embed = jax.vjp(lambda o: self.first(o, lane.inputs_B), self.other)[1](
-                _masked(flags.first & real, dx_bTD))[0]
+                _masked(flags.first_B & real, dx_bTD))[0]
             d_other = d_embed if d_loss is None else jax.tree.map(jnp.add, d_embed, d_loss)
             return _Backward(loss, dx_bTD, _masked(real, d_w), d_other)
 
     def _over_lanes(self, lane_fn: Callable, lanes_PZ: _Lane, t: jax.Array) -> Any:
-        """`lane_fn(w_J, c_J, lane, flags)` on every stage (a vmap on `stage`) and batch shard (inside, a vmap
+        """`lane_fn(w_RJ, c_RJ, lane, flags)` on every stage (a vmap on `stage`) and batch shard (inside, a vmap
         on the batch axes) in slot t, with each stage's tokens and flags."""
         stage_P = jnp.arange(self.P)
-        m_F, m_B = schedule.microbatches_in(t, self.P)
-        flags = _Flags(stage_P == 0, stage_P == self.P - 1, (m_F >= 0) & (m_F < self.M), (m_B >= 0) & (m_B < self.M))
+        m_F, c_F, m_B, c_B = schedule.microbatches_in(t, self.P, self.R)
+        flags = _Flags(c_F, c_B, (stage_P == 0) & (c_F == 0), (stage_P == 0) & (c_B == 0),
+                       (stage_P == self.P - 1) & (c_F == self.R - 1), (m_F >= 0) & (m_F < self.M),
+                       (m_B >= 0) & (m_B < self.M))
         pick = lambda tree, m: jax.tree.map(
             lambda x_MZbT: jax.lax.dynamic_index_in_dim(x_MZbT, jnp.clip(m, 0, self.M - 1), 0, False), tree)
 
@@ -268,12 +300,13 @@ class _Schedule:
             return jax.vmap(lane_fn, in_axes=(None, None, 0, None), spmd_axis_name=self.batch)(w_J, c_J, lanes_Z,
                                                                                                 flags)
 
-        return jax.vmap(one_stage, spmd_axis_name="stage")(self.weights_PJ, self.consts_PJ, lanes_PZ, m_F, m_B, flags)
+        return jax.vmap(one_stage, spmd_axis_name="stage")(self.weights_PRJ, self.consts_PRJ, lanes_PZ, m_F, m_B, flags)
 
     def _stashed(self, stash_PWZbTD: jax.Array, t: jax.Array) -> jax.Array:
-        """The input each stage backwards in slot t: microbatch m_B entered stage q in slot m_B + q, into
-        ring entry (m_B + q) mod W."""
-        entry_P = (schedule.microbatches_in(t, self.P)[1] + jnp.arange(self.P)) % self.W
+        """The input each stage backwards in slot t: it entered the stage (for chunk c_B) in the slot that
+        forwarded it, into that slot's ring entry, mod W."""
+        _, _, m_B, c_B = schedule.microbatches_in(t, self.P, self.R)
+        entry_P = schedule.forward_slot(m_B, c_B, jnp.arange(self.P), self.P, self.R) % self.W
         read = lambda stash_WZbTD, entry: jax.lax.dynamic_index_in_dim(stash_WZbTD, entry, 0, False)
         return self._activations(jax.vmap(read, spmd_axis_name="stage")(stash_PWZbTD, entry_P))
 
@@ -310,20 +343,20 @@ class _Schedule:
         x_PZbTD, g_PZbTD = self._activations(empty(P, Z)), self._activations(empty(P, Z))
         stash_PWZbTD = constrain(empty(P, self.W, Z), self.mesh, "stage", None, self.batch, None, U, U)
         carry = (x_PZbTD, g_PZbTD, stash_PWZbTD, (jnp.zeros((P, Z), jnp.float32),
-                                                  self._accumulators(jax.tree.map(lambda w: w[0], self.weights_PJ)),
+                                                  self._accumulators(jax.tree.map(lambda w: w[0], self.weights_PRJ)),
                                                   self._accumulators(self.other)))
-        for start, stop, forward, backward in schedule.phases(P, self.M):
+        for start, stop, forward, backward in schedule.phases(P, self.M, self.R):
             body = functools.partial(self._slot, forward=forward, backward=backward)
             carry, _ = jax.lax.scan(body, carry, jnp.arange(start, stop))
         x_PZbTD, g_PZbTD, _, (loss_PZ, d_w, d_other) = carry
         # the per-shard (and, for `other`, per-stage) gradients reduced once, after the slots
-        d_w = jax.tree.map(lambda g: g.sum(1).reshape(self.L, *g.shape[3:]), d_w)
+        d_w = jax.tree.map(lambda g: self._at_rest(g.sum(1)), d_w)
         return loss_PZ.sum(), d_w, jax.tree.map(lambda g: g.sum((0, 1)), d_other), (x_PZbTD, g_PZbTD)
 
 
 def one_f_one_b(stack: nnx.Module, other: nnx.State, first: First, last: Last, inputs_BT: jax.Array,
                 targets: tuple[jax.Array, jax.Array], *args: jax.Array, mesh: Mesh, stages: int, microbatches: int,
-                remat: str, poison_bubbles: bool
+                remat: str, poison_bubbles: bool, repeats: int = 1
                 ) -> tuple[jax.Array, nnx.State, nnx.State, tuple[jax.Array, jax.Array]]:
     """The weighted loss of a batch and its gradients, as a 1F1B pipeline of the stacked layers (docstring).
 
@@ -331,13 +364,14 @@ def one_f_one_b(stack: nnx.Module, other: nnx.State, first: First, last: Last, i
     `layer(x, *args)`, the per-row args as the microbatch's rows) split into P stages, `last(other, y,
     (targets, weights))` (its rows' weighted loss sum: the weights of the whole batch sum to 1 for a mean)
     on the last stage. `stages` P (a multiple of the mesh's stage size), `microbatches` M (B/M rows each,
-    divisible by the batch mesh axes), `remat` the per-layer policy of the backward's recompute,
+    divisible by the batch mesh axes), `repeats` R chunks per stage (interleaved 1F1B; the stack in the
+    order at rest of `meshpar.pipeline.order`), `remat` the per-layer policy of the backward's recompute,
     `poison_bubbles` NaN in bubble slots. Returns the loss, the gradients of the stack's parameters and of
     `other`, and the in-flight buffers after the last slot (a test's view of the bubbles): the
     activations that went to each stage [P, Z, b, T, D] and the cotangents that came back to it.
     """
     return _Schedule(stack, other, first, last, inputs_BT, targets, args, mesh=mesh, stages=stages,
-                     microbatches=microbatches, remat=remat, poison_bubbles=poison_bubbles).run()
+                     microbatches=microbatches, repeats=repeats, remat=remat, poison_bubbles=poison_bubbles).run()
 
 
 def _in_stack(path: tuple, variable: Any) -> bool:
@@ -345,11 +379,12 @@ def _in_stack(path: tuple, variable: Any) -> bool:
 
 
 def model_loss_and_grads(model: nnx.Module, batch: Batch | jax.Array, *, mesh: Mesh, stages: int,
-                         microbatches: int, remat: str = "none", chunk: int = 0, poison_bubbles: bool = False
-                         ) -> tuple[jax.Array, nnx.State, tuple[jax.Array, jax.Array]]:
+                         microbatches: int, repeats: int = 1, remat: str = "none", chunk: int = 0,
+                         poison_bubbles: bool = False) -> tuple[jax.Array, nnx.State, tuple[jax.Array, jax.Array]]:
     """(next-token loss, gradients of every `nnx.Param`, `one_f_one_b`'s in-flight buffers) of `model` (in
     parts: module docstring) on a batch (or tokens [B, T + 1]): the loss and gradients `jax.value_and_grad`
-    of `meshpar.loss.next_token_loss` gives, by 1F1B."""
+    of `meshpar.loss.next_token_loss` gives, by 1F1B (interleaved with `repeats` > 1: the stack, and its
+    gradient, in the order at rest)."""
     missing = [part for part in PARTS if not hasattr(model, part)]
     if missing:
         raise InputError(f"parallel.pipeline_schedule = 1f1b runs the model in parts ({', '.join(PARTS)}: "
@@ -366,7 +401,7 @@ def model_loss_and_grads(model: nnx.Module, batch: Batch | jax.Array, *, mesh: M
     documents = () if x.segments is None else (x.segments,)
     loss, d_stack, d_other, in_flight = one_f_one_b(model.blocks, other, embed, last, x.inputs, (x.targets, x.weights),
                                                     x.positions, *documents, mesh=mesh, stages=stages,
-                                                    microbatches=microbatches, remat=remat,
+                                                    microbatches=microbatches, repeats=repeats, remat=remat,
                                                     poison_bubbles=poison_bubbles)
     return loss, nnx.merge_state(nnx.State({"blocks": d_stack}), d_other), in_flight
 
@@ -375,7 +410,8 @@ def value_and_grad(graphdef: nnx.GraphDef, rest: nnx.State, loss: Any = None,
                    chunk: int = 0) -> Callable[[nnx.State, jax.Array], tuple[tuple[jax.Array, None], nnx.State]]:
     """The training step's `(params, tokens) → ((loss, None), gradients)` for the model `graphdef`, `rest` by 1F1B
     (None: no router statistics, as `jax.value_and_grad(..., has_aux=True)` of the step's loss gives them),
-    on the active Compute: P = its mesh's `stage` size, M = `schedule.microbatches`, its remat.
+    on the active Compute: P = its mesh's `stage` size, M = `schedule.microbatches`, R its pipeline repeats,
+    its remat.
     `loss` must be None (next-token cross-entropy): a custom loss cannot run inside the pipeline."""
     if loss is not None:
         raise InputError("parallel.pipeline_schedule = 1f1b computes the next-token loss inside the pipeline, "
@@ -386,7 +422,8 @@ def value_and_grad(graphdef: nnx.GraphDef, rest: nnx.State, loss: Any = None,
         P = compute.mesh.shape["stage"]
         loss, grads = model_loss_and_grads(nnx.merge(graphdef, params, rest), batch, mesh=compute.mesh, stages=P,
                                            microbatches=schedule.microbatches(compute.rules.parallel.microbatches, P),
-                                           remat=compute.remat, chunk=chunk)[:2]
+                                           repeats=compute.rules.parallel.pipeline_repeats, remat=compute.remat,
+                                           chunk=chunk)[:2]
         return (loss, None), grads
 
     return fn

@@ -1,7 +1,8 @@
 """The pipeline schedules' arithmetic, in one place: how many steps they take, how much of it idles, and
 what 1F1B keeps. The schedules (`gpipe`, `one_f_one_b`) and the planner (`meshpar.plan`) both read it.
 
-Letters: P stages, M microbatches, R repeats (the circular schedule's rounds of the stages).
+Letters: P stages, M microbatches, R repeats (the circular schedule's rounds of the stages; interleaved
+1F1B's chunks per stage).
 """
 
 from __future__ import annotations
@@ -40,26 +41,57 @@ def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
     return 1.0 - repeats * microbatches / iterations(stages, microbatches, repeats)
 
 
-def slots(stages: int, microbatches: int) -> int:
-    """1F1B's slots, M + 2(P − 1): P − 1 forward-only, M forward-and-backward, P − 1 backward-only."""
-    return microbatches + 2 * (stages - 1)
+def slots(stages: int, microbatches: int, repeats: int = 1) -> int:
+    """1F1B's slots: R·M + P − 1 that forward (the last stage's last chunk takes microbatch M − 1 in slot
+    R·M + P − 2), then R·P − 1 more that only backward; M + 2(P − 1) without interleaving (R = 1)."""
+    return repeats * microbatches + stages - 1 + repeats * stages - 1
 
 
-def phases(stages: int, microbatches: int) -> tuple[tuple[int, int, bool, bool], ...]:
-    """1F1B's slots in three runs of one kind: (first slot, end, forwards, backwards) each."""
-    P, M = stages, microbatches
-    return (0, P - 1, True, False), (P - 1, M + P - 1, True, True), (M + P - 1, slots(P, M), False, True)
+def phases(stages: int, microbatches: int, repeats: int = 1) -> tuple[tuple[int, int, bool, bool], ...]:
+    """1F1B's slots in three runs of one kind: (first slot, end, forwards, backwards) each. The first
+    backward runs in slot R·P − 1, when the first microbatch has come out of the last chunk of the last stage."""
+    first_backward, forwards_end = repeats * stages - 1, repeats * microbatches + stages - 1
+    return ((0, first_backward, True, False), (first_backward, forwards_end, True, True),
+            (forwards_end, slots(stages, microbatches, repeats), False, True))
 
 
-def microbatches_in(slot: Any, stages: int) -> tuple[Any, Any]:
-    """The microbatches every stage p = 0 … P−1 forwards and backwards in 1F1B's `slot`: (slot − p,
-    slot − 2(P − 1) + p), real where in [0, M). An int slot gives numpy arrays, a traced one jax arrays."""
+def _nth(u: Any, stages: int, repeats: int) -> tuple[Any, Any]:
+    """The u-th (microbatch, chunk) a stage forwards: microbatches go in groups of P, each group through
+    chunk 0 of every stage, then chunk 1, … (Megatron's interleaved order; with R = 1 simply microbatch u).
+    Negative for u < 0."""
+    group, within = u // (repeats * stages), u % (repeats * stages)
+    return group * stages + within % stages, within // stages
+
+
+def microbatches_in(slot: Any, stages: int, repeats: int = 1) -> tuple[Any, Any, Any, Any]:
+    """(m_F, c_F, m_B, c_B): the microbatch and chunk every stage q = 0 … P−1 forwards and backwards in 1F1B's
+    `slot`, real where the microbatch is in [0, M). Stage q forwards its u-th (microbatch, chunk) in slot
+    u + q, so an activation moves one stage on per slot (from stage P − 1 to stage 0 for the next chunk);
+    backwards mirror it, R·P − 1 slots later at the last stage, so the last chunk of the last stage
+    backwards a microbatch in the slot that forwards it (its loss). Without interleaving (R = 1): slot − q
+    and slot − 2(P − 1) + q, chunk 0. An int slot gives numpy arrays, a traced one jax arrays."""
     xp = jnp if isinstance(slot, jax.Array) else np
     stage_P = xp.arange(stages)
-    return slot - stage_P, slot - 2 * (stages - 1) + stage_P
+    m_F, c_F = _nth(slot - stage_P, stages, repeats)
+    m_B, c_reversed = _nth(slot - (repeats * stages - 1) - (stages - 1 - stage_P), stages, repeats)
+    return m_F, c_F, m_B, repeats - 1 - c_reversed
 
 
-def stash_size(stages: int) -> int:
-    """Microbatch inputs a 1F1B stage may hold between slots: 2(P − 1) (stage 0; stage p needs 2(P − 1 − p)).
-    A lockstep slot moves an activation one stage on, so a round trip from stage 0 takes 2(P − 1) slots."""
-    return max(2 * (stages - 1), 1)
+def forward_slot(microbatch: Any, chunk: Any, stage: Any, stages: int, repeats: int = 1) -> Any:
+    """The slot in which `stage` forwards `microbatch` through `chunk` (the inverse of `microbatches_in`)."""
+    group, m = microbatch // stages, microbatch % stages
+    return stage + group * repeats * stages + chunk * stages + m
+
+
+def check_interleaving(stages: int, microbatches: int, repeats: int) -> None:
+    """Interleaved 1F1B (R > 1) takes the microbatches in groups of P (`microbatches_in`): refuse another M."""
+    if repeats > 1 and microbatches % stages:
+        raise InputError(f"interleaved 1F1B (parallel.pipeline_repeats = {repeats}) runs the microbatches in groups "
+                         f"of P = {stages} stages: parallel.microbatches = {microbatches} must be a multiple of {stages}")
+
+
+def stash_size(stages: int, repeats: int = 1) -> int:
+    """Microbatch inputs a 1F1B stage may hold between slots: 2(R·P − 1) (stage 0's first chunk; 2(P − 1)
+    without interleaving). A lockstep slot moves an activation one stage on, so a round trip from stage 0
+    through R·P chunks and back takes 2(R·P − 1) slots."""
+    return max(2 * (repeats * stages - 1), 1)

@@ -150,7 +150,7 @@ def check(shape: Shape, lay: Layout, run: Run) -> list[str]:
     ask(check_accumulation, B, lay.batch_ways, A, table["batch"])
     if lay.mesh.stage > 1:
         ask(stages.check, shape.layers, B // A, sizes, stages=lay.mesh.stage, microbatches=lay.M, repeats=lay.R)
-        ask(check_schedule, par.pipeline_schedule, bool(shape.experts))
+        ask(check_schedule, dataclasses.replace(par, microbatches=lay.M), lay.mesh.stage, bool(shape.experts))
     if lay.mesh.sequence > 1:
         ways = lambda name: math.prod(sizes[axis] for axis in table[name])
         ask(context_parallel.check, par.context_attention, T, (shape.heads, shape.kv_heads), lay.mesh.sequence,

@@ -204,14 +204,14 @@ def update_bytes(shape: Shape, lay: Layout, run: Run) -> float:
 
 def activations_1f1b(shape: Shape, lay: Layout, run: Run, *, cpu: bool = False) -> float:
     """What the 1F1B schedule (meshpar.pipeline.one_f_one_b) keeps per device beyond one layer's working set,
-    whatever M: its stash of 2(P − 1) stage inputs and the two microbatches in flight (activations and
-    cotangents), and one stage's layers, as the remat policy saves them, while its backward recomputes them.
-    On a GPU, XLA's while-loop double buffering (meshpar.gpu_flags) unrolls the slot loop by two, so a second
-    slot's recomputed stage and its working set are live beside the first (not on XLA:CPU, which has no such
-    pass)."""
+    whatever M: its stash of 2(R·P − 1) chunk inputs and the two microbatches in flight (activations and
+    cotangents), and one chunk's layers (a stage's, R = 1), as the remat policy saves them, while its
+    backward recomputes them. On a GPU, XLA's while-loop double buffering (meshpar.gpu_flags) unrolls the
+    slot loop by two, so a second slot's recomputed chunk and its working set are live beside the first (not
+    on XLA:CPU, which has no such pass)."""
     b, t, *_ = local_dims(shape, lay, run)
-    stage_inputs = schedule.stash_size(lay.mesh.stage) + 2
-    stage = shape.layers / lay.mesh.stage * layer_bytes_per_token(shape, lay, run)
+    stage_inputs = schedule.stash_size(lay.mesh.stage, lay.R) + 2
+    stage = shape.layers / (lay.mesh.stage * lay.R) * layer_bytes_per_token(shape, lay, run)
     second_slot = 0.0 if cpu else stage + layer_bytes_per_token(shape, lay, run, saved=False)
     return (stage_inputs * run.e * shape.d_model + stage + second_slot) * b * t
 

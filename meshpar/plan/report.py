@@ -57,7 +57,7 @@ def table(estimates: list[Estimate]) -> str:
         ("zero", False, lambda i, e: str(e.layout.parallel.zero_stage)),
         ("sp", False, lambda i, e: "yes" if e.layout.parallel.sequence_parallel and e.layout.mesh.model > 1 else "-"),
         ("attention", True, lambda i, e: _attention(e.layout)),
-        ("M/R", False, lambda i, e: f"{e.layout.M}/{e.layout.R}" if e.layout.mesh.stage > 1 else "-"),
+        ("pipeline", True, lambda i, e: _pipeline(e.layout)),
         ("remat", True, lambda i, e: e.layout.remat),
         *only_host(("offload", True, lambda i, e: e.layout.parallel.offload.replace("none", "-"))),
         ("accum", False, lambda i, e: str(e.layout.grad_accum)),
@@ -169,3 +169,7 @@ def plot_memory(path: str, shape: Shape, run: Run, hw: Hardware, devices: int, d
 def as_json(estimates: list[Estimate]) -> list[dict]:
     return [dict(e.row(), rank=i, describe=mesh_lib.describe(e.layout.mesh)) for i, e in enumerate(estimates, 1)]
 
+
+def _pipeline(lay) -> str:
+    """`gpipe 8/2` (schedule, M/R): the pipeline column; `-` without one."""
+    return f"{lay.parallel.pipeline_schedule} {lay.M}/{lay.R}" if lay.mesh.stage > 1 else "-"

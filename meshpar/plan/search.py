@@ -13,9 +13,9 @@ Search space, and what is left out because it never wins in this model: `model` 
 size divides the devices per host: tensor parallelism across the network is never faster); `sequence` ≤ 64
 and may cross hosts, priced at the network's bandwidth; ZeRO 2 and 3 over `fsdp` (ZeRO 0 is the `data`
 axis; ZeRO 1 holds more than 2 and sends more: meshpar all-reduces its whole gradient, then all-gathers
-the parameters); the zigzag order for context attention (balanced causal work); the GPipe/circular
-schedule with microbatches M ∈ {P, 2P, 4P, 8P} (the two largest the batch allows) and repeats R ∈ {1, 2,
-4}; a mixture's dispatch dropless (the default; `launch.plan --mesh` prices a capacity); and per layout
+the parameters); the zigzag order for context attention (balanced causal work); the GPipe/circular and
+the 1F1B/interleaved schedules (GPipe only for a mixture of experts) with microbatches M ∈ {P, 2P, 4P, 8P}
+(the two largest the batch allows) and repeats R ∈ {1, 2, 4}; a mixture's dispatch dropless (the default; `launch.plan --mesh` prices a capacity); and per layout
 only the fastest (remat, grad_accum) pair that fits. Layouts that differ only in how the batch ways split
 into data × fsdp are ranked once, by their fastest split. Host offload
 (`parallel.offload`, remat `offload`) only when no layout fits without it: its copies are priced as an
@@ -129,13 +129,16 @@ def _settings(shape: Shape, mesh: MeshConfig, run: Run):
     rows = run.global_batch // (mesh.data * mesh.fsdp * mesh.expert)
     # the two largest microbatch counts (more microbatches: a smaller bubble and smaller passes)
     counts = [M for M in (8 * P, 4 * P, 2 * P, P) if rows % M == 0][:2]
-    pipes = [(0, 1)] if P == 1 else [(M, R) for M in counts for R in (1, 2, 4) if shape.layers % (P * R) == 0]
+    # a mixture of experts pipelines by GPipe only (`train.check_schedule`)
+    kinds = ("gpipe",) if shape.experts else ("gpipe", "1f1b")
+    pipes = [(0, 1, "gpipe")] if P == 1 else [(M, R, kind) for M in counts for R in (1, 2, 4) for kind in kinds
+                                              if shape.layers % (P * R) == 0]
     for zero in zeros:
         for sp in sps:
             for mode in modes:
-                for M, R in pipes:
+                for M, R, kind in pipes:
                     yield ParallelConfig(zero_stage=zero, sequence_parallel=sp, context_attention=mode,
-                                         microbatches=M, pipeline_repeats=R)
+                                         microbatches=M, pipeline_repeats=R, pipeline_schedule=kind)
 
 
 @dataclasses.dataclass
@@ -235,6 +238,15 @@ def _bases(shape: Shape, dph: int, run: Run, hw: Hardware, devices: int, budget:
     return bases
 
 
+def _variant(base: Layout, **settings) -> Layout | None:
+    """`base` with these settings, or None where meshpar refuses the combination (e.g. 1F1B with weights in
+    host memory)."""
+    try:
+        return base.replace(**settings)
+    except InputError:
+        return None
+
+
 def _fastest_variant(shape: Shape, base: Layout, run: Run, hw: Hardware, dph: int, budget: float,
                      host_budget: float, mem_fraction: float, variants: tuple[tuple[str, str], ...]
                      ) -> tuple[Estimate | None, int]:
@@ -244,7 +256,9 @@ def _fastest_variant(shape: Shape, base: Layout, run: Run, hw: Hardware, dph: in
     for accum in _accums(run.global_batch // (base.batch_ways * base.M)):
         for offload, remat in variants:
             evaluated += 1
-            lay = base.replace(offload=offload, remat=remat, grad_accum=accum)
+            lay = _variant(base, offload=offload, remat=remat, grad_accum=accum)
+            if lay is None:
+                continue
             mem = memory(shape, lay, run)
             if mem.total > budget or mem.host > host_budget:
                 continue
@@ -298,8 +312,8 @@ def _nothing_fits(shape: Shape, devices: int, dph: int, run: Run, hw: Hardware, 
             base = Layout(mesh, parallel)
             for accum in _accums(run.global_batch // (base.batch_ways * base.M)):
                 for offload in offloads:
-                    lay = base.replace(offload=offload, remat="full", grad_accum=accum)
-                    if not check(shape, lay, run):
+                    lay = _variant(base, offload=offload, remat="full", grad_accum=accum)
+                    if lay is not None and not check(shape, lay, run):
                         mem = memory(shape, lay, run)
                         need = max(mem.total / budget, mem.host / host_budget if mem.host else 0.0)
                         if smallest is None or need < smallest[0]:

@@ -12,7 +12,7 @@ parameters, k of the E experts). What a device executes: forward 2·Ψ_l + 4·N_
 weights once per row they compute per token: `layout.layer_matmul_params`; local, all-gather and Ulysses
 attention compute the masked half too; zigzag ring only the visible blocks, ≈ half), backward twice that,
 +1 forward of the layers with full remat, +1 attention forward with dots and with ring (its steps are
-rematerialised). Time = FLOPs / (peak · efficiency) + HBM traffic of the non-matmul tensors (3 passes over
+rematerialised), +1 forward with 1F1B (it recomputes each chunk in its backward; the remat applies inside). Time = FLOPs / (peak · efficiency) + HBM traffic of the non-matmul tensors (3 passes over
 the activations, / HBM bandwidth) per microbatch, for every pass of the pipeline schedule, plus the exposed
 communication, plus the optimizer update (memory-bound), plus the host↔device copies of offload.
 
@@ -132,12 +132,14 @@ def compute_seconds(shape: Shape, lay: Layout, run: Run, hw: Hardware) -> tuple[
     ring = lay.mesh.sequence > 1 and lay.parallel.context_attention == "ring"
     recompute = {"none": 0.0, "dots": attn, "offload": attn, "full": proj + attn}[lay.remat]
     recompute += attn if ring and lay.remat != "full" else 0.0  # ring steps are rematerialised anyway
+    one_f_one_b = lay.mesh.stage > 1 and lay.parallel.pipeline_schedule == "1f1b"
+    recompute += proj + attn if one_f_one_b else 0.0  # 1F1B recomputes each chunk's forward in its backward
     flops_layer = (3 * (proj + attn) + recompute) * tokens
     act = layer_traffic_per_token(shape, lay, run)
     if ring and not run.flash_attention:  # every step's [t, t] score block goes through HBM, not just one
         N, n = shape.heads / lay.mesh.model, lay.mesh.sequence
         act += N * (attn / (4 * N * shape.head_dim) - run.seq_len / n) * (4 + run.e)
-    hbm_layer = 3 * act * tokens * (2 if lay.remat == "full" else 1) / hw.hbm_bw
+    hbm_layer = 3 * act * tokens * (2 if lay.remat == "full" or one_f_one_b else 1) / hw.hbm_bw
     layer_steps = layer_applications(shape, lay)
     head = (3 * 2 * shape.d_model * V / peak + 3 * 4 * V / hw.hbm_bw) * tokens * lay.grad_accum * lay.M
     return layer_steps * (flops_layer / peak + hbm_layer) + head, 3 * attn * tokens / peak * layer_steps
