@@ -56,7 +56,9 @@ def test_two_processes_match_one_across_checkpoints(reference, tmp_path):
     from test_checkpoint import spoil
 
     first, _ = train(2, "fsdp=8", 2, tmp_path, "a")
-    assert first == reference[:2]  # the same program on 2 × 4 devices as on 1 × 8: bit for bit
+    # the same program on 2 × 4 devices as on 1 × 8: bit for bit with jax 0.10; 8e-8 apart with 0.12, whose
+    # all-reduce across processes sums in another order
+    np.testing.assert_allclose(first, reference[:2], rtol=1e-6)
     second, _ = train(1, "data=8", 4, tmp_path, "b")
     np.testing.assert_allclose(second, reference[2:4], rtol=1e-6)  # another mesh: float32 rounding
     damaged = spoil(tmp_path / "ckpt" / "4", "altered")
