@@ -122,6 +122,9 @@ FITTED = {
 HELD_OUT = {
     "8b 1F1B × data, dots": ("llama_8b", 8, "stage=4,data=2", "train.global_batch=16", "parallel.microbatches=8",
                              "parallel.pipeline_schedule=1f1b", "train.remat=dots"),
+    "8b interleaved 1F1B (R=2) × data, dots": ("llama_8b", 8, "stage=4,data=2", "train.global_batch=16",
+                                              "parallel.microbatches=8", "parallel.pipeline_schedule=1f1b",
+                                              "parallel.pipeline_repeats=2", "train.remat=dots"),
     "8b Ulysses, sequence=4, T=32k": ("llama_8b", 8, "sequence=4,fsdp=2", "train.global_batch=2", "train.remat=full",
                                       "parallel.context_attention=ulysses", *T32K),
     "1b GPipe, dots": ("llama_1b", 8, "stage=2,data=4", "train.global_batch=32", "parallel.microbatches=4",
