@@ -166,11 +166,13 @@ def one_device(size: Size = PARITY) -> tuple:
 # P = 2 and 4, R = 2 and 3, M = P and 2P, beside data, fsdp and model, two stages per group.
 CASES = [
     ("stage=2,data=2,fsdp=2", 2, 2, "none", 1), ("stage=2,fsdp=2,model=2", 2, 4, "dots", 1),
-    ("stage=2,data=2,model=2", 2, 8, "none", 1), ("stage=4,data=2", 4, 4, "none", 1), ("stage=4,fsdp=2", 4, 8, "full", 1),
+    ("stage=2,data=2,model=2", 2, 8, "none", 1), ("stage=4,data=2", 4, 4, "none", 1),
+    ("stage=4,fsdp=2", 4, 8, "full", 1),
     ("stage=4,model=2", 4, 16, "none", 1), ("stage=8", 8, 8, "none", 1), ("stage=4,data=2", 8, 16, "dots", 1),
     ("stage=2,fsdp=2,model=2", 8, 32, "none", 1), ("stage=4,data=2", 4, 2, "none", 1),
     ("stage=2,data=2,fsdp=2", 2, 2, "none", 2), ("stage=2,fsdp=2,model=2", 2, 4, "dots", 3),
-    ("stage=4,data=2", 4, 4, "none", 2), ("stage=4,model=2", 4, 8, "full", 3), ("stage=2,data=2,fsdp=2", 4, 8, "none", 2),
+    ("stage=4,data=2", 4, 4, "none", 2), ("stage=4,model=2", 4, 8, "full", 3),
+    ("stage=2,data=2,fsdp=2", 4, 8, "none", 2),
 ]
 
 
@@ -219,7 +221,8 @@ STEP_LAYOUTS = [("stage=2,sequence=2,model=2", 1, {}), ("stage=2,sequence=2,mode
 
 
 @pytest.mark.parametrize("spec,R,settings", STEP_LAYOUTS,
-                         ids=[f"{spec}-R{R}{''.join('-' + str(v) for v in more.values())}" for spec, R, more in STEP_LAYOUTS])
+                         ids=[f"{spec}-R{R}" + "".join(f"-{v}" for v in more.values())
+                              for spec, R, more in STEP_LAYOUTS])
 def test_training_step_matches_one_device(deep_reference, spec, R, settings):
     """`parallel.pipeline_schedule=1f1b` through `train.loss_and_grads` with meshpar's transformer: context
     attention (each mode, zigzag), tensor parallelism (heads, MLP, vocabulary over `model`, with SP), or
@@ -373,7 +376,8 @@ def test_refuses_interleaving_other_microbatches_host_weights_and_unknown_schedu
     """Interleaved 1F1B takes M in groups of P: another M is refused up front, in the step's own check."""
     require_devices(8)
     with pytest.raises(InputError, match=r"interleaved 1F1B \(parallel.pipeline_repeats = 2\) runs the microbatches "
-                                         r"in groups of P = 2 stages: parallel.microbatches = 3 must be a multiple of 2"):
+                                         r"in groups of P = 2 stages: parallel.microbatches = 3 must be a "
+                                         r"multiple of 2"):
         planned(PARITY, "stage=2,data=4", ParallelConfig(pipeline_schedule="1f1b", pipeline_repeats=2, microbatches=3))
     with pytest.raises(InputError, match=r"parallel.pipeline_schedule = 'zb' is not one of gpipe, 1f1b"):
         ParallelConfig(pipeline_schedule="zb")

@@ -1,8 +1,8 @@
 """The 1F1B pipeline schedule (PipeDream-Flush, Narayanan et al. 2021), plain or interleaved, as one SPMD
 program.
 
-Letters: P stages, M microbatches, J = L/P layers per stage, Z batch shards (data × fsdp), b rows of a
-microbatch on one shard, W stash entries.
+Letters: P stages, M microbatches, R chunks per stage (interleaved), J = L/(P·R) layers per chunk, Z batch
+shards (data × fsdp), b rows of a microbatch on one shard, W stash entries.
 
 Why. GPipe (`meshpar.pipeline.gpipe`) runs every microbatch forward, then every one backward: each stage
 keeps the input of every schedule iteration until the backward pass, M + P − 1 microbatches of
@@ -189,7 +189,7 @@ class _Schedule:
         self.batch, self.Z = batch or None, math.prod(mesh.shape[axis] for axis in batch)
         self.W, self.fill = schedule.stash_size(stages, repeats), jnp.nan if poison_bubbles else 0.0
         self.first, self.last, self.lane_compute = first, last, stages_lib.lane_context(self.batch)
-        # The stage weights [L, ...] → [P, J, ...] with P on `stage`, and the other weights (embedding,
+        # The stage weights [L, ...] → [P, R, J, ...] with P on `stage`, and the other weights (embedding,
         # head) in their compute layout: gathered over fsdp here, ONCE per step.
         self.weights_PRJ, self.consts_PRJ = (jax.tree.map(self._stage_view, tree, is_leaf=_is_variable)
                                            for tree in (weights, consts))
@@ -234,7 +234,8 @@ class _Schedule:
 
     def _stage(self, w_RJ: nnx.State, c_RJ: nnx.State, chunk: jax.Array, x_bTD: jax.Array, rows: tuple) -> jax.Array:
         """Chunk `chunk` of a stage's R: its J layers on one batch shard's rows of a microbatch."""
-        w_J, c_J = (jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, chunk, 0, False), tree) for tree in (w_RJ, c_RJ))
+        pick = lambda tree: jax.tree.map(lambda x: jax.lax.dynamic_index_in_dim(x, chunk, 0, False), tree)
+        w_J, c_J = pick(w_RJ), pick(c_RJ)
         args = stages_lib.lane_args(self.args, rows)
 
         def one_layer(x, layer):
@@ -244,7 +245,8 @@ class _Schedule:
             one_layer = jax.checkpoint(one_layer, policy=self.policy, prevent_cse=False)
         return jax.lax.scan(one_layer, x_bTD, (w_J, c_J))[0]
 
-    def _forward_lane(self, w_RJ: nnx.State, c_RJ: nnx.State, lane: _Lane, flags: _Flags) -> tuple[jax.Array, jax.Array]:
+    def _forward_lane(self, w_RJ: nnx.State, c_RJ: nnx.State, lane: _Lane,
+                      flags: _Flags) -> tuple[jax.Array, jax.Array]:
         """One stage on one batch shard: the forward of microbatch m_F through chunk c_F, whose input is the
         embedding for the first chunk, else what came from the stage before. Returns (its input, its output)."""
         with self._in_lane():

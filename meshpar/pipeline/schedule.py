@@ -86,8 +86,9 @@ def forward_slot(microbatch: Any, chunk: Any, stage: Any, stages: int, repeats: 
 def check_interleaving(stages: int, microbatches: int, repeats: int) -> None:
     """Interleaved 1F1B (R > 1) takes the microbatches in groups of P (`microbatches_in`): refuse another M."""
     if repeats > 1 and microbatches % stages:
-        raise InputError(f"interleaved 1F1B (parallel.pipeline_repeats = {repeats}) runs the microbatches in groups "
-                         f"of P = {stages} stages: parallel.microbatches = {microbatches} must be a multiple of {stages}")
+        raise InputError(f"interleaved 1F1B (parallel.pipeline_repeats = {repeats}) runs the microbatches in "
+                         f"groups of P = {stages} stages: parallel.microbatches = {microbatches} must be a multiple "
+                         f"of {stages}")
 
 
 def stash_size(stages: int, repeats: int = 1) -> int:

@@ -15,8 +15,8 @@ and may cross hosts, priced at the network's bandwidth; ZeRO 2 and 3 over `fsdp`
 axis; ZeRO 1 holds more than 2 and sends more: meshpar all-reduces its whole gradient, then all-gathers
 the parameters); the zigzag order for context attention (balanced causal work); the GPipe/circular and
 the 1F1B/interleaved schedules (GPipe only for a mixture of experts) with microbatches M ∈ {P, 2P, 4P, 8P}
-(the two largest the batch allows) and repeats R ∈ {1, 2, 4}; a mixture's dispatch dropless (the default; `launch.plan --mesh` prices a capacity); and per layout
-only the fastest (remat, grad_accum) pair that fits. Layouts that differ only in how the batch ways split
+(the two largest the batch allows) and repeats R ∈ {1, 2, 4}; a mixture's dispatch dropless (the default;
+`launch.plan --mesh` prices a capacity); and per layout only the fastest (remat, grad_accum) pair that fits. Layouts that differ only in how the batch ways split
 into data × fsdp are ranked once, by their fastest split. Host offload
 (`parallel.offload`, remat `offload`) only when no layout fits without it: its copies are priced as an
 upper bound (`meshpar.plan.time`), and the host's memory must hold what it moves there.

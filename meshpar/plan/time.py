@@ -12,8 +12,9 @@ parameters, k of the E experts). What a device executes: forward 2·Ψ_l + 4·N_
 weights once per row they compute per token: `layout.layer_matmul_params`; local, all-gather and Ulysses
 attention compute the masked half too; zigzag ring only the visible blocks, ≈ half), backward twice that,
 +1 forward of the layers with full remat, +1 attention forward with dots and with ring (its steps are
-rematerialised), +1 forward with 1F1B (it recomputes each chunk in its backward; the remat applies inside). Time = FLOPs / (peak · efficiency) + HBM traffic of the non-matmul tensors (3 passes over
-the activations, / HBM bandwidth) per microbatch, for every pass of the pipeline schedule, plus the exposed
+rematerialised), +1 forward with 1F1B (it recomputes each chunk in its backward; the remat applies
+inside). Time = FLOPs / (peak · efficiency) + HBM traffic of the non-matmul tensors (3 passes over the
+activations, / HBM bandwidth) per microbatch, for every pass of the pipeline schedule, plus the exposed
 communication, plus the optimizer update (memory-bound), plus the host↔device copies of offload.
 
 Host offload's copies (`comm.host_traffic`) are charged in full at `host_bw`·`net_efficiency`, one
