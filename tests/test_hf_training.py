@@ -29,7 +29,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import require_devices
+from conftest import JAX_RELEASE, require_devices
 from hf_reference import FAMILIES, MOE_FAMILIES, call
 from layouts import CORPUS
 from meshpar import mesh as mesh_lib, rules as rules_lib, sharding, train
@@ -110,7 +110,9 @@ def test_training_matches_transformers_step_for_step(family, spec, parallel):
 
 def test_interleaved_1f1b_trains_as_transformers_step_for_step(tmp_path):
     """Interleaved 1F1B (`stage=2`, R = 2 chunks of one layer each, M = 2) on a 4-layer Llama: 20 steps
-    against transformers + the PyTorch AdamW loop, within TOLERANCE at every step."""
+    against transformers + the PyTorch AdamW loop, within TOLERANCE at every step with jax 0.10. With jax
+    0.12 one device drifts from PyTorch on this model too (7.4e-5 at worst, measured): there the schedule
+    is held to one device's run, 1e-6, and PyTorch to 1e-4."""
     fields = {**FAMILIES["llama"], "num_hidden_layers": 4}
     call("save_random", str(tmp_path), "llama", fields, 0)
     tokens = batches(fields["vocab_size"])
@@ -118,9 +120,16 @@ def test_interleaved_1f1b_trains_as_transformers_step_for_step(tmp_path):
                                                "clip_norm")}
     reference = np.asarray(call("train_losses", str(tmp_path), tokens.tolist(), settings))
     parallel = rules_lib.ParallelConfig(pipeline_schedule="1f1b", pipeline_repeats=2, microbatches=2)
-    relative = np.abs(meshpar_losses(str(tmp_path), tokens, "stage=2", parallel) - reference) / np.abs(reference)
+    losses = meshpar_losses(str(tmp_path), tokens, "stage=2", parallel)
+    relative = np.abs(losses - reference) / np.abs(reference)
     print(f"llama, 4 layers, interleaved 1F1B on stage=2: worst relative loss difference {relative.max():.2e}")
-    assert reference[-1] < reference[0] - 0.5 and relative.max() < TOLERANCE
+    assert reference[-1] < reference[0] - 0.5
+    if JAX_RELEASE == "0.10":
+        assert relative.max() < TOLERANCE
+    else:
+        np.testing.assert_allclose(losses, meshpar_losses(str(tmp_path), tokens, "", rules_lib.ParallelConfig()),
+                                   rtol=1e-6)
+        assert relative.max() < 1e-4
 
 
 def prompt_weights(tokens: np.ndarray) -> np.ndarray:
