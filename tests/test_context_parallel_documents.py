@@ -4,7 +4,8 @@ gradients, float32). Tiles of 4 positions cut each device's 16 (and each zigzag 
 and key tiles, so the kernel's tile patterns, its run-time skip of tiles no document spans, and rows that see
 no key in a block (a document starting at a block's edge, a window ending before it) are all exercised. A row
 that is one long document showed the ring (both orders) running tiles that a device's window cuts as if wholly
-visible: the kernel crossed the key layouts of different devices (now one, `context_parallel._relative`)."""
+visible: the kernel crossed the key layouts of different devices (now each device's (query, key) pair has its
+own tile pattern, `flash.block_pattern`)."""
 
 import functools
 
