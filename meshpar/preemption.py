@@ -32,7 +32,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from meshpar.signals import SIGNALS
 
 
-
 @dataclasses.dataclass(frozen=True)
 class Stopping:
     """When a run stops early: on SIGTERM / SIGINT (`signals`; from the first step on: before it, while the

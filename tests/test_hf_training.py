@@ -52,6 +52,8 @@ STEPS = 20
 TRAIN = train.TrainConfig(steps=STEPS, global_batch=8, seq_len=32, lr=3e-3, warmup_steps=3, weight_decay=0.1,
                           clip_norm=1.0, remat="none")
 TOLERANCE = 1e-5
+# TRAIN's optimizer and schedule, as the PyTorch loop takes them (hf_reference.train_losses)
+SETTINGS = {k: getattr(TRAIN, k) for k in ("lr", "warmup_steps", "steps", "decay_steps", "weight_decay", "clip_norm")}
 
 
 def batches(vocab_size: int, cfg: train.TrainConfig = TRAIN) -> np.ndarray:
@@ -68,9 +70,7 @@ def family(request, tmp_path_factory):
     directory = str(tmp_path_factory.mktemp(model_type))
     call("save_random", directory, model_type, FAMILIES[model_type], 0)
     tokens = batches(FAMILIES[model_type]["vocab_size"])
-    settings = {k: getattr(TRAIN, k) for k in ("lr", "warmup_steps", "steps", "decay_steps", "weight_decay",
-                                               "clip_norm")}
-    return model_type, directory, tokens, np.asarray(call("train_losses", directory, tokens.tolist(), settings))
+    return model_type, directory, tokens, np.asarray(call("train_losses", directory, tokens.tolist(), SETTINGS))
 
 
 def meshpar_losses(directory: str, tokens: np.ndarray, spec: str, parallel: rules_lib.ParallelConfig,
@@ -116,9 +116,7 @@ def test_interleaved_1f1b_trains_as_transformers_step_for_step(tmp_path):
     fields = {**FAMILIES["llama"], "num_hidden_layers": 4}
     call("save_random", str(tmp_path), "llama", fields, 0)
     tokens = batches(fields["vocab_size"])
-    settings = {k: getattr(TRAIN, k) for k in ("lr", "warmup_steps", "steps", "decay_steps", "weight_decay",
-                                               "clip_norm")}
-    reference = np.asarray(call("train_losses", str(tmp_path), tokens.tolist(), settings))
+    reference = np.asarray(call("train_losses", str(tmp_path), tokens.tolist(), SETTINGS))
     parallel = rules_lib.ParallelConfig(pipeline_schedule="1f1b", pipeline_repeats=2, microbatches=2)
     losses = meshpar_losses(str(tmp_path), tokens, "stage=2", parallel)
     relative = np.abs(losses - reference) / np.abs(reference)
@@ -160,15 +158,13 @@ def test_prompt_masked_training_matches_transformers_labels(tmp_path, spec, para
     call("save_random", directory, "llama", FAMILIES["llama"], 0)
     tokens = batches(FAMILIES["llama"]["vocab_size"])
     weights = prompt_weights(tokens)
-    settings = {k: getattr(TRAIN, k) for k in ("lr", "warmup_steps", "steps", "decay_steps", "weight_decay",
-                                               "clip_norm")}
-    reference = np.asarray(call("train_losses", directory, tokens.tolist(), settings, weights[:, :, 1:].tolist()))
+    reference = np.asarray(call("train_losses", directory, tokens.tolist(), SETTINGS, weights[:, :, 1:].tolist()))
     cfg = dataclasses.replace(TRAIN, grad_accum=accumulation)
     losses = meshpar_losses(directory, tokens, spec, parallel, weights, cfg)
     relative = np.abs(losses - reference) / np.abs(reference)
     print(f"llama, prompt-masked, on {spec} (grad_accum={accumulation}): worst relative difference "
           f"{relative.max():.2e} (step {int(np.argmax(relative))})")
-    unmasked = np.asarray(call("train_losses", directory, tokens[:1].tolist(), settings))
+    unmasked = np.asarray(call("train_losses", directory, tokens[:1].tolist(), SETTINGS))
     assert abs(unmasked[0] - reference[0]) > 1e-3  # the masks change the loss: the comparison can fail
     assert relative.max() < TOLERANCE, (losses, reference)
 
@@ -192,8 +188,7 @@ def moe_family(request, tmp_path_factory):
     directory = str(tmp_path_factory.mktemp(model_type))
     call("save_random", directory, model_type, MOE_FAMILIES[model_type], 0)
     tokens = batches(MOE_FAMILIES[model_type]["vocab_size"])
-    settings = {k: getattr(MOE_TRAIN, k) for k in ("lr", "warmup_steps", "steps", "decay_steps", "weight_decay",
-                                                   "clip_norm", "router_aux_loss_coef")}
+    settings = {**SETTINGS, "router_aux_loss_coef": MOE_TRAIN.router_aux_loss_coef}
     without = {**settings, "router_aux_loss_coef": None}
     return (model_type, directory, tokens, np.asarray(call("train_losses", directory, tokens.tolist(), settings)),
             np.asarray(call("train_losses", directory, tokens[:1].tolist(), without)))

@@ -16,8 +16,9 @@ axis; ZeRO 1 holds more than 2 and sends more: meshpar all-reduces its whole gra
 the parameters); the zigzag order for context attention (balanced causal work); the GPipe/circular and
 the 1F1B/interleaved schedules (GPipe only for a mixture of experts) with microbatches M ∈ {P, 2P, 4P, 8P}
 (the two largest the batch allows) and repeats R ∈ {1, 2, 4}; a mixture's dispatch dropless (the default;
-`launch.plan --mesh` prices a capacity); and per layout only the fastest (remat, grad_accum) pair that fits. Layouts that differ only in how the batch ways split
-into data × fsdp are ranked once, by their fastest split. Host offload
+`launch.plan --mesh` prices a capacity); and per layout only the fastest (remat, grad_accum) pair that
+fits. Layouts that differ only in how the batch ways split into data × fsdp are ranked once, by their
+fastest split. Host offload
 (`parallel.offload`, remat `offload`) only when no layout fits without it: its copies are priced as an
 upper bound (`meshpar.plan.time`), and the host's memory must hold what it moves there.
 """
@@ -129,10 +130,9 @@ def _settings(shape: Shape, mesh: MeshConfig, run: Run):
     rows = run.global_batch // (mesh.data * mesh.fsdp * mesh.expert)
     # the two largest microbatch counts (more microbatches: a smaller bubble and smaller passes)
     counts = [M for M in (8 * P, 4 * P, 2 * P, P) if rows % M == 0][:2]
-    # a mixture of experts pipelines by GPipe only (`train.check_schedule`)
-    kinds = ("gpipe",) if shape.experts else ("gpipe", "1f1b")
-    pipes = [(0, 1, "gpipe")] if P == 1 else [(M, R, kind) for M in counts for R in (1, 2, 4) for kind in kinds
-                                              if shape.layers % (P * R) == 0]
+    # (the layout check refuses 1F1B for a mixture of experts: `train.check_schedule`)
+    pipes = [(0, 1, "gpipe")] if P == 1 else [(M, R, kind) for M in counts for R in (1, 2, 4)
+                                              for kind in ("gpipe", "1f1b") if shape.layers % (P * R) == 0]
     for zero in zeros:
         for sp in sps:
             for mode in modes:
