@@ -285,11 +285,12 @@ def next_token_loss(model, batch: Batch | jax.Array, chunk: int = 0, aux_coef: f
 
 
 def next_token_loss_and_routing(model, batch: Batch | jax.Array, chunk: int = 0, aux_coef: float = 0.0,
-                                z_coef: float = 0.0) -> tuple[jax.Array, RouterStats | None]:
+                                z_coef: float = 0.0, pools: int = 1) -> tuple[jax.Array, RouterStats | None]:
     """`next_token_loss`, and, for a mixture of experts (a model with `routed_hidden_states`), its router's
-    losses (`meshpar.moe.routing`), each pooled over the batch's tokens and the MoE layers and added as
-    aux_coef · load balance + z_coef · z-loss (transformers' `router_aux_loss_coef`), with the router
-    statistics summed over the rows (None for any other model).
+    losses (`meshpar.moe.routing`), each pooled over the tokens and the MoE layers of the batch (`pools` = 1)
+    or of each of its `pools` microbatches (rows m, pools + m, …: a pipeline's microbatch m) and averaged,
+    added as aux_coef · load balance + z_coef · z-loss (transformers' `router_aux_loss_coef`), with the
+    router statistics summed per pool (None for any other model).
 
     With the sequence split over `sequence` and `load_balance` on, inputs, targets and positions are
     put in zigzag order once, here: every shard then holds an early and a late chunk of each sequence,
@@ -314,4 +315,6 @@ def next_token_loss_and_routing(model, batch: Batch | jax.Array, chunk: int = 0,
     value = chunked_cross_entropy(hidden_BTD, model.output_head(), x.targets, chunk, x.weights)
     if stats is None:
         return value, None
-    return value + aux_coef * routing.balance_loss(stats) + z_coef * routing.z_loss(stats), stats.total()
+    stats = stats.grouped(pools)
+    balance, z = routing.losses(stats)
+    return value + aux_coef * balance + z_coef * z, stats

@@ -52,6 +52,7 @@ from meshpar.rules import ParallelConfig, Rules
 
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 NONFINITE = ("stop", "skip")
+ROUTER_LOSS_SCOPES = ("auto", "batch", "microbatch")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +78,7 @@ class TrainConfig:
     # A mixture of experts' router losses (meshpar.moe.routing), as transformers' router_aux_loss_coef weighs them
     router_aux_loss_coef: float = 0.001  # × the load-balancing loss (Switch / Mixtral)
     router_z_loss_coef: float = 0.0  # × the router z-loss (ST-MoE)
+    router_loss_scope: str = "auto"  # where they pool: auto, batch, microbatch (`router_pools`)
 
     def __post_init__(self):
         if self.compute_dtype not in COMPUTE_DTYPES:
@@ -103,6 +105,9 @@ class TrainConfig:
         for name in ("router_aux_loss_coef", "router_z_loss_coef"):
             if getattr(self, name) < 0:
                 raise InputError(f"train.{name} = {getattr(self, name)} must be >= 0")
+        if self.router_loss_scope not in ROUTER_LOSS_SCOPES:
+            raise InputError(f"train.router_loss_scope = '{self.router_loss_scope}' is not one of "
+                             f"{', '.join(ROUTER_LOSS_SCOPES)}")
         if self.warmup_steps < 0:
             raise InputError(f"train.warmup_steps = {self.warmup_steps} must be >= 0")
         if self.global_batch % self.grad_accum:
@@ -180,7 +185,7 @@ def sharded_abstract(make_model: ModelFactory, tx: optax.GradientTransformation,
         abstract_ts = nnx.eval_shape(lambda: TrainState(make_model(nnx.Rngs(seed)), tx))
     graphdef, abstract = nnx.split(abstract_ts)
     if mesh.shape["stage"] > 1:
-        check_schedule(rules.parallel, mesh.shape["stage"], sharding.axis_size(abstract, "experts") is not None)
+        check_schedule(rules.parallel, mesh.shape["stage"])
     if mesh.shape["stage"] > 1 and sharding.axis_size(abstract, "layers") is None:
         raise InputError(f"mesh axis stage = {mesh.shape['stage']} pipelines a stack of layers, and this model "
                          f"names no 'layers' axis: build its blocks with meshpar.layers.scan over a stacked "
@@ -188,16 +193,28 @@ def sharded_abstract(make_model: ModelFactory, tx: optax.GradientTransformation,
     return Sharded(graphdef, abstract, sharding.state_shardings(abstract, mesh, rules), mesh, rules)
 
 
-def check_schedule(parallel: ParallelConfig, stages: int, experts: bool) -> None:
-    """Refuse a pipeline schedule that cannot train this model (`experts`: a mixture of experts) or run these
-    microbatches. The training step and the planner both ask this."""
+def check_schedule(parallel: ParallelConfig, stages: int) -> None:
+    """Refuse a pipeline schedule that cannot run these microbatches. The training step and the planner both
+    ask this."""
     if parallel.pipeline_schedule == "1f1b":
         pipeline.schedule.check_interleaving(stages, pipeline.schedule.microbatches(parallel.microbatches, stages),
                                              parallel.pipeline_repeats)
-    if parallel.pipeline_schedule == "1f1b" and experts:
-        raise InputError("parallel.pipeline_schedule = 1f1b cannot train a mixture of experts: its load-balancing "
-                         "loss pools the router statistics of the whole batch, and 1F1B starts a microbatch's "
-                         "backward pass before the last one's forward pass; use pipeline_schedule=gpipe")
+
+
+def router_pools(scope: str, parallel: ParallelConfig, stages: int) -> int:
+    """How many pools a mixture of experts' router losses take in a batch (an accumulation microbatch): 1 for
+    `train.router_loss_scope = batch`, as transformers pools a forward pass; M, the pipeline's microbatches
+    (`schedule.microbatches`, also on a mesh without stages), for `microbatch`, as Megatron pools them
+    (`auto`: microbatch under 1F1B, batch elsewhere). 1F1B cannot pool the batch: it runs a microbatch's
+    backward pass before the last microbatch's forward pass."""
+    one_f_one_b_ = stages > 1 and parallel.pipeline_schedule == "1f1b"
+    if scope == "batch" and one_f_one_b_:
+        raise InputError("train.router_loss_scope = batch pools a mixture of experts' router losses over the "
+                         "whole batch, and parallel.pipeline_schedule = 1f1b runs a microbatch's backward pass "
+                         "before the last one's forward pass: use router_loss_scope=microbatch (or auto)")
+    if scope == "batch" or (scope == "auto" and not one_f_one_b_):
+        return 1
+    return pipeline.schedule.microbatches(parallel.microbatches, stages)
 
 
 def init_state(make_model: ModelFactory, tx: optax.GradientTransformation, sharded: Sharded, seed: int = 0,
@@ -240,14 +257,17 @@ Loss = Callable[[nnx.Module, Batch], jax.Array | tuple[jax.Array, routing.Router
 ValueAndGrad = Callable[[nnx.State, Batch], tuple[tuple[jax.Array, Any], nnx.State]]
 
 
-def default_loss(cfg: TrainConfig, router_losses: bool = True) -> Loss:
+def default_loss(cfg: TrainConfig, router_losses: bool = True, pools: int = 1) -> Loss:
     """Next-token cross-entropy (`meshpar.loss.next_token_loss_and_routing`), chunked by `cfg.loss_chunk`; for a
-    mixture of experts plus its router's losses (`router_losses`), each accumulation microbatch's weighed
-    1 / grad_accum (their mean)."""
-    scale = 1 / cfg.grad_accum if router_losses else 0.0
-    return lambda model, batch: next_token_loss_and_routing(model, batch, cfg.loss_chunk,
-                                                            cfg.router_aux_loss_coef * scale,
-                                                            cfg.router_z_loss_coef * scale)
+    mixture of experts plus its router's losses (`router_losses`) in `pools` pools (`router_pools`), each
+    accumulation microbatch's weighed 1 / grad_accum (their mean)."""
+    aux_coef, z_coef = router_coefficients(cfg) if router_losses else (0.0, 0.0)
+    return lambda model, batch: next_token_loss_and_routing(model, batch, cfg.loss_chunk, aux_coef, z_coef, pools)
+
+
+def router_coefficients(cfg: TrainConfig) -> tuple[float, float]:
+    """What an accumulation microbatch's load-balancing and z losses are multiplied by: their mean's share."""
+    return cfg.router_aux_loss_coef / cfg.grad_accum, cfg.router_z_loss_coef / cfg.grad_accum
 
 
 def check_accumulation(rows: int, shards: int, steps: int, batch: tuple[str, ...]) -> None:
@@ -310,10 +330,12 @@ def _loss_and_grads(sharded: Sharded, cfg: TrainConfig, loss: Loss | None, model
     """(loss, gradients, the batch's sum of target weights, router statistics or None)."""
     batch, count = normalised(as_batch(batch))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    if sharded.mesh.shape["stage"] > 1 and sharded.rules.parallel.pipeline_schedule == "1f1b":  # the loss runs inside
-        value_and_grad = one_f_one_b.value_and_grad(graphdef, rest, loss, cfg.loss_chunk)
+    stages, parallel = sharded.mesh.shape["stage"], sharded.rules.parallel
+    pools = router_pools(cfg.router_loss_scope, parallel, stages) if sharding.axis_size(params, "experts") else 1
+    if stages > 1 and parallel.pipeline_schedule == "1f1b":  # the loss runs inside, pooled per microbatch
+        value_and_grad = one_f_one_b.value_and_grad(graphdef, rest, loss, cfg.loss_chunk, *router_coefficients(cfg))
     else:
-        loss = loss or default_loss(cfg)
+        loss = loss or default_loss(cfg, pools=pools)
         value_and_grad = jax.value_and_grad(lambda p, t: _with_stats(loss(nnx.merge(graphdef, p, rest), t)),
                                             has_aux=True)
     if cfg.grad_accum == 1:

@@ -326,16 +326,21 @@ class Transformer(nnx.Module):
             positions = jnp.arange(tokens_BT.shape[1])
         if segments_BT is not None:  # per row: laid out like the tokens
             positions, segments_BT = (constrain(x_BT, ("batch", "seq")) for x_BT in (positions, segments_BT))
-        x_BTD = self.embed(tokens_BT)
-        if not self.cfg.n_experts:
-            return self.final_norm(layers.scan(self.blocks, x_BTD, positions, segments_BT)), None
-        stats = jax.tree.map(constrain, moe.RouterStats.zeros(tokens_BT.shape[0], self.cfg.n_experts), ROUTER_STATS)
-        x_BTD, stats = layers.scan(self.blocks, (x_BTD, stats), positions, segments_BT)
+        carry = layers.scan(self.blocks, self.stack_input(tokens_BT), positions, segments_BT)
+        x_BTD, stats = carry if self.cfg.n_experts else (carry, None)
         return self.final_norm(x_BTD), stats
 
     def embed(self, tokens_BT: jax.Array) -> jax.Array:
         """The token embeddings `[B, T, D]`: the residual stream entering the first block."""
         return constrain(gathered(self.embed_VD, self.dtype, lookup=True)[tokens_BT], RESIDUAL)
+
+    def stack_input(self, tokens_BT: jax.Array) -> jax.Array | tuple[jax.Array, moe.RouterStats]:
+        """What the first block takes: the embeddings, and for a mixture of experts zero router statistics."""
+        x_BTD = self.embed(tokens_BT)
+        if not self.cfg.n_experts:
+            return x_BTD
+        return x_BTD, jax.tree.map(constrain, moe.RouterStats.zeros(tokens_BT.shape[0], self.cfg.n_experts),
+                                   ROUTER_STATS)
 
     def init_cache(self, batch: int, length: int) -> tuple[jax.Array, jax.Array]:
         """Empty key and value caches [L, B, S, K, H] for `length` positions, in the compute dtype: S = length,

@@ -134,7 +134,8 @@ def train_losses(directory: str, batches: list, settings: dict, masks: list | No
     `torch.optim.AdamW` (betas 0.9, 0.95, eps 1e-8) at `learning_rate(step, settings)`, with weight decay on
     every parameter but those with "norm" or "bias" in their name. `settings`: lr, warmup_steps, steps,
     decay_steps, weight_decay, clip_norm; for a mixture of experts also router_aux_loss_coef, the weight of
-    its load-balancing loss (`output_router_logits`), added as transformers' models add it to their loss."""
+    its load-balancing loss (`output_router_logits`), added as transformers' models add it to their loss, and
+    optionally router_pools (`_loss`)."""
     import torch
 
     model = _load(directory).train()
@@ -148,7 +149,8 @@ def train_losses(directory: str, batches: list, settings: dict, masks: list | No
     for step, batch in enumerate(batches):
         tokens = torch.tensor(batch)
         labels = tokens[:, 1:] if masks is None else torch.where(torch.tensor(masks[step]) > 0, tokens[:, 1:], -100)
-        loss = _loss(model, tokens[:, :-1], labels, settings.get("router_aux_loss_coef"))
+        loss = _loss(model, tokens[:, :-1], labels, settings.get("router_aux_loss_coef"),
+                     settings.get("router_pools", 1))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         with torch.no_grad():
@@ -164,16 +166,25 @@ def train_losses(directory: str, batches: list, settings: dict, masks: list | No
     return losses
 
 
-def _loss(model, inputs, labels, aux_coef: float | None):
+def _loss(model, inputs, labels, aux_coef: float | None, pools: int = 1):
     """The mean cross-entropy of `labels` (-100: left out) given `inputs`, plus `aux_coef` × the load-balancing
-    loss of a mixture of experts (None: no router loss)."""
+    loss of a mixture of experts (None: no router loss): transformers' over the batch, or with `pools` > 1
+    the mean of its function over each pipeline microbatch's rows (m, pools + m, …), as Megatron pools it."""
     import torch
 
     out = model(input_ids=inputs, **({"output_router_logits": True} if aux_coef is not None else {}))
     logits = out.logits.float()
     loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
                                              ignore_index=-100)
-    return loss if aux_coef is None else loss + aux_coef * out.aux_loss
+    if aux_coef is None:
+        return loss
+    if pools == 1:
+        return loss + aux_coef * out.aux_loss
+    balance = sys.modules[type(model).__module__].load_balancing_loss_func
+    rows = [layer.reshape(inputs.shape[0], -1, layer.shape[-1]) for layer in out.router_logits]  # [B, T, E] each
+    pooled = [balance(tuple(layer[m::pools].reshape(-1, layer.shape[-1]) for layer in rows), model.num_experts,
+                      model.num_experts_per_tok) for m in range(pools)]
+    return loss + aux_coef * sum(pooled) / pools
 
 
 def save_gradients(directory: str, tokens: list, aux_coef: float | None, out_dir: str) -> float:

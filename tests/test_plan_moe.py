@@ -115,7 +115,7 @@ def test_what_cannot_run_is_refused():
     problems = check(shape, layout("expert=4,data=2"), RUN)
     assert problems and all("('experts') of size 6" in p and "expert=4" in p for p in problems), problems
     one_f_one_b = layout("stage=2,data=4", pipeline_schedule="1f1b", microbatches=2)
-    assert any("1f1b cannot train a mixture of experts" in p for p in check(shape_of(MOE), one_f_one_b, RUN))
+    assert not check(shape_of(MOE), one_f_one_b, RUN)  # its router losses pooled per microbatch
     assert not check(shape_of(MOE), layout("stage=2,data=4", microbatches=2), RUN)  # GPipe trains it
     assert not check(shape_of(MODEL), one_f_one_b, RUN)
 

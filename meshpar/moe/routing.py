@@ -5,7 +5,7 @@ choose the experts, and their probabilities weigh the experts' outputs: renormal
 (`norm_topk_prob`; Mixtral always, Qwen3-MoE as its config says) or as they are.
 
 Two losses keep routing healthy, each pooled over every token and every MoE layer of a forward pass, as
-transformers' `load_balancing_loss_func` pools them:
+transformers' `load_balancing_loss_func` pools them (or of each pipeline microbatch: `train.router_loss_scope`):
 - load balance (Switch Transformer, Mixtral): E · Σ_e f_e · P_e, with f_e the fraction of the (token,
   choice) assignments that went to expert e (Σ_e f_e = k) and P_e the mean router probability of e; k at a
   perfect balance. Its gradient reaches the router through P (f counts, it has none).
@@ -37,9 +37,10 @@ class RouterStats(NamedTuple):
     def __add__(self, other: RouterStats) -> RouterStats:  # type: ignore[override]
         return RouterStats(*(a + b for a, b in zip(self, other)))
 
-    def total(self) -> RouterStats:
-        """Summed over the rows (one row left): what a step adds up over its microbatches."""
-        return RouterStats(*(x.sum(0, keepdims=True) for x in self))
+    def grouped(self, groups: int) -> RouterStats:
+        """Summed into `groups` pools, pool g of the rows g, groups + g, … (a pipeline's microbatch g): one row
+        each, what `losses` takes and a step adds up over its accumulation microbatches."""
+        return RouterStats(*(x.reshape(x.shape[0] // groups, groups, *x.shape[1:]).sum(0) for x in self))
 
 
 class Routes(NamedTuple):
@@ -67,16 +68,27 @@ def token_layers(stats: RouterStats) -> jax.Array:
     return jax.lax.stop_gradient(stats.probs_BE.sum())
 
 
-def balance_loss(stats: RouterStats) -> jax.Array:
-    """E · Σ_e f_e · P_e over the pooled tokens and layers (module docstring)."""
-    counts_E, probs_E = stats.counts_BE.sum(0), stats.probs_BE.sum(0)
-    n = token_layers(stats)
+def balance_loss(stats: RouterStats, pool: RouterStats | None = None) -> jax.Array:
+    """E · Σ_e f_e · P_e over the pooled tokens and layers (module docstring). With `pool`, the statistics
+    of rows of which `stats` holds a share (a pipeline lane's of its microbatch): that share of the pool's
+    loss, f and the token count from the pool. The loss is linear in P given them, so the shares add up to
+    the pool's loss, and so do their gradients."""
+    pool = stats if pool is None else pool
+    counts_E, probs_E = pool.counts_BE.sum(0), stats.probs_BE.sum(0)
+    n = token_layers(pool)
     return counts_E.shape[0] * jnp.sum((counts_E / n) * (probs_E / n))
 
 
-def z_loss(stats: RouterStats) -> jax.Array:
-    """The mean over the pooled tokens and layers of logsumexp(router logits)²."""
-    return stats.z_B.sum() / token_layers(stats)
+def z_loss(stats: RouterStats, pool: RouterStats | None = None) -> jax.Array:
+    """The mean over the pooled tokens and layers of logsumexp(router logits)²; with `pool`, `stats`'s share."""
+    return stats.z_B.sum() / token_layers(stats if pool is None else pool)
+
+
+def losses(stats: RouterStats) -> tuple[jax.Array, jax.Array]:
+    """(load balance, z-loss): each the mean over the rows of `stats` of that row's pool's loss (the pools of
+    `RouterStats.grouped`)."""
+    per_pool = jax.vmap(lambda pool: (balance_loss(pool), z_loss(pool)))(jax.tree.map(lambda x: x[:, None], stats))
+    return per_pool[0].mean(), per_pool[1].mean()
 
 
 # What a step of a mixture of experts reports beside its loss (`metrics`), in this order.
@@ -84,9 +96,10 @@ ROUTER_METRICS = ("router_aux_loss", "router_z_loss", "expert_share_min", "exper
 
 
 def metrics(stats: RouterStats) -> dict[str, jax.Array]:
-    """What a step reports of its routing: both losses, the smallest and largest expert's share of the
-    assignments (1/E each at a perfect balance), and the fraction of assignments dropped at capacity."""
+    """What a step reports of its routing, from its pools (`grouped`): both losses (`losses`), the smallest and
+    largest expert's share of the assignments (1/E each at a perfect balance), and the fraction of
+    assignments dropped at capacity."""
     counts_E = stats.counts_BE.sum(0)
     share_E = counts_E / counts_E.sum()
-    values = (balance_loss(stats), z_loss(stats), share_E.min(), share_E.max(), stats.dropped_B.sum() / counts_E.sum())
+    values = (*losses(stats), share_E.min(), share_E.max(), stats.dropped_B.sum() / counts_E.sum())
     return dict(zip(ROUTER_METRICS, values))

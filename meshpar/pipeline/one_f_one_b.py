@@ -72,8 +72,13 @@ or with packed documents `layer(x_BTD, positions_BT, segments_BT)`: the rows of 
 tokens), `final_norm(x_BTD) -> hidden_BTD` and `output_head() -> head_DV`, such that `hidden_states(tokens,
 positions)` is `final_norm(layers.scan(blocks, embed(tokens), positions))` and the loss is meshpar's
 chunked cross-entropy of `hidden` and `output_head()`, weighted (`meshpar.batch`): `models/transformer.py`
-offers them. Evaluation (no backward) keeps GPipe's forward (`layers.scan`), which holds no activations for
-a backward pass.
+offers them. Where the layers carry more than the residual stream, the model offers
+`stack_input(tokens_BT)`, their input (embed's output and the rest), used in embed's place: a mixture of
+experts' layers carry `(x_BTD, RouterStats)`, the router statistics of each row. Every buffer, the stash,
+the shift and the cotangents then hold that tuple, and the loss of a microbatch adds its router losses
+pooled over the microbatch's rows (the lanes' statistics summed: `LANES`) and its MoE layers, weighed 1/M
+(`train.router_loss_scope = microbatch`; `meshpar.moe.routing`). Evaluation (no backward) keeps GPipe's
+forward (`layers.scan`), which holds no activations for a backward pass.
 """
 
 from __future__ import annotations
@@ -93,14 +98,31 @@ from meshpar import context, remat as remat_lib
 from meshpar.batch import Batch
 from meshpar.errors import InputError
 from meshpar.loss import chunked_cross_entropy, next_token_inputs
+from meshpar.moe import routing
 from meshpar.pipeline import schedule, stages as stages_lib
 from meshpar.pipeline.stages import U, constrain
 
 PARTS = ("embed", "blocks", "final_norm", "output_head")
 
-First = Callable[[nnx.State, jax.Array], jax.Array]  # (other params, tokens [b, T]) → x [b, T, D]
-# (other params, y [b, T, D], (targets [b, T], their weights [b, T])) → the rows' weighted loss sum
-Last = Callable[[nnx.State, jax.Array, tuple[jax.Array, jax.Array]], jax.Array]
+# (other params, tokens [b, T]) → the stacked layers' input: x [b, T, D], or a tuple with the rows first (a
+# mixture of experts' residual stream and router statistics)
+First = Callable[[nnx.State, jax.Array], Any]
+# (other params, the layers' output, (targets [b, T], their weights [b, T])) → (the rows' weighted loss sum, a
+# report: what the step adds up per microbatch, e.g. router statistics; () for none)
+Last = Callable[[nnx.State, Any, tuple[jax.Array, jax.Array]], tuple[jax.Array, Any]]
+# The vmap over a stage's batch shards: a loss pools a microbatch's rows over it (`jax.lax.psum(x, LANES)`).
+LANES = "lanes"
+
+
+class Result(NamedTuple):
+    """A 1F1B step: the loss, the gradients, per microbatch the sum of `Last`'s reports [M, ...], and the
+    in-flight buffers after the last slot (a test's view of the bubbles): the activations that went to each
+    stage [P, Z, b, T, D] and the cotangents that came back to it."""
+
+    loss: jax.Array
+    grads: nnx.State
+    reports: Any
+    in_flight: tuple[Any, Any]
 
 
 class _Flags(NamedTuple):
@@ -138,10 +160,11 @@ class _Lane(NamedTuple):
 
 
 class _Backward(NamedTuple):
-    """A backward lane's results: its share of the loss, its input's cotangent, its gradients."""
+    """A backward lane's results: its share of the loss and its report, its input's cotangent, its gradients."""
 
     loss: jax.Array
-    dx: jax.Array
+    report: Any
+    dx: Any
     d_w: nnx.State
     d_other: nnx.State
 
@@ -151,7 +174,12 @@ def _masked(keep: jax.Array, tree: Any) -> Any:
     return jax.tree.map(lambda x: jnp.where(keep, x, jnp.zeros_like(x)), tree)
 
 
-def _after(x: jax.Array, *tokens: Any) -> jax.Array:
+def _where(keep: jax.Array, a: Any, b: Any) -> Any:
+    """`a` where `keep`, else `b`, leaf by leaf (b may be a scalar)."""
+    return jax.tree.map(lambda x, y: jnp.where(keep, x, y), a, jax.tree.map(lambda x: b, a) if jnp.isscalar(b) else b)
+
+
+def _after(x: Any, *tokens: Any) -> Any:
     """`x`, once every array in `tokens` is computed: a select on a predicate that is always false (nothing is
     below −inf, NaN included) but that XLA does not fold, so whatever reads `x` runs after the tokens.
 
@@ -163,7 +191,7 @@ def _after(x: jax.Array, *tokens: Any) -> jax.Array:
     """
     leaves = jax.tree.leaves(tokens)
     never = functools.reduce(jnp.logical_or, [leaf.ravel()[0] < -jnp.inf for leaf in leaves])
-    return jnp.where(never, jnp.zeros_like(x), x)
+    return _masked(~never, x)
 
 
 def _is_variable(x: Any) -> bool:
@@ -187,9 +215,11 @@ class _Schedule:
         self.policy = None if remat == "none" else remat_lib.policy(remat)  # per layer, in the recompute
         self.P, self.M, self.R, self.mesh, self.args = stages, microbatches, repeats, mesh, args
         self.J = self.L // (stages * repeats)  # layers per chunk
-        self.batch, self.Z = batch or None, math.prod(mesh.shape[axis] for axis in batch)
+        lanes = stages_lib.lane_axes(batch)  # a lane's rows stay split over `expert`
+        self.lanes, self.inside = lanes or None, tuple(axis for axis in batch if axis not in lanes) or None
+        self.Z = math.prod(mesh.shape[axis] for axis in lanes)
         self.W, self.fill = schedule.stash_size(stages, repeats), jnp.nan if poison_bubbles else 0.0
-        self.first, self.last, self.lane_compute = first, last, stages_lib.lane_context(self.batch)
+        self.first, self.last, self.lane_compute = first, last, stages_lib.lane_context(self.lanes, batch)
         # The stage weights [L, ...] → [P, R, J, ...] with P on `stage`, and the other weights (embedding,
         # head) in their compute layout: gathered over fsdp here, ONCE per step.
         self.weights_PRJ, self.consts_PRJ = (jax.tree.map(self._stage_view, tree, is_leaf=_is_variable)
@@ -225,15 +255,20 @@ class _Schedule:
         """Microbatch m = rows m, M + m, …, its b rows on batch shard z at [m, z]: a local reshape."""
         B, rest = x_BT.shape[0], x_BT.shape[1:]
         x_MZbT = x_BT.reshape(B // self.M, self.M, *rest).swapaxes(0, 1).reshape(self.M, self.Z, -1, *rest)
-        return constrain(x_MZbT, self.mesh, None, self.batch, None, *(U,) * len(rest))
+        return constrain(x_MZbT, self.mesh, None, self.lanes, self.inside, *(U,) * len(rest))
 
     def _in_lane(self):
         return context.use(self.lane_compute) if self.lane_compute is not None else contextlib.nullcontext()
 
-    def _activations(self, x: jax.Array) -> jax.Array:
-        return constrain(x, self.mesh, "stage", self.batch, None, U, U)
+    def _activations(self, x_PZb: Any) -> Any:
+        return jax.tree.map(lambda a: constrain(a, self.mesh, "stage", self.lanes, self.inside, *(U,) * (a.ndim - 3)),
+                            x_PZb)
 
-    def _stage(self, w_RJ: nnx.State, c_RJ: nnx.State, chunk: jax.Array, x_bTD: jax.Array, rows: tuple) -> jax.Array:
+    def _stash_layout(self, stash_PWZb: Any) -> Any:
+        return jax.tree.map(lambda a: constrain(a, self.mesh, "stage", None, self.lanes, self.inside,
+                                                *(U,) * (a.ndim - 4)), stash_PWZb)
+
+    def _stage(self, w_RJ: nnx.State, c_RJ: nnx.State, chunk: jax.Array, x_bTD: Any, rows: tuple) -> Any:
         """Chunk `chunk` of a stage's R: its J layers on one batch shard's rows of a microbatch."""
         # one chunk: a static index, which XLA:GPU does not copy out of the stage weights (a dynamic one costs
         # llama_8b's 1F1B on stage=4,data=2 1.3 GB more per GPU)
@@ -248,25 +283,24 @@ class _Schedule:
             one_layer = jax.checkpoint(one_layer, policy=self.policy, prevent_cse=False)
         return jax.lax.scan(one_layer, x_bTD, (w_J, c_J))[0]
 
-    def _forward_lane(self, w_RJ: nnx.State, c_RJ: nnx.State, lane: _Lane,
-                      flags: _Flags) -> tuple[jax.Array, jax.Array]:
+    def _forward_lane(self, w_RJ: nnx.State, c_RJ: nnx.State, lane: _Lane, flags: _Flags) -> tuple[Any, Any]:
         """One stage on one batch shard: the forward of microbatch m_F through chunk c_F, whose input is the
         embedding for the first chunk, else what came from the stage before. Returns (its input, its output)."""
         with self._in_lane():
-            x_bTD = jnp.where(flags.first_F, self.first(self.other, lane.inputs_F), lane.x)
-            x_bTD = jnp.where(flags.real_F, x_bTD, self.fill)
+            x_bTD = _where(flags.first_F, self.first(self.other, lane.inputs_F), lane.x)
+            x_bTD = _where(flags.real_F, x_bTD, self.fill)
             return x_bTD, self._stage(w_RJ, c_RJ, flags.chunk_F, x_bTD, lane.rows_F)
 
-    def _loss_lane(self, lane: _Lane, flags: _Flags) -> tuple[jax.Array, nnx.State, jax.Array, jax.Array]:
-        """The last stage's loss of the microbatch it just forwarded: (loss, its gradient of `other`, the
-        cotangent and input its backward takes there), zeros and `lane`'s own elsewhere."""
+    def _loss_lane(self, lane: _Lane, flags: _Flags) -> tuple[jax.Array, Any, nnx.State, Any, Any]:
+        """The last stage's loss of the microbatch it just forwarded: (loss, report, its gradient of `other`,
+        the cotangent and input its backward takes there), zeros and `lane`'s own elsewhere."""
         at_loss = flags.last_F & flags.real_F
         y_bTD = _after(lane.y, lane.shifted)  # the loss's collectives after the shift's
-        loss, loss_vjp = jax.vjp(lambda o, y: self.last(o, y, lane.targets), self.other, y_bTD)
+        loss, loss_vjp, report = jax.vjp(lambda o, y: self.last(o, y, lane.targets), self.other, y_bTD, has_aux=True)
         d_loss, g_last = loss_vjp(jnp.ones_like(loss))
         x_B = _after(lane.stashed, g_last, d_loss)  # the stage's collectives after the loss's
-        return (jnp.where(at_loss, loss, 0.0), _masked(at_loss, d_loss), jnp.where(at_loss, g_last, lane.g),
-                jnp.where(at_loss, lane.x, x_B))
+        return (jnp.where(at_loss, loss, 0.0), _masked(at_loss, report), _masked(at_loss, d_loss),
+                _where(at_loss, g_last, lane.g), _where(at_loss, lane.x, x_B))
 
     def _backward_lane(self, w_RJ: nnx.State, c_RJ: nnx.State, lane: _Lane, flags: _Flags, *,
                        with_loss: bool) -> _Backward:
@@ -275,17 +309,17 @@ class _Schedule:
         the last stage first turns its forward output (of m_F, which is m_B there) into the loss and that
         cotangent. The weights' gradient is the stage's [R, J, ...], zeros but for chunk c_B."""
         with self._in_lane():
-            loss, d_loss, g_bTD, x_B = jnp.zeros(()), None, lane.g, lane.stashed
+            loss, report, d_loss, g_bTD, x_B = jnp.zeros(()), self.no_report, None, lane.g, lane.stashed
             if with_loss:
-                loss, d_loss, g_bTD, x_B = self._loss_lane(lane, flags)
+                loss, report, d_loss, g_bTD, x_B = self._loss_lane(lane, flags)
             real = flags.real_B
-            g_bTD, x_B = jnp.where(real, g_bTD, self.fill), jnp.where(real, x_B, self.fill)
+            g_bTD, x_B = _where(real, g_bTD, self.fill), _where(real, x_B, self.fill)
             d_w, dx_bTD = jax.vjp(lambda w, x: self._stage(w, c_RJ, flags.chunk_B, x, lane.rows_B), w_RJ, x_B)[1](g_bTD)
             # The first chunk hands its input's cotangent to the embedding (zeros elsewhere: a scatter of zeros).
             d_embed = jax.vjp(lambda o: self.first(o, lane.inputs_B), self.other)[1](
                 _masked(flags.first_B & real, dx_bTD))[0]
             d_other = d_embed if d_loss is None else jax.tree.map(jnp.add, d_embed, d_loss)
-            return _Backward(loss, dx_bTD, _masked(real, d_w), d_other)
+            return _Backward(loss, report, dx_bTD, _masked(real, d_w), d_other)
 
     def _over_lanes(self, lane_fn: Callable, lanes_PZ: _Lane, t: jax.Array) -> Any:
         """`lane_fn(w_RJ, c_RJ, lane, flags)` on every stage (a vmap on `stage`) and batch shard (inside, a vmap
@@ -302,81 +336,100 @@ class _Schedule:
             lanes_Z = lanes_Z._replace(inputs_F=pick(self.inputs_MZbT, m_F), inputs_B=pick(self.inputs_MZbT, m_B),
                                        rows_F=pick(self.rows_MZb, m_F), rows_B=pick(self.rows_MZb, m_B),
                                        targets=pick(self.targets_MZbT, m_F))
-            return jax.vmap(lane_fn, in_axes=(None, None, 0, None), spmd_axis_name=self.batch)(w_J, c_J, lanes_Z,
-                                                                                                flags)
+            return jax.vmap(lane_fn, in_axes=(None, None, 0, None), axis_name=LANES, spmd_axis_name=self.lanes)(
+                w_J, c_J, lanes_Z, flags)
 
         return jax.vmap(one_stage, spmd_axis_name="stage")(self.weights_PRJ, self.consts_PRJ, lanes_PZ, m_F, m_B, flags)
 
-    def _stashed(self, stash_PWZbTD: jax.Array, t: jax.Array) -> jax.Array:
+    def _stashed(self, stash_PWZbTD: Any, t: jax.Array) -> Any:
         """The input each stage backwards in slot t: it entered the stage (for chunk c_B) in the slot that
         forwarded it, into that slot's ring entry, mod W."""
         _, _, m_B, c_B = schedule.microbatches_in(t, self.P, self.R)
         entry_P = schedule.forward_slot(m_B, c_B, jnp.arange(self.P), self.P, self.R) % self.W
-        read = lambda stash_WZbTD, entry: jax.lax.dynamic_index_in_dim(stash_WZbTD, entry, 0, False)
+        read = lambda stash_WZbTD, entry: jax.tree.map(
+            lambda a: jax.lax.dynamic_index_in_dim(a, entry, 0, False), stash_WZbTD)
         return self._activations(jax.vmap(read, spmd_axis_name="stage")(stash_PWZbTD, entry_P))
 
     def _slot(self, carry, t, *, forward: bool, backward: bool):
         """Slot t: every stage's forward (then the shift on) and backward (then the shift back)."""
-        x_PZbTD, g_PZbTD, stash_PWZbTD, (loss_PZ, d_w, d_other) = carry
+        x_PZbTD, g_PZbTD, stash_PWZbTD, (loss_PZ, reports_PZM, d_w, d_other) = carry
         lanes = _Lane(g=g_PZbTD, stashed=self._stashed(stash_PWZbTD, t))  # read before this slot's write
+        shift = lambda tree: jax.tree.map(functools.partial(stages_lib.shift, mesh=self.mesh), tree)
         if forward:
             x_in, y_PZbTD = self._over_lanes(self._forward_lane, _Lane(x=x_PZbTD), t)
-            x_PZbTD = self._activations(stages_lib.shift(self._activations(y_PZbTD), self.mesh))  # q → q+1
-            stash_PWZbTD = jax.lax.dynamic_update_index_in_dim(stash_PWZbTD, x_in, t % self.W, 1)
-            stash_PWZbTD = constrain(stash_PWZbTD, self.mesh, "stage", None, self.batch, None, U, U)
+            x_PZbTD = self._activations(shift(self._activations(y_PZbTD)))  # q → q+1
+            stash_PWZbTD = self._stash_layout(jax.tree.map(
+                lambda a, x: jax.lax.dynamic_update_index_in_dim(a, x, t % self.W, 1), stash_PWZbTD, x_in))
             lanes = lanes._replace(x=x_in, y=y_PZbTD, shifted=x_PZbTD)
         if backward:
             out = self._over_lanes(functools.partial(self._backward_lane, with_loss=forward), lanes, t)
             dx_PZbTD = self._activations(out.dx)  # q+1 → q: the shift's transpose, one collective-permute
-            shift = functools.partial(stages_lib.shift, mesh=self.mesh)
             g_PZbTD = self._activations(jax.linear_transpose(shift, dx_PZbTD)(dx_PZbTD)[0])
             loss_PZ = loss_PZ + out.loss
+            if forward:  # the report of microbatch m_F, which only the loss's slots have
+                m_F = jnp.clip(schedule.microbatches_in(t, self.P, self.R)[0][-1], 0, self.M - 1)
+                reports_PZM = jax.tree.map(lambda acc, r: acc.at[:, :, m_F].add(r), reports_PZM, out.report)
             d_w = jax.tree.map(jnp.add, d_w, out.d_w)
             d_other = jax.tree.map(jnp.add, d_other, out.d_other)
-        return (x_PZbTD, g_PZbTD, stash_PWZbTD, (loss_PZ, d_w, d_other)), None
+        return (x_PZbTD, g_PZbTD, stash_PWZbTD, (loss_PZ, reports_PZM, d_w, d_other)), None
 
     def _accumulators(self, like: Any) -> Any:  # per stage and batch shard: one copy per device
         return jax.tree.map(lambda x: constrain(jnp.zeros((self.P, self.Z, *x.shape), x.dtype), self.mesh, "stage",
-                                                self.batch, *(U,) * x.ndim), like)
+                                                self.lanes, *(U,) * x.ndim), like)
 
-    def run(self) -> tuple[jax.Array, nnx.State, nnx.State, tuple[jax.Array, jax.Array]]:
-        """The slots, phase by phase: (loss, stack gradients, `other` gradients, in-flight buffers)."""
+    def _report_like(self, x_like: Any) -> Any:
+        """The shape of `last`'s report on one lane (it pools over the lanes: evaluated under their vmap)."""
+        def report(x, targets):
+            with self._in_lane():
+                return self.last(self.other, x, targets)[1]
+
+        zeros_Z = lambda tree: jax.tree.map(lambda a: jnp.zeros((self.Z, *a.shape), a.dtype), tree)
+        targets = jax.tree.map(lambda t: t[0], self.targets_MZbT)
+        return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), jax.eval_shape(
+            jax.vmap(report, axis_name=LANES), zeros_Z(x_like), targets))
+
+    def run(self) -> tuple[jax.Array, nnx.State, nnx.State, Any, tuple[Any, Any]]:
+        """The slots, phase by phase: (loss, stack gradients, `other` gradients, reports, in-flight buffers)."""
         P, Z = self.P, self.Z
         with self._in_lane():
             x_like = jax.eval_shape(self.first, self.other, self.inputs_MZbT[0, 0])
-        empty = lambda *lead: jnp.full((*lead, *x_like.shape), self.fill, x_like.dtype)
+        report_like = self._report_like(x_like)
+        self.no_report = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), report_like)
+        empty = lambda *lead: jax.tree.map(lambda a: jnp.full((*lead, *a.shape), self.fill, a.dtype), x_like)
         x_PZbTD, g_PZbTD = self._activations(empty(P, Z)), self._activations(empty(P, Z))
-        stash_PWZbTD = constrain(empty(P, self.W, Z), self.mesh, "stage", None, self.batch, None, U, U)
-        carry = (x_PZbTD, g_PZbTD, stash_PWZbTD, (jnp.zeros((P, Z), jnp.float32),
+        stash_PWZbTD = self._stash_layout(empty(P, self.W, Z))
+        reports_PZM = jax.tree.map(lambda a: jnp.zeros((P, Z, self.M, *a.shape), a.dtype), report_like)
+        carry = (x_PZbTD, g_PZbTD, stash_PWZbTD, (jnp.zeros((P, Z), jnp.float32), reports_PZM,
                                                   self._accumulators(jax.tree.map(lambda w: w[0], self.weights_PRJ)),
                                                   self._accumulators(self.other)))
         for start, stop, forward, backward in schedule.phases(P, self.M, self.R):
             body = functools.partial(self._slot, forward=forward, backward=backward)
             carry, _ = jax.lax.scan(body, carry, jnp.arange(start, stop))
-        x_PZbTD, g_PZbTD, _, (loss_PZ, d_w, d_other) = carry
+        x_PZbTD, g_PZbTD, _, (loss_PZ, reports_PZM, d_w, d_other) = carry
         # the per-shard (and, for `other`, per-stage) gradients reduced once, after the slots
         d_w = jax.tree.map(lambda g: self._at_rest(g.sum(1)), d_w)
-        return loss_PZ.sum(), d_w, jax.tree.map(lambda g: g.sum((0, 1)), d_other), (x_PZbTD, g_PZbTD)
+        return (loss_PZ.sum(), d_w, jax.tree.map(lambda g: g.sum((0, 1)), d_other),
+                jax.tree.map(lambda r: r.sum((0, 1)), reports_PZM), (x_PZbTD, g_PZbTD))
 
 
 def one_f_one_b(stack: nnx.Module, other: nnx.State, first: First, last: Last, inputs_BT: jax.Array,
                 targets: tuple[jax.Array, jax.Array], *args: jax.Array, mesh: Mesh, stages: int, microbatches: int,
-                remat: str, poison_bubbles: bool, repeats: int = 1
-                ) -> tuple[jax.Array, nnx.State, nnx.State, tuple[jax.Array, jax.Array]]:
+                remat: str, poison_bubbles: bool, repeats: int = 1) -> Result:
     """The weighted loss of a batch and its gradients, as a 1F1B pipeline of the stacked layers (docstring).
 
     Per microbatch: `first(other, inputs)` on stage 0, the L layers of `stack` (each called as
     `layer(x, *args)`, the per-row args as the microbatch's rows) split into P stages, `last(other, y,
-    (targets, weights))` (its rows' weighted loss sum: the weights of the whole batch sum to 1 for a mean)
-    on the last stage. `stages` P (a multiple of the mesh's stage size), `microbatches` M (B/M rows each,
-    divisible by the batch mesh axes), `repeats` R chunks per stage (interleaved 1F1B; the stack in the
-    order at rest of `meshpar.pipeline.order`), `remat` the per-layer policy of the backward's recompute,
-    `poison_bubbles` NaN in bubble slots. Returns the loss, the gradients of the stack's parameters and of
-    `other`, and the in-flight buffers after the last slot (a test's view of the bubbles): the
-    activations that went to each stage [P, Z, b, T, D] and the cotangents that came back to it.
+    (targets, weights))` (its rows' weighted loss sum: the weights of the whole batch sum to 1 for a mean,
+    and a report) on the last stage, run on each batch shard's rows (a vmap named `LANES`). `stages` P (a
+    multiple of the mesh's stage size), `microbatches` M (B/M rows each, divisible by the batch mesh
+    axes), `repeats` R chunks per stage (interleaved 1F1B; the stack in the order at rest of
+    `meshpar.pipeline.order`), `remat` the per-layer policy of the backward's recompute, `poison_bubbles`
+    NaN in bubble slots. The gradients are those of the stack's parameters and of `other`.
     """
-    return _Schedule(stack, other, first, last, inputs_BT, targets, args, mesh=mesh, stages=stages,
-                     microbatches=microbatches, repeats=repeats, remat=remat, poison_bubbles=poison_bubbles).run()
+    loss, d_stack, d_other, reports, in_flight = _Schedule(
+        stack, other, first, last, inputs_BT, targets, args, mesh=mesh, stages=stages, microbatches=microbatches,
+        repeats=repeats, remat=remat, poison_bubbles=poison_bubbles).run()
+    return Result(loss, (d_stack, d_other), reports, in_flight)
 
 
 def _in_stack(path: tuple, variable: Any) -> bool:
@@ -385,11 +438,14 @@ def _in_stack(path: tuple, variable: Any) -> bool:
 
 def model_loss_and_grads(model: nnx.Module, batch: Batch | jax.Array, *, mesh: Mesh, stages: int,
                          microbatches: int, repeats: int = 1, remat: str = "none", chunk: int = 0,
-                         poison_bubbles: bool = False) -> tuple[jax.Array, nnx.State, tuple[jax.Array, jax.Array]]:
-    """(next-token loss, gradients of every `nnx.Param`, `one_f_one_b`'s in-flight buffers) of `model` (in
-    parts: module docstring) on a batch (or tokens [B, T + 1]): the loss and gradients `jax.value_and_grad`
-    of `meshpar.loss.next_token_loss` gives, by 1F1B (interleaved with `repeats` > 1: the stack, and its
-    gradient, in the order at rest)."""
+                         aux_coef: float = 0.0, z_coef: float = 0.0, poison_bubbles: bool = False) -> Result:
+    """The next-token loss of `model` (in parts: module docstring) on a batch (or tokens [B, T + 1]) and the
+    gradients of every `nnx.Param`: what `jax.value_and_grad` of `meshpar.loss.next_token_loss` gives, by
+    1F1B (interleaved with `repeats` > 1: the stack, and its gradient, in the order at rest). A mixture of
+    experts (its layers carry router statistics beside the residual stream) adds its router's losses,
+    aux_coef · load balance + z_coef · z-loss, each pooled per microbatch over its rows and MoE layers and
+    averaged over the microbatches (`meshpar.moe.routing`); its reports are each microbatch's pooled
+    statistics [M, ...] (`RouterStats.grouped`), the others' ()."""
     missing = [part for part in PARTS if not hasattr(model, part)]
     if missing:
         raise InputError(f"parallel.pipeline_schedule = 1f1b runs the model in parts ({', '.join(PARTS)}: "
@@ -398,37 +454,44 @@ def model_loss_and_grads(model: nnx.Module, batch: Batch | jax.Array, *, mesh: M
     parts, stack_params, other, others = nnx.split(model, _in_stack, nnx.Param, ...)
     with_other = lambda o: nnx.merge(parts, stack_params, o, others)
 
-    def last(o: nnx.State, y_bTD: jax.Array, targets: tuple[jax.Array, jax.Array]) -> jax.Array:
+    def last(o: nnx.State, carry: Any, targets: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, Any]:
         piece = with_other(o)
-        return chunked_cross_entropy(piece.final_norm(y_bTD), piece.output_head(), targets[0], chunk, targets[1])
+        y_bTD, stats = carry if isinstance(carry, tuple) else (carry, None)
+        value = chunked_cross_entropy(piece.final_norm(y_bTD), piece.output_head(), targets[0], chunk, targets[1])
+        if stats is None:
+            return value, ()
+        stats = stats.grouped(1)  # this lane's rows; the microbatch's are all its lanes' (no gradient: f, n)
+        pool = jax.tree.map(lambda s: jax.lax.psum(jax.lax.stop_gradient(s), LANES), stats)
+        router = aux_coef * routing.balance_loss(stats, pool) + z_coef * routing.z_loss(stats, pool)
+        return value + router / microbatches, jax.tree.map(lambda s: s[0], stats)
 
-    embed = lambda o, tokens_bT: with_other(o).embed(tokens_bT)
+    first = lambda o, tokens_bT: getattr(with_other(o), "stack_input", with_other(o).embed)(tokens_bT)
     documents = () if x.segments is None else (x.segments,)
-    loss, d_stack, d_other, in_flight = one_f_one_b(model.blocks, other, embed, last, x.inputs, (x.targets, x.weights),
-                                                    x.positions, *documents, mesh=mesh, stages=stages,
-                                                    microbatches=microbatches, repeats=repeats, remat=remat,
-                                                    poison_bubbles=poison_bubbles)
-    return loss, nnx.merge_state(nnx.State({"blocks": d_stack}), d_other), in_flight
+    result = one_f_one_b(model.blocks, other, first, last, x.inputs, (x.targets, x.weights), x.positions, *documents,
+                         mesh=mesh, stages=stages, microbatches=microbatches, repeats=repeats, remat=remat,
+                         poison_bubbles=poison_bubbles)
+    d_stack, d_other = result.grads
+    return result._replace(grads=nnx.merge_state(nnx.State({"blocks": d_stack}), d_other))
 
 
-def value_and_grad(graphdef: nnx.GraphDef, rest: nnx.State, loss: Any = None,
-                   chunk: int = 0) -> Callable[[nnx.State, jax.Array], tuple[tuple[jax.Array, None], nnx.State]]:
-    """The training step's `(params, tokens) → ((loss, None), gradients)` for the model `graphdef`, `rest` by 1F1B
-    (None: no router statistics, as `jax.value_and_grad(..., has_aux=True)` of the step's loss gives them),
-    on the active Compute: P = its mesh's `stage` size, M = `schedule.microbatches`, R its pipeline repeats,
-    its remat.
-    `loss` must be None (next-token cross-entropy): a custom loss cannot run inside the pipeline."""
+def value_and_grad(graphdef: nnx.GraphDef, rest: nnx.State, loss: Any = None, chunk: int = 0, aux_coef: float = 0.0,
+                   z_coef: float = 0.0) -> Callable[[nnx.State, jax.Array], tuple[tuple[jax.Array, Any], nnx.State]]:
+    """The training step's `(params, tokens) → ((loss, router statistics or None), gradients)` for the model
+    `graphdef`, `rest` by 1F1B (as `jax.value_and_grad(..., has_aux=True)` of the step's loss gives them; a
+    mixture of experts' router losses weighed `aux_coef`, `z_coef` and pooled per microbatch), on the
+    active Compute: P = its mesh's `stage` size, M = `schedule.microbatches`, R its pipeline repeats, its
+    remat. `loss` must be None (next-token cross-entropy): a custom loss cannot run inside the pipeline."""
     if loss is not None:
         raise InputError("parallel.pipeline_schedule = 1f1b computes the next-token loss inside the pipeline, "
                          "microbatch by microbatch; a custom loss cannot run there: use pipeline_schedule=gpipe")
 
-    def fn(params: nnx.State, batch: Batch) -> tuple[tuple[jax.Array, None], nnx.State]:
+    def fn(params: nnx.State, batch: Batch) -> tuple[tuple[jax.Array, Any], nnx.State]:
         compute = context.active()
         P = compute.mesh.shape["stage"]
-        loss, grads = model_loss_and_grads(nnx.merge(graphdef, params, rest), batch, mesh=compute.mesh, stages=P,
-                                           microbatches=schedule.microbatches(compute.rules.parallel.microbatches, P),
-                                           repeats=compute.rules.parallel.pipeline_repeats, remat=compute.remat,
-                                           chunk=chunk)[:2]
-        return (loss, None), grads
+        result = model_loss_and_grads(nnx.merge(graphdef, params, rest), batch, mesh=compute.mesh, stages=P,
+                                      microbatches=schedule.microbatches(compute.rules.parallel.microbatches, P),
+                                      repeats=compute.rules.parallel.pipeline_repeats, remat=compute.remat,
+                                      chunk=chunk, aux_coef=aux_coef, z_coef=z_coef)
+        return (result.loss, result.reports or None), result.grads
 
     return fn

@@ -129,7 +129,7 @@ def check(shape: Shape, lay: Layout, run: Run) -> list[str]:
     `meshpar.offload`), every parameter's split under each rules table and the token batch's
     (`sharding.spec_for`: a dimension its mesh axes do not divide), the residual stream's positions
     (Megatron SP splits them over `model` too), gradient accumulation's (`train.check_accumulation`), the
-    pipeline's (`pipeline.stages.check`, and `train.check_schedule` for a mixture of experts) and context
+    pipeline's (`pipeline.stages.check`, `train.check_schedule`) and context
     attention's (`attention.context_parallel.check`). The experts' split over `expert` is a parameter's.
     """
     problems = list(parameter_problems(shape, lay.parallel.zero_stage, lay.mesh.stage, lay.mesh.fsdp, lay.mesh.model,
@@ -150,7 +150,7 @@ def check(shape: Shape, lay: Layout, run: Run) -> list[str]:
     ask(check_accumulation, B, lay.batch_ways, A, table["batch"])
     if lay.mesh.stage > 1:
         ask(stages.check, shape.layers, B // A, sizes, stages=lay.mesh.stage, microbatches=lay.M, repeats=lay.R)
-        ask(check_schedule, dataclasses.replace(par, microbatches=lay.M), lay.mesh.stage, bool(shape.experts))
+        ask(check_schedule, dataclasses.replace(par, microbatches=lay.M), lay.mesh.stage)
     if lay.mesh.sequence > 1:
         ways = lambda name: math.prod(sizes[axis] for axis in table[name])
         ask(context_parallel.check, par.context_attention, T, (shape.heads, shape.kv_heads), lay.mesh.sequence,

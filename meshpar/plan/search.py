@@ -130,7 +130,6 @@ def _settings(shape: Shape, mesh: MeshConfig, run: Run):
     rows = run.global_batch // (mesh.data * mesh.fsdp * mesh.expert)
     # the two largest microbatch counts (more microbatches: a smaller bubble and smaller passes)
     counts = [M for M in (8 * P, 4 * P, 2 * P, P) if rows % M == 0][:2]
-    # (the layout check refuses 1F1B for a mixture of experts: `train.check_schedule`)
     pipes = [(0, 1, "gpipe")] if P == 1 else [(M, R, kind) for M in counts for R in (1, 2, 4)
                                               for kind in ("gpipe", "1f1b") if shape.layers % (P * R) == 0]
     for zero in zeros:

@@ -1,0 +1,112 @@
+"""A mixture of experts under every pipeline schedule, its router losses pooled per microbatch
+(`train.router_loss_scope = microbatch`, what 1F1B takes).
+
+The reference is one device without any pipeline and with the router losses pooled over its whole batch
+(the default scope): run on each microbatch's rows alone (rows m, M + m, …) and averaged over the
+microbatches, it is the loss the pipelines must give, the cross-entropy being a mean over equal rows. Every
+schedule runs on `stage=2,expert=2,data=2`: the experts split over `expert`, a microbatch's rows over
+`data` and `expert`, so a microbatch's pool spans devices."""
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import require_devices
+from layouts import MeshRun, max_relative_error
+from meshpar import context, pipeline, rules as rules_lib, train
+from meshpar.errors import InputError
+from meshpar.moe import routing
+from meshpar.pipeline import one_f_one_b
+from test_moe import MOE, TOLERANCE, TRAIN
+
+MODEL = dataclasses.replace(MOE, n_layers=4)  # P·R = 4 chunks of one layer
+PER_MICROBATCH = dataclasses.replace(TRAIN, router_loss_scope="microbatch")
+MESH = "stage=2,expert=2,data=2"
+
+
+def reference(tokens: np.ndarray, M: int, accumulation: int = 1) -> tuple[float, nnx.State]:
+    """One device's loss and gradients on each pool of rows (accumulation microbatch a: the a-th block of
+    rows; pipeline microbatch m of it: rows m, M + m, …), its router losses pooled over them alone, averaged
+    over the pools."""
+    A, B = accumulation, tokens.shape[0]
+    cfg = dataclasses.replace(TRAIN, global_batch=B // (A * M))
+    single = MeshRun("single", cfg, MODEL)
+    step = train.loss_and_grads(single.sharded, single.tokens_sharding, cfg)
+    blocks = [tokens[a * B // A:(a + 1) * B // A] for a in range(A)]
+    outs = [step(single.state, jax.device_put(block[m::M], single.tokens_sharding)) for block in blocks
+            for m in range(M)]
+    mean = lambda *xs: np.mean([np.asarray(x) for x in xs], axis=0)
+    return float(mean(*(loss for loss, _ in outs))), jax.tree.map(mean, *(grads for _, grads in outs))
+
+
+# (schedule, R, M): GPipe, the circular schedule, 1F1B, interleaved 1F1B with M = P and 2P
+CASES = [("gpipe", 1, 2), ("gpipe", 2, 4), ("1f1b", 1, 2), ("1f1b", 2, 2), ("1f1b", 2, 4)]
+
+
+@pytest.mark.parametrize("kind,R,M", CASES, ids=[f"{kind}-R{R}-M{M}" for kind, R, M in CASES])
+def test_schedules_equal_one_device_pooling_each_microbatch(kind, R, M):
+    """Loss and every gradient within 1e-5 of the reference; 1F1B called with its bubbles fed NaN (none reaches
+    the loss or a gradient); pooling the whole batch instead is measurably another loss."""
+    require_devices(8)
+    layout = MeshRun(MESH, PER_MICROBATCH, MODEL, rules_lib.ParallelConfig(microbatches=M, pipeline_schedule=kind,
+                                                                          pipeline_repeats=R))
+    tokens = np.asarray(layout.batch(0))
+    ref_loss, ref_grads = reference(tokens, M)
+    if kind == "gpipe":
+        loss, grads = layout.loss_and_grads()
+    else:
+        def run(state, tokens_BT):
+            with context.use(train.compute_context(layout.sharded, PER_MICROBATCH)):
+                model = nnx.merge(layout.sharded.graphdef, state).model
+                return one_f_one_b.model_loss_and_grads(
+                    model, tokens_BT, mesh=layout.mesh, stages=2, microbatches=M, repeats=R, remat="none",
+                    aux_coef=TRAIN.router_aux_loss_coef, z_coef=TRAIN.router_z_loss_coef, poison_bubbles=True)[:2]
+
+        loss, grads = jax.jit(run)(layout.state, layout.batch(0))
+        loss, grads = float(loss), jax.device_get(pipeline.to_layers(grads, layout.mesh, R))
+    assert all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(grads))
+    assert abs(loss - ref_loss) / ref_loss < TOLERANCE
+    assert max_relative_error(grads, ref_grads) < TOLERANCE
+    whole_loss, whole_grads = MeshRun("single", TRAIN, MODEL).loss_and_grads()
+    assert max_relative_error(whole_grads, ref_grads) > 100 * TOLERANCE
+
+
+def test_training_step_with_accumulation_reports_the_pools():
+    """Interleaved 1F1B through the training step, `router_loss_scope` left to `auto` (microbatch under 1F1B),
+    two accumulation microbatches around it: the loss and gradients of the reference with its pools (the
+    accumulation microbatch takes the same block of every batch shard's rows: one device gets them in
+    that order), and the step's router metrics are the mean of the pools' losses."""
+    require_devices(8)
+    cfg, M = dataclasses.replace(TRAIN, grad_accum=2), 2
+    layout = MeshRun(MESH, cfg, MODEL, rules_lib.ParallelConfig(microbatches=M, pipeline_schedule="1f1b",
+                                                              pipeline_repeats=2))
+    shards, A, B = 4, cfg.grad_accum, cfg.global_batch  # data × expert
+    b = B // (shards * A)
+    order = [s * (B // shards) + a * b + i for a in range(A) for s in range(shards) for i in range(b)]
+    ref_loss, ref_grads = reference(np.asarray(layout.batch(0))[order], M, A)
+    loss, grads = layout.loss_and_grads()
+    assert abs(loss - ref_loss) / ref_loss < TOLERANCE
+    assert max_relative_error(grads, ref_grads) < TOLERANCE
+    _, metrics = layout.compiled_step[0](jax.tree.map(lambda x: x.copy(), layout.state), layout.batch(0))
+    single = MeshRun("single", TRAIN, MODEL)
+    model = nnx.merge(single.sharded.graphdef, single.state).model
+    ordered = np.asarray(layout.batch(0))[order]
+    # pipeline microbatch m of each accumulation microbatch (rows m, M + m, … of its block), summed over them
+    stats = model.routed_hidden_states(jax.numpy.asarray(ordered[:, :-1]))[1].grouped(M)
+    assert float(metrics["router_aux_loss"]) == pytest.approx(float(routing.losses(stats)[0]), rel=1e-5)
+    assert float(metrics["router_aux_loss"]) != pytest.approx(float(routing.losses(stats.grouped(1))[0]), rel=1e-5)
+
+
+def test_pooling_the_batch_under_1f1b_is_refused():
+    require_devices(8)
+    cfg = dataclasses.replace(TRAIN, router_loss_scope="batch")
+    layout = MeshRun("stage=2,data=4", cfg, MOE, rules_lib.ParallelConfig(pipeline_schedule="1f1b"))
+    with pytest.raises(InputError, match=r"train.router_loss_scope = batch pools .* over the whole batch, and "
+                                         r"parallel.pipeline_schedule = 1f1b runs a microbatch's backward pass "
+                                         r"before the last one's forward pass: use router_loss_scope=microbatch"):
+        layout.loss_and_grads()
+    with pytest.raises(InputError, match="train.router_loss_scope = 'layer' is not one of auto, batch, microbatch"):
+        train.TrainConfig(router_loss_scope="layer")
