@@ -51,7 +51,7 @@ from meshpar.moe.routing import ROUTER_METRICS
 from meshpar.preemption import StopRequests, Stopping
 from meshpar.rules import Rules
 from meshpar.train import (Loss, ModelFactory, Sharded, TrainConfig, init_state, make_eval_step, make_step, optimizer,
-                           schedule, sharded_abstract)
+                           router_pools, schedule, sharded_abstract)
 
 # `train.sample_every`: the first positions of the held-out tokens, continued greedily.
 SAMPLE_PROMPT, SAMPLE_TOKENS = 16, 64
@@ -146,6 +146,10 @@ def run(make_model: ModelFactory, train: TrainConfig, data: DataConfig | np.ndar
     state, start = _start(make_model, tx, sharded, train, batches, ckpt, checkpoints, init_params, say)
 
     batch = next(batches)
+    if sharding.axis_size(sharded.abstract, "experts"):
+        pools = router_pools(train.router_loss_scope, sharded.rules.parallel, mesh.shape["stage"])
+        say(f"router losses (train.router_loss_scope={train.router_loss_scope}): pooled over "
+            + ("each batch" if pools == 1 else f"each of the {pools} pipeline microbatches, averaged"))
     train, step, report = _compile_fitting(sharded, tokens_sharding, train, loss, state, batch, requests, say)
     report = {"mesh": dict(mesh.shape), "devices": mesh.size, "processes": jax.process_count(),
               "params": param_count(sharded.abstract), "remat": train.remat, **report}
