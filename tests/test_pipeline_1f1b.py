@@ -254,6 +254,32 @@ def test_interleaved_packed_documents_match_one_device():
     assert max_relative_error(jax.device_get(grads), jax.device_get(ref_grads)) < 1e-5
 
 
+def test_interleaved_in_bfloat16_holds_bfloat16_and_matches_one_device():
+    """compute_dtype = bfloat16, interleaved (R = 2) on stage=2,data=4: the activations and cotangents the
+    stages pass on (and stash) are bfloat16 in the program JAX hands the compiler (XLA:CPU then widens its
+    collectives to float32; XLA:GPU keeps them), the gradients float32, and the loss and gradients are one
+    device's bfloat16 ones within what bfloat16 rounding in another order gives (measured: loss 6.2e-6,
+    gradients 2.2e-2 relative to the largest, where one device's bfloat16 gradients are 1.3e-2 from its
+    float32 ones and GPipe's 1.8e-2 from one device's)."""
+    require_devices(8)
+    cfg, model = dataclasses.replace(TRAIN, compute_dtype="bfloat16"), dataclasses.replace(MODEL, n_layers=4)
+    layout = MeshRun("stage=2,data=4", cfg, model, ParallelConfig(microbatches=2, pipeline_schedule="1f1b",
+                                                                  pipeline_repeats=2))
+
+    def run(state, tokens_BT):
+        with context.use(train.compute_context(layout.sharded, cfg)):
+            return one_f_one_b.model_loss_and_grads(nnx.merge(layout.sharded.graphdef, state).model, tokens_BT,
+                                                    mesh=layout.mesh, stages=2, microbatches=2, repeats=2)
+
+    shapes = jax.eval_shape(run, layout.state, layout.batch(0))
+    assert {x.dtype for x in jax.tree.leaves(shapes.in_flight)} == {jnp.dtype(jnp.bfloat16)}
+    assert {x.dtype for x in jax.tree.leaves(shapes.grads)} == {jnp.dtype(jnp.float32)}
+    loss, grads = layout.loss_and_grads()
+    ref_loss, ref_grads = MeshRun("single", cfg, model).loss_and_grads()
+    assert abs(loss - ref_loss) / ref_loss < 1e-4
+    assert max_relative_error(grads, ref_grads) < 4e-2
+
+
 def test_interleaved_with_the_optimizer_in_host_memory_trains_as_on_the_devices():
     """Interleaved 1F1B (R = 2) with `parallel.offload=optimizer`: the update streams the stacks in their order
     at rest; three steps' losses as with the moments on the devices."""

@@ -42,16 +42,18 @@ def reference(tokens: np.ndarray, M: int, accumulation: int = 1) -> tuple[float,
     return float(mean(*(loss for loss, _ in outs))), jax.tree.map(mean, *(grads for _, grads in outs))
 
 
-# (schedule, R, M): GPipe, the circular schedule, 1F1B, interleaved 1F1B with M = P and 2P
-CASES = [("gpipe", 1, 2), ("gpipe", 2, 4), ("1f1b", 1, 2), ("1f1b", 2, 2), ("1f1b", 2, 4)]
+# (schedule, R, M, mesh): GPipe, the circular schedule, 1F1B, interleaved 1F1B with M = P and 2P, and with
+# ring attention (zigzag) splitting the positions: a microbatch's pool then spans its positions' devices too
+CASES = [("gpipe", 1, 2, MESH), ("gpipe", 2, 4, MESH), ("1f1b", 1, 2, MESH), ("1f1b", 2, 2, MESH),
+         ("1f1b", 2, 4, MESH), ("1f1b", 2, 2, "stage=2,sequence=2,expert=2")]
 
 
-@pytest.mark.parametrize("kind,R,M", CASES, ids=[f"{kind}-R{R}-M{M}" for kind, R, M in CASES])
-def test_schedules_equal_one_device_pooling_each_microbatch(kind, R, M):
+@pytest.mark.parametrize("kind,R,M,spec", CASES, ids=[f"{kind}-R{R}-M{M}-{spec}" for kind, R, M, spec in CASES])
+def test_schedules_equal_one_device_pooling_each_microbatch(kind, R, M, spec):
     """Loss and every gradient within 1e-5 of the reference; 1F1B called with its bubbles fed NaN (none reaches
     the loss or a gradient); pooling the whole batch instead is measurably another loss."""
     require_devices(8)
-    layout = MeshRun(MESH, PER_MICROBATCH, MODEL, rules_lib.ParallelConfig(microbatches=M, pipeline_schedule=kind,
+    layout = MeshRun(spec, PER_MICROBATCH, MODEL, rules_lib.ParallelConfig(microbatches=M, pipeline_schedule=kind,
                                                                           pipeline_repeats=R))
     tokens = np.asarray(layout.batch(0))
     ref_loss, ref_grads = reference(tokens, M)
