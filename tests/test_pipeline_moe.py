@@ -42,19 +42,23 @@ def reference(tokens: np.ndarray, M: int, accumulation: int = 1) -> tuple[float,
     return float(mean(*(loss for loss, _ in outs))), jax.tree.map(mean, *(grads for _, grads in outs))
 
 
-# (schedule, R, M, mesh): GPipe, the circular schedule, 1F1B, interleaved 1F1B with M = P and 2P, and with
-# ring attention (zigzag) splitting the positions: a microbatch's pool then spans its positions' devices too
-CASES = [("gpipe", 1, 2, MESH), ("gpipe", 2, 4, MESH), ("1f1b", 1, 2, MESH), ("1f1b", 2, 2, MESH),
-         ("1f1b", 2, 4, MESH), ("1f1b", 2, 2, "stage=2,sequence=2,expert=2")]
+# (schedule, R, M, mesh, settings): GPipe, the circular schedule, 1F1B, interleaved 1F1B with M = P and 2P;
+# interleaved with ring attention (zigzag: a microbatch's pool then spans its positions' devices too), with
+# FSDP, and with TP + SP inside each expert
+CASES = [("gpipe", 1, 2, MESH, {}), ("gpipe", 2, 4, MESH, {}), ("1f1b", 1, 2, MESH, {}), ("1f1b", 2, 2, MESH, {}),
+         ("1f1b", 2, 4, MESH, {}), ("1f1b", 2, 2, "stage=2,sequence=2,expert=2", {}),
+         ("1f1b", 2, 2, "stage=2,fsdp=2,expert=2", {}),
+         ("1f1b", 2, 2, "stage=2,expert=2,model=2", {"sequence_parallel": True})]
 
 
-@pytest.mark.parametrize("kind,R,M,spec", CASES, ids=[f"{kind}-R{R}-M{M}-{spec}" for kind, R, M, spec in CASES])
-def test_schedules_equal_one_device_pooling_each_microbatch(kind, R, M, spec):
+@pytest.mark.parametrize("kind,R,M,spec,settings", CASES,
+                         ids=[f"{kind}-R{R}-M{M}-{spec}" + "-sp" * bool(more) for kind, R, M, spec, more in CASES])
+def test_schedules_equal_one_device_pooling_each_microbatch(kind, R, M, spec, settings):
     """Loss and every gradient within 1e-5 of the reference; 1F1B called with its bubbles fed NaN (none reaches
     the loss or a gradient); pooling the whole batch instead is measurably another loss."""
     require_devices(8)
-    layout = MeshRun(spec, PER_MICROBATCH, MODEL, rules_lib.ParallelConfig(microbatches=M, pipeline_schedule=kind,
-                                                                          pipeline_repeats=R))
+    layout = MeshRun(spec, PER_MICROBATCH, MODEL, rules_lib.ParallelConfig(
+        microbatches=M, pipeline_schedule=kind, pipeline_repeats=R, **settings))
     tokens = np.asarray(layout.batch(0))
     ref_loss, ref_grads = reference(tokens, M)
     if kind == "gpipe":
