@@ -3,7 +3,8 @@
     python -m launch.bench                      # every layout, tiny, 8 fake CPU devices
     python -m launch.bench --layouts fsdp8,tp8 --steps 30 --set train.seq_len=256
     python -m launch.bench --config tiny_moe --layouts single,single+capacity,ep8,ep8+capacity
-    python -m launch.bench --layouts pp4-gpipe,pp4-circular,pp4-1f1b,pp4-interleaved --set model.n_layers=8
+    python -m launch.bench --layouts pp4-gpipe,pp4-circular,pp4-1f1b,pp4-interleaved,pp4-zero-bubble,pp4-zero-bubble-r2 \
+        --set model.n_layers=8
 
 Each layout trains the same config for `--steps` steps (the first step is left out of the medians) and
 reports the median step time and tokens/s, the per-device argument bytes (parameters + optimizer
@@ -47,6 +48,9 @@ LAYOUTS = {  # name → (mesh, overrides)
     "pp4-1f1b": ("stage=4,data=2", ["parallel.microbatches=8", "parallel.pipeline_schedule=1f1b"]),
     "pp4-interleaved": ("stage=4,data=2", ["parallel.microbatches=8", "parallel.pipeline_schedule=1f1b",
                                            "parallel.pipeline_repeats=2"]),
+    "pp4-zero-bubble": ("stage=4,data=2", ["parallel.microbatches=8", "parallel.pipeline_schedule=zero_bubble"]),
+    "pp4-zero-bubble-r2": ("stage=4,data=2", ["parallel.microbatches=8", "parallel.pipeline_schedule=zero_bubble",
+                                              "parallel.pipeline_repeats=2"]),
     # a mixture of experts (--config tiny_moe): dropless, and at capacity 1.25
     "single+capacity": ("", ["parallel.expert_capacity=1.25"]),
     "ep8": ("expert=8", []),

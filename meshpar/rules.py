@@ -47,7 +47,9 @@ Table = tuple[tuple[str, tuple[str, ...]], ...]
 # DeepSpeed-MoE and MaxText, so that no device idles outside the experts).
 BATCH_AXES = ("data", "fsdp", "expert")
 CONTEXT_ATTENTION = ("ring", "allgather", "ulysses")  # meshpar.attention.context_parallel
-PIPELINE_SCHEDULES = ("gpipe", "1f1b")  # meshpar.pipeline.gpipe (R > 1: circular), meshpar.pipeline.one_f_one_b
+PIPELINE_SCHEDULES = ("gpipe", "1f1b", "zero_bubble")  # meshpar.pipeline.gpipe (R > 1: circular), .one_f_one_b
+# The schedules of meshpar.pipeline.one_f_one_b's slots, which run the loss inside the pipeline
+SLOT_SCHEDULES = ("1f1b", "zero_bubble")
 OFFLOAD = ("none", "optimizer", "optimizer+params")  # what lives in host memory: meshpar.offload
 
 
@@ -61,7 +63,9 @@ class ParallelConfig:
     load_balance: bool = True  # zigzag the sequence so causal attention work is equal on every shard
     microbatches: int = 0  # pipeline microbatches M; 0: the default, meshpar.pipeline.schedule.microbatches
     pipeline_repeats: int = 1  # R > 1: circular (interleaved) pipeline, bubble (P-1)/(R·M+P-1)
-    pipeline_schedule: str = "gpipe"  # gpipe, or 1f1b: the same bubble, activation memory flat in M (R > 1: interleaved)
+    # gpipe; 1f1b: the same bubble, activation memory flat in M (R > 1: interleaved); zero_bubble: 1f1b with the
+    # weights' gradients deferred into its idle slots
+    pipeline_schedule: str = "gpipe"
     offload: str = "none"  # host memory: none, optimizer (Adam moments), optimizer+params (+ float32 weights)
     # Mixture of experts: 0 is dropless (every routed token computed); c > 0 caps what each expert takes from
     # a device's n tokens at ceil(c · n · k / E) and drops the rest (meshpar.moe.dispatch)
@@ -84,8 +88,9 @@ class ParallelConfig:
             raise InputError(f"parallel.offload = '{self.offload}' is not one of {', '.join(OFFLOAD)}")
         if self.expert_capacity < 0:
             raise InputError(f"parallel.expert_capacity = {self.expert_capacity} must be >= 0 (0: dropless)")
-        if self.pipeline_schedule == "1f1b" and self.offload == "optimizer+params":
-            raise InputError("parallel.pipeline_schedule = 1f1b does not fetch weights from host memory: "
+        if self.pipeline_schedule in SLOT_SCHEDULES and self.offload == "optimizer+params":
+            raise InputError(f"parallel.pipeline_schedule = {self.pipeline_schedule} does not fetch weights from "
+                             "host memory: "
                              "parallel.offload = 'optimizer+params' is not supported with it ('optimizer' is)")
 
 

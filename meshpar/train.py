@@ -48,7 +48,7 @@ from meshpar.errors import InputError
 from meshpar.loss import next_token_loss_and_routing
 from meshpar.moe import routing
 from meshpar.pipeline import one_f_one_b
-from meshpar.rules import ParallelConfig, Rules
+from meshpar.rules import SLOT_SCHEDULES, ParallelConfig, Rules
 
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 NONFINITE = ("stop", "skip")
@@ -185,7 +185,8 @@ def sharded_abstract(make_model: ModelFactory, tx: optax.GradientTransformation,
         abstract_ts = nnx.eval_shape(lambda: TrainState(make_model(nnx.Rngs(seed)), tx))
     graphdef, abstract = nnx.split(abstract_ts)
     if mesh.shape["stage"] > 1:
-        check_schedule(rules.parallel, mesh.shape["stage"])
+        check_schedule(rules.parallel, mesh.shape["stage"], mesh.shape["sequence"],
+                       sharding.axis_size(abstract, "experts") is not None)
     if mesh.shape["stage"] > 1 and sharding.axis_size(abstract, "layers") is None:
         raise InputError(f"mesh axis stage = {mesh.shape['stage']} pipelines a stack of layers, and this model "
                          f"names no 'layers' axis: build its blocks with meshpar.layers.scan over a stacked "
@@ -193,25 +194,32 @@ def sharded_abstract(make_model: ModelFactory, tx: optax.GradientTransformation,
     return Sharded(graphdef, abstract, sharding.state_shardings(abstract, mesh, rules), mesh, rules)
 
 
-def check_schedule(parallel: ParallelConfig, stages: int) -> None:
-    """Refuse a pipeline schedule that cannot run these microbatches. The training step and the planner both
-    ask this."""
-    if parallel.pipeline_schedule == "1f1b":
+def check_schedule(parallel: ParallelConfig, stages: int, sequence: int = 1, experts: bool = False) -> None:
+    """Refuse a pipeline schedule that cannot run these microbatches, or (zero-bubble) this model on this mesh:
+    `sequence` the mesh's sequence axis, `experts` a mixture of experts. The training step and the planner
+    both ask this."""
+    if parallel.pipeline_schedule in SLOT_SCHEDULES:
         pipeline.schedule.check_interleaving(stages, pipeline.schedule.microbatches(parallel.microbatches, stages),
                                              parallel.pipeline_repeats)
+    if parallel.pipeline_schedule == "zero_bubble" and (sequence > 1 or experts):
+        what = f"context parallelism, mesh axis sequence = {sequence}" if sequence > 1 else "a mixture of experts"
+        raise InputError(f"parallel.pipeline_schedule = zero_bubble cannot yet split the backward pass of a layer "
+                         f"that runs a shard_map over the pipeline's stages ({what}): its residuals are laid out "
+                         f"per device before the stages are batched; use pipeline_schedule=1f1b")
 
 
 def router_pools(scope: str, parallel: ParallelConfig, stages: int) -> int:
     """How many pools a mixture of experts' router losses take in a batch (an accumulation microbatch): 1 for
     `train.router_loss_scope = batch`, as transformers pools a forward pass; M, the pipeline's microbatches
     (`schedule.microbatches`, also on a mesh without stages), for `microbatch`, as Megatron pools them
-    (`auto`: microbatch under 1F1B, batch elsewhere). 1F1B cannot pool the batch: it runs a microbatch's
-    backward pass before the last microbatch's forward pass."""
-    one_f_one_b_ = stages > 1 and parallel.pipeline_schedule == "1f1b"
+    (`auto`: microbatch under 1F1B and zero-bubble, batch elsewhere). Those cannot pool the batch: they run a
+    microbatch's backward pass before the last microbatch's forward pass."""
+    one_f_one_b_ = stages > 1 and parallel.pipeline_schedule in SLOT_SCHEDULES
     if scope == "batch" and one_f_one_b_:
-        raise InputError("train.router_loss_scope = batch pools a mixture of experts' router losses over the "
-                         "whole batch, and parallel.pipeline_schedule = 1f1b runs a microbatch's backward pass "
-                         "before the last one's forward pass: use router_loss_scope=microbatch (or auto)")
+        raise InputError(f"train.router_loss_scope = batch pools a mixture of experts' router losses over the "
+                         f"whole batch, and parallel.pipeline_schedule = {parallel.pipeline_schedule} runs a "
+                         f"microbatch's backward pass before the last one's forward pass: use "
+                         f"router_loss_scope=microbatch (or auto)")
     if scope == "batch" or (scope == "auto" and not one_f_one_b_):
         return 1
     return pipeline.schedule.microbatches(parallel.microbatches, stages)
@@ -332,7 +340,7 @@ def _loss_and_grads(sharded: Sharded, cfg: TrainConfig, loss: Loss | None, model
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     stages, parallel = sharded.mesh.shape["stage"], sharded.rules.parallel
     pools = router_pools(cfg.router_loss_scope, parallel, stages) if sharding.axis_size(params, "experts") else 1
-    if stages > 1 and parallel.pipeline_schedule == "1f1b":  # the loss runs inside, pooled per microbatch
+    if stages > 1 and parallel.pipeline_schedule in SLOT_SCHEDULES:  # the loss runs inside, pooled per microbatch
         value_and_grad = one_f_one_b.value_and_grad(graphdef, rest, loss, cfg.loss_chunk, *router_coefficients(cfg))
     else:
         loss = loss or default_loss(cfg, pools=pools)

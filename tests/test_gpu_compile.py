@@ -126,6 +126,7 @@ ROW_CHECKS = {
     "circular pipeline": _kinds("collective-permute"),
     "pipeline (1F1B)": _kinds("collective-permute"),
     "pipeline (interleaved 1F1B)": _kinds("collective-permute"),
+    "pipeline (zero-bubble)": _kinds("collective-permute"),
     "host offload (ZeRO-Offload)": lambda report: report["memory_per_device"]["host_arguments_bytes"] > 0,
     "expert parallel (MoE)": _kinds("all-to-all"),
     "planner's choice": lambda report: report["memory_per_device"]["peak_bytes"] <= report["budget_bytes"],

@@ -2,8 +2,8 @@
 `hf_reference.FAMILIES` (Llama 3.1's RoPE scaling; Mistral's own head dim and sliding window; Qwen 2's q/k/v biases, tied
 embeddings and YaRN; Qwen 3's q/k norms), trained by a plain PyTorch AdamW loop (`hf_reference.train_losses`)
 and by meshpar from the same imported weights (fresh optimizer state) on the same batches, gives the same
-loss at every one of STEPS steps (relative 1e-5) on three meshes that between them run tensor, fully sharded
-data, ring context and 1F1B pipeline parallelism.
+loss at every one of STEPS steps (relative 1e-5) on four meshes that between them run tensor, fully sharded
+data, ring context, 1F1B and zero-bubble pipeline parallelism.
 
 A family is one entry of FAMILIES, a mesh one entry of MESHES. The reference runs once per family; each
 mesh compiles its step once and runs it STEPS times.
@@ -15,8 +15,8 @@ expert=2,fsdp=2,model=2, data=2,expert=4 and GPipe stage=2,expert=2: worst relat
 (mixtral) and 5.2e-3 (qwen3_moe) away, so the comparison sees it.
 
 Measured, worst relative difference over the 20 steps, on fsdp=2,model=2 / sequence=2 (ring) / stage=2
-(1F1B): llama 5.7e-7 / 2.8e-7 / 3.6e-7, mistral 6.5e-7 / 4.4e-7 / 5.2e-7, qwen2 1.8e-6 / 6.7e-7 / 6.4e-7,
-qwen3 3.0e-7 / 4.6e-7 / 3.2e-7. Prompt-masked batches (labels -100 in the PyTorch loop), llama: 1.9e-6 on
+(1F1B) / stage=2 (zero-bubble): llama 5.7e-7 / 2.8e-7 / 3.6e-7 / 3.7e-7, mistral 6.5e-7 / 4.4e-7 / 5.2e-7 /
+5.1e-7, qwen2 1.8e-6 / 6.7e-7 / 6.4e-7 / 1.3e-6, qwen3 3.0e-7 / 4.6e-7 / 3.2e-7 / 3.7e-7. Prompt-masked batches (labels -100 in the PyTorch loop), llama: 1.9e-6 on
 fsdp=2,model=2, 5.2e-7 on data=2,fsdp=2 with grad_accum=2. The comparison sees the usual slips: in the
 PyTorch loop, eps 1e-6 for 1e-8 gives 1.6e-4, the schedule one step late 9.4e-2, weight decay on the norm scales 8.8e-4, no clipping
 4.1e-2, b2 0.999 6.5e-3 (llama); it cannot see clip_grad_norm_'s +1e-6 in the norm (2.7e-7).
@@ -40,10 +40,12 @@ from models.transformer import Transformer
 # 20-step PyTorch training comparisons: `make test-slow`, which CI runs beside `make test`
 pytestmark = pytest.mark.slow
 
-MESHES = [  # between them tensor, fully sharded data, ring context and 1F1B pipeline parallelism
+MESHES = [  # between them tensor, fully sharded data, ring context, 1F1B and zero-bubble pipeline parallelism
     pytest.param("fsdp=2,model=2", rules_lib.ParallelConfig(), id="fsdp+tp"),
     pytest.param("sequence=2", rules_lib.ParallelConfig(context_attention="ring"), id="ring-cp"),  # zigzag
     pytest.param("stage=2", rules_lib.ParallelConfig(pipeline_schedule="1f1b", microbatches=2), id="1f1b"),
+    pytest.param("stage=2", rules_lib.ParallelConfig(pipeline_schedule="zero_bubble", microbatches=2),
+                 id="zero-bubble"),
 ]
 STEPS = 20
 # Warmup, then cosine decay over the run; lr 3e-3 moves the weights (the loss falls by half in STEPS); the

@@ -76,6 +76,44 @@ def test_slot_table(P, ratio, R):
     assert 1 - 2 * M * R / stage_work == pytest.approx(schedule.bubble_fraction(P, M, R))
 
 
+@pytest.mark.parametrize("P", [1, 2, 4, 8])
+@pytest.mark.parametrize("ratio", [0.5, 1, 2, 4])
+@pytest.mark.parametrize("R", [1, 2, 3])
+def test_zero_bubble_slot_table(P, ratio, R):
+    """Zero-bubble runs 1F1B's forwards and input gradients, and every stage computes the weights' gradient of
+    each (microbatch, chunk) once, in the slot of stage 0's input gradient of it: after the stage's own, q
+    slots later on stage q, so a ring of P boundaries (read after this slot's write) never loses one. Only
+    the last R·M slots take weights' parts and every stage has a real one in each; the phases run each kind
+    exactly where some stage has it; the bubble is (P − 1)(F + B)/((R·M + P − 1)(F + B) + R·M·W)."""
+    M = max(1, int(ratio * P))
+    if R > 1 and M % P:
+        return  # refused as 1F1B refuses it (test_slot_table)
+    n, offset, ring = schedule.slots(P, M, R), schedule.weight_offset(P, R), schedule.deferred_size(P)
+    backward, weights = {}, {}
+    for t in range(n):
+        _, _, m_B, c_B = schedule.microbatches_in(t, P, R)
+        m_W, c_W = schedule.weight_grads_in(t, P, R)
+        for q in range(P):
+            if 0 <= m_B[q] < M:
+                backward[q, m_B[q], c_B[q]] = t
+            if 0 <= m_W < M:
+                weights[q, m_W, c_W] = t
+        assert (0 <= m_W < M) == (t >= n - R * M)
+    assert weights.keys() == backward.keys() and len(weights) == P * M * R
+    for (q, m, c), t in weights.items():
+        assert t - backward[q, m, c] == q < ring
+    kinds = {t: (False, False, False) for t in range(n)}
+    for start, stop, forward, inputs, deferred in schedule.zero_bubble_phases(P, M, R):
+        kinds.update({t: (forward, inputs, deferred) for t in range(start, stop)})
+    for t in range(n):
+        m_F, _, m_B, _ = schedule.microbatches_in(t, P, R)
+        real = lambda m: bool(((0 <= m) & (m < M)).any())
+        assert kinds[t] == (real(m_F), real(m_B), t >= offset), t
+    F, B, W = 1.0, 2.0, 1.0
+    time = sum(F * f + B * b + W * w for f, b, w in kinds.values())
+    assert 1 - R * M * (F + B + W) / time == pytest.approx(schedule.zero_bubble_fraction(P, M, R))
+
+
 # --- a cheap model in the parts 1F1B takes ------------------------------------------------------------------
 
 
@@ -182,6 +220,24 @@ def test_matches_one_device_with_poisoned_bubbles(spec, P, M, remat, R):
     went to stages 1 … P−1 after the last forward slot, the cotangents that came back to stages 0 … P−2
     after the last backward slot), and none of it reaches the loss or a gradient. Interleaved, the stack
     and its gradient are in the order at rest (`meshpar.pipeline.order`)."""
+    poisoned_parity(spec, P, M, remat, R, zero_bubble=False)
+
+
+# zero-bubble: P = 2, 4 (and 8), M from below P − 1 to 2P, R = 1, 2, 3, with data, FSDP, TP and each remat
+ZERO_BUBBLE_CASES = [("stage=2,data=4", 2, 4, "none", 1), ("stage=4,data=2", 4, 8, "none", 1),
+                     ("stage=4,data=2", 4, 2, "none", 1), ("stage=4,model=2", 4, 8, "full", 1),
+                     ("stage=2,data=2,fsdp=2", 2, 4, "none", 2), ("stage=4,data=2", 4, 4, "none", 2),
+                     ("stage=2,fsdp=2,model=2", 2, 4, "dots", 3), ("stage=8", 8, 8, "none", 1)]
+
+
+@pytest.mark.parametrize("spec,P,M,remat,R", ZERO_BUBBLE_CASES,
+                         ids=[f"{m}-P{s}-M{mb}-{r}-R{R}" for m, s, mb, r, R in ZERO_BUBBLE_CASES])
+def test_zero_bubble_matches_one_device_with_poisoned_bubbles(spec, P, M, remat, R):
+    """Zero-bubble, bubbles fed NaN, weights' parts of bubbles too: one device's loss and gradients."""
+    poisoned_parity(spec, P, M, remat, R, zero_bubble=True)
+
+
+def poisoned_parity(spec: str, P: int, M: int, remat: str, R: int, *, zero_bubble: bool):
     require_devices(8)
     size = PARITY12 if R == 3 else PARITY
     state, batch, ref_loss, ref_grads = one_device(size)
@@ -191,7 +247,8 @@ def test_matches_one_device_with_poisoned_bubbles(spec, P, M, remat, R):
         with context.use(train.compute_context(sharded, dataclasses.replace(CFG, remat=remat))):
             model = nnx.merge(sharded.graphdef, state).model
             return one_f_one_b.model_loss_and_grads(model, tokens_BT, mesh=sharded.mesh, stages=P, microbatches=M,
-                                                    repeats=R, remat=remat, poison_bubbles=True)
+                                                    repeats=R, remat=remat, poison_bubbles=True,
+                                                    zero_bubble=zero_bubble)
 
     args = pipeline.to_rest(jax.device_put(state, sharded.shardings), sharded.mesh, R), jax.device_put(batch, tokens)
     compiled = jax.jit(run).lower(*args).compile(compiler_options=FAST_COMPILE)
@@ -214,23 +271,26 @@ def deep_reference():
 
 # (mesh, R, more settings): ring attention (zigzag) with TP; interleaved, also with FSDP, all-gather attention
 # with Megatron SP, and Ulysses attention
+ZB = {"pipeline_schedule": "zero_bubble"}
 STEP_LAYOUTS = [("stage=2,sequence=2,model=2", 1, {}), ("stage=2,sequence=2,model=2", 2, {}),
                 ("stage=2,fsdp=2,data=2", 2, {}),
                 ("stage=2,sequence=2,model=2", 2, {"context_attention": "allgather", "sequence_parallel": True}),
-                ("stage=2,sequence=2,data=2", 2, {"context_attention": "ulysses"})]
+                ("stage=2,sequence=2,data=2", 2, {"context_attention": "ulysses"}),
+                ("stage=2,fsdp=2,data=2", 2, ZB), ("stage=2,fsdp=2,model=2", 1, {"sequence_parallel": True, **ZB})]
 
 
 @pytest.mark.parametrize("spec,R,settings", STEP_LAYOUTS,
                          ids=[f"{spec}-R{R}" + "".join(f"-{v}" for v in more.values())
                               for spec, R, more in STEP_LAYOUTS])
 def test_training_step_matches_one_device(deep_reference, spec, R, settings):
-    """`parallel.pipeline_schedule=1f1b` through `train.loss_and_grads` with meshpar's transformer: context
-    attention (each mode, zigzag), tensor parallelism (heads, MLP, vocabulary over `model`, with SP), or
-    FSDP, inside the stages, gradient accumulation around the pipeline; plain and interleaved (R = 2: one
-    layer a chunk)."""
+    """`parallel.pipeline_schedule=1f1b` (and `zero_bubble`) through `train.loss_and_grads` with meshpar's
+    transformer: context attention (each mode, zigzag), tensor parallelism (heads, MLP, vocabulary over
+    `model`, with SP), or FSDP, inside the stages, gradient accumulation around the pipeline; plain and
+    interleaved (R = 2: one layer a chunk)."""
     require_devices(8)
     layout = MeshRun(spec, cfg=dataclasses.replace(TRAIN, grad_accum=2), model=dataclasses.replace(MODEL, n_layers=4),
-                    parallel=ParallelConfig(microbatches=2, pipeline_schedule="1f1b", pipeline_repeats=R, **settings))
+                    parallel=ParallelConfig(**{"microbatches": 2, "pipeline_schedule": "1f1b", "pipeline_repeats": R,
+                                               **settings}))
     loss, grads = layout.loss_and_grads()
     assert abs(loss - deep_reference[0]) / deep_reference[0] < 1e-5
     assert max_relative_error(grads, deep_reference[1]) < 1e-5
@@ -310,7 +370,8 @@ def compiled_loss_and_grads(spec: str, M: int, kind: str, remat: str, stages: in
             model = nnx.merge(sharded.graphdef, state).model
             if stages is not None:
                 return one_f_one_b.model_loss_and_grads(model, tokens_BT, mesh=sharded.mesh, stages=stages,
-                                                        microbatches=M, repeats=repeats, remat=remat)[:2]
+                                                        microbatches=M, repeats=repeats, remat=remat,
+                                                        zero_bubble=kind == "zero_bubble")[:2]
             return train._loss_and_grads(sharded, cfg, None, model, tokens_BT)
 
     return jax.jit(run).lower(*fit.abstract_inputs(sharded, cfg)).compile(compiler_options=FAST_COMPILE)
@@ -318,12 +379,13 @@ def compiled_loss_and_grads(spec: str, M: int, kind: str, remat: str, stages: in
 
 # The README's table: name → (pipeline_schedule, R, remat) on stage=4,data=2.
 SCHEDULES = {"GPipe": ("gpipe", 1, "none"), "circular, R = 2": ("gpipe", 2, "none"), "1F1B": ("1f1b", 1, "none"),
-             "interleaved 1F1B, R = 2": ("1f1b", 2, "none")}
+             "interleaved 1F1B, R = 2": ("1f1b", 2, "none"), "zero-bubble": ("zero_bubble", 1, "none"),
+             "zero-bubble, R = 2": ("zero_bubble", 2, "none")}
 
 
 def readme_table() -> dict[tuple[str, int], list[float]]:
     """(schedule, M) → the numbers of the README's row: bubble formula, bubble measured, temp MB, permutes."""
-    block = README.split("| schedule | M | bubble (P−1)/(R·M+P−1) |", 1)[1].split("\n\n", 1)[0]
+    block = README.split("| schedule | M | bubble formula |", 1)[1].split("\n\n", 1)[0]
     rows = {}
     for line in block.splitlines()[2:]:
         name, M, *cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
@@ -354,18 +416,22 @@ def test_memory_is_flat_in_microbatches_and_the_bubble_is_the_formula():
         for M in (8, 16, 32):
             program = compiled_loss_and_grads(f"stage={P},data=2", M, kind, remat, repeats=R)
             flops = compiler.matmul_flops(program.as_text())
-            formula = schedule.bubble_fraction(P, M, R)
+            formula = (schedule.zero_bubble_fraction(P, M, R) if kind == "zero_bubble" else
+                       schedule.bubble_fraction(P, M, R))
             permutes = compiler.collectives(program.as_text())["collective-permute"]["count"]
             table[name, M] = [formula, 1 - unstaged * M / base / flops,
                               program.memory_analysis().temp_size_in_bytes / 1e6, permutes]
             print(f"| {name} | {M} | {formula:.3f} | {table[name, M][1]:.3f} | {table[name, M][2]:.2f} | {permutes} |")
             assert table[name, M][1] == pytest.approx(formula, abs=0.012), (name, M)
-            if kind == "1f1b":
+            if kind != "gpipe":
                 assert permutes == 2 * (R * M + P - 1), (name, M)
     temp = lambda name, M: table[name, M][2]
-    assert all(temp(name, 32) < 1.15 * temp(name, 8) for name in ("1F1B", "interleaved 1F1B, R = 2"))
+    flat = ("1F1B", "interleaved 1F1B, R = 2", "zero-bubble", "zero-bubble, R = 2")
+    assert all(temp(name, 32) < 1.15 * temp(name, 8) for name in flat)
     assert all(temp(name, 32) > 3 * temp(name, 8) for name in ("GPipe", "circular, R = 2"))
     assert table["interleaved 1F1B, R = 2", 8][1] < 0.6 * table["1F1B", 8][1]
+    assert table["zero-bubble", 8][1] < 0.85 * table["1F1B", 8][1]
+    assert table["zero-bubble, R = 2", 8][1] < 0.5 * table["1F1B", 8][1]
     assert readme_table().keys() == table.keys()
     for key, row in readme_table().items():
         assert row[:2] == pytest.approx(table[key][:2], abs=0.002), key
@@ -405,10 +471,32 @@ def test_refuses_interleaving_other_microbatches_host_weights_and_unknown_schedu
                                          r"in groups of P = 2 stages: parallel.microbatches = 3 must be a "
                                          r"multiple of 2"):
         planned(PARITY, "stage=2,data=4", ParallelConfig(pipeline_schedule="1f1b", pipeline_repeats=2, microbatches=3))
-    with pytest.raises(InputError, match=r"parallel.pipeline_schedule = 'zb' is not one of gpipe, 1f1b"):
+    with pytest.raises(InputError, match=r"parallel.pipeline_schedule = 'zb' is not one of gpipe, 1f1b, zero_bubble"):
         ParallelConfig(pipeline_schedule="zb")
-    with pytest.raises(InputError, match=r"1f1b does not fetch weights from host memory"):
-        ParallelConfig(pipeline_schedule="1f1b", offload="optimizer+params")
+    for kind in ("1f1b", "zero_bubble"):
+        with pytest.raises(InputError, match=f"{kind} does not fetch weights from host memory"):
+            ParallelConfig(pipeline_schedule=kind, offload="optimizer+params")
+    with pytest.raises(InputError, match=r"interleaved 1F1B \(parallel.pipeline_repeats = 2\) runs the microbatches "
+                                         r"in groups of P = 2 stages"):
+        planned(PARITY, "stage=2,data=4", ParallelConfig(pipeline_schedule="zero_bubble", pipeline_repeats=2,
+                                                         microbatches=3))
+
+
+def test_zero_bubble_refuses_layers_with_a_shard_map_over_the_stages():
+    """Context parallelism's attention and a mixture of experts' dispatch run shard_maps that zero-bubble
+    cannot yet split: refused up front, in the step's check and the planner's."""
+    require_devices(8)
+    with pytest.raises(InputError, match=r"zero_bubble cannot yet split the backward pass of a layer that runs a "
+                                         r"shard_map over the pipeline's stages \(context parallelism, mesh axis "
+                                         r"sequence = 2\).*use pipeline_schedule=1f1b"):
+        MeshRun("stage=2,sequence=2,data=2", parallel=ParallelConfig(pipeline_schedule="zero_bubble"))
+    moe = dataclasses.replace(MODEL, n_experts=4, experts_per_token=2)
+    with pytest.raises(InputError, match=r"\(a mixture of experts\)"):
+        MeshRun("stage=2,data=4", model=moe, parallel=ParallelConfig(pipeline_schedule="zero_bubble"))
+    lay = plan.Layout.of_run(MeshConfig(stage=2, sequence=2, data=2), ParallelConfig(pipeline_schedule="zero_bubble"),
+                             TRAIN, "cpu")
+    shape = plan.Shape.of_model(Transformer.factory(MODEL))
+    assert any("zero_bubble cannot yet split" in p for p in plan.check(shape, lay, plan.Run.of(TRAIN, "cpu")))
 
 
 def test_refuses_a_custom_loss_and_a_model_without_parts():

@@ -1,5 +1,5 @@
-"""The 1F1B pipeline schedule (PipeDream-Flush, Narayanan et al. 2021), plain or interleaved, as one SPMD
-program.
+"""The 1F1B pipeline schedule (PipeDream-Flush, Narayanan et al. 2021), plain or interleaved, and its
+zero-bubble form, as one SPMD program.
 
 Letters: P stages, M microbatches, R chunks per stage (interleaved), J = L/(P·R) layers per chunk, Z batch
 shards (data × fsdp), b rows of a microbatch on one shard, W stash entries.
@@ -39,6 +39,13 @@ one chunk's forward and one chunk's backward per stage (the chunks picked per st
 R·M + R·P + P − 2 slots in the same three phases, R·P − 1 forward-only and R·P − 1 backward-only: the step
 takes (R·M + P − 1)·(F + B)/R, the bubble (P − 1)/(R·M + P − 1); the stash holds 2(R·P − 1) chunk inputs
 (`schedule`: `microbatches_in`, `forward_slot`, `phases`, `stash_size`). Everything below holds per chunk.
+
+Zero-bubble (ZB-H1's order, Qi et al. 2023; `zero_bubble=True`). The same slots, each backward split
+(`meshpar.pipeline.split_backward`): the input's gradient in the backward's slot, the weights' gradient from
+the boundary it leaves, in slot u + R·P + P − 2 for a stage's u-th backward on every stage (stage q defers
+it q slots, a ring of P boundaries), so that the weights' parts fill the last R·M slots, which 1F1B spends
+on stage 0's ramp-down: (P − 1)(F + B)/R idles instead of (P − 1)(F + B + W)/R (`schedule`:
+`weight_offset`, `weight_grads_in`, `zero_bubble_phases`, `zero_bubble_fraction`, `deferred_size`).
 
 Each slot is computed like GPipe's iterations, under the vmaps over stages and batch shards of
 `meshpar.pipeline.stages`, so the layers run unchanged under GSPMD. The loss runs per microbatch inside the
@@ -99,7 +106,7 @@ from meshpar.batch import Batch
 from meshpar.errors import InputError
 from meshpar.loss import chunked_cross_entropy, next_token_inputs
 from meshpar.moe import routing
-from meshpar.pipeline import schedule, stages as stages_lib
+from meshpar.pipeline import schedule, split_backward, stages as stages_lib
 from meshpar.pipeline.stages import U, constrain
 
 PARTS = ("embed", "blocks", "final_norm", "output_head")
@@ -138,6 +145,8 @@ class _Flags(NamedTuple):
     last_F: jax.Array
     real_F: jax.Array
     real_B: jax.Array
+    chunk_W: jax.Array
+    real_W: jax.Array
 
 
 class _Lane(NamedTuple):
@@ -160,13 +169,15 @@ class _Lane(NamedTuple):
 
 
 class _Backward(NamedTuple):
-    """A backward lane's results: its share of the loss and its report, its input's cotangent, its gradients."""
+    """A backward lane's results: its share of the loss and its report, its input's cotangent, its gradients
+    (zero-bubble: its chunk's boundary for the weights' gradient instead of that gradient)."""
 
     loss: jax.Array
     report: Any
     dx: Any
     d_w: nnx.State
     d_other: nnx.State
+    boundary: Any = ()
 
 
 def _masked(keep: jax.Array, tree: Any) -> Any:
@@ -203,7 +214,7 @@ class _Schedule:
 
     def __init__(self, stack: nnx.Module, other: nnx.State, first: First, last: Last, inputs_BT: jax.Array,
                  targets: tuple[jax.Array, jax.Array], args: tuple, *, mesh: Mesh, stages: int, microbatches: int,
-                 repeats: int, remat: str, poison_bubbles: bool):
+                 repeats: int, remat: str, poison_bubbles: bool, zero_bubble: bool = False):
         self.graphdef, weights, consts = nnx.split(stack, nnx.Param, ...)
         leaves = jax.tree.leaves(weights)
         if not leaves:
@@ -213,6 +224,7 @@ class _Schedule:
                          repeats=repeats, batch=batch)
         schedule.check_interleaving(stages, microbatches, repeats)
         self.policy = None if remat == "none" else remat_lib.policy(remat)  # per layer, in the recompute
+        self.zero_bubble, self.split = zero_bubble, None  # the layer's split backward, made in `run`
         self.P, self.M, self.R, self.mesh, self.args = stages, microbatches, repeats, mesh, args
         self.J = self.L // (stages * repeats)  # layers per chunk
         lanes = stages_lib.lane_axes(batch)  # a lane's rows stay split over `expert`
@@ -270,10 +282,7 @@ class _Schedule:
 
     def _stage(self, w_RJ: nnx.State, c_RJ: nnx.State, chunk: jax.Array, x_bTD: Any, rows: tuple) -> Any:
         """Chunk `chunk` of a stage's R: its J layers on one batch shard's rows of a microbatch."""
-        # one chunk: a static index, which XLA:GPU does not copy out of the stage weights (a dynamic one costs
-        # llama_8b's 1F1B on stage=4,data=2 1.3 GB more per GPU)
-        index = (lambda x: x[0]) if self.R == 1 else (lambda x: jax.lax.dynamic_index_in_dim(x, chunk, 0, False))
-        w_J, c_J = (jax.tree.map(index, tree) for tree in (w_RJ, c_RJ))
+        w_J, c_J = self._chunk(w_RJ, chunk), self._chunk(c_RJ, chunk)
         args = stages_lib.lane_args(self.args, rows)
 
         def one_layer(x, layer):
@@ -282,6 +291,45 @@ class _Schedule:
         if self.policy is not None:  # the backward's recompute keeps what the policy saves, per layer
             one_layer = jax.checkpoint(one_layer, policy=self.policy, prevent_cse=False)
         return jax.lax.scan(one_layer, x_bTD, (w_J, c_J))[0]
+
+    def _chunk(self, tree_RJ: Any, chunk: jax.Array) -> Any:
+        # one chunk: a static index, which XLA:GPU does not copy out of the stage weights (a dynamic one costs
+        # llama_8b's 1F1B on stage=4,data=2 1.3 GB more per GPU)
+        index = (lambda x: x[0]) if self.R == 1 else (lambda x: jax.lax.dynamic_index_in_dim(x, chunk, 0, False))
+        return jax.tree.map(index, tree_RJ)
+
+    def _input_grad(self, w_RJ: nnx.State, c_RJ: nnx.State, chunk: jax.Array, x_bTD: Any, g_bTD: Any,
+                    rows: tuple) -> tuple[Any, list]:
+        """Zero-bubble's backward of chunk `chunk`: its input's cotangent and, per layer, the boundary its
+        weights' gradient reads later (`split_backward`). Without remat the forward keeps every layer's
+        residuals for it; with any policy only each layer's input, and each layer's forward runs again."""
+        w_J, c_J = self._chunk(w_RJ, chunk), self._chunk(c_RJ, chunk)
+        args = stages_lib.lane_args(self.args, rows)
+        keep_all = self.policy is None
+
+        def forward(x, layer):
+            y, residuals = self.split.forward(layer[0], x, (layer[1], args))
+            return y, residuals if keep_all else x
+
+        def backward(g, layer_saved):
+            (w, c), saved = layer_saved
+            residuals = saved if keep_all else self.split.forward(w, saved, (c, args))[1]
+            return self.split.input_grad(w, residuals, g)
+
+        saved_J = jax.lax.scan(forward, x_bTD, (w_J, c_J))[1]
+        return jax.lax.scan(backward, g_bTD, ((w_J, c_J), saved_J), reverse=True)
+
+    def _weight_lane(self, w_RJ: nnx.State, c_RJ: nnx.State, lane: _Lane, flags: _Flags) -> nnx.State:
+        """Zero-bubble: one stage on one batch shard computes the weights' gradient of chunk c_W of a
+        microbatch it backwarded earlier, from that backward's boundary; the stage's [R, J, ...], zeros but
+        for chunk c_W."""
+        with self._in_lane():
+            w_J = self._chunk(w_RJ, flags.chunk_W)
+            d_J = jax.lax.scan(lambda _, w_boundary: (None, self.split.weight_grad(*w_boundary)), None,
+                               (w_J, lane.stashed))[1]
+            put = (lambda a, d: d[None]) if self.R == 1 else (
+                lambda a, d: jax.lax.dynamic_update_index_in_dim(jnp.zeros_like(a), d, flags.chunk_W, 0))
+            return _masked(flags.real_W, jax.tree.map(put, w_RJ, d_J))
 
     def _forward_lane(self, w_RJ: nnx.State, c_RJ: nnx.State, lane: _Lane, flags: _Flags) -> tuple[Any, Any]:
         """One stage on one batch shard: the forward of microbatch m_F through chunk c_F, whose input is the
@@ -314,21 +362,27 @@ class _Schedule:
                 loss, report, d_loss, g_bTD, x_B = self._loss_lane(lane, flags)
             real = flags.real_B
             g_bTD, x_B = _where(real, g_bTD, self.fill), _where(real, x_B, self.fill)
-            d_w, dx_bTD = jax.vjp(lambda w, x: self._stage(w, c_RJ, flags.chunk_B, x, lane.rows_B), w_RJ, x_B)[1](g_bTD)
+            if self.zero_bubble:  # the weights' gradient later, from the boundary
+                (dx_bTD, boundary), d_w = self._input_grad(w_RJ, c_RJ, flags.chunk_B, x_B, g_bTD, lane.rows_B), ()
+            else:
+                boundary = ()
+                d_w, dx_bTD = jax.vjp(lambda w, x: self._stage(w, c_RJ, flags.chunk_B, x, lane.rows_B), w_RJ,
+                                      x_B)[1](g_bTD)
             # The first chunk hands its input's cotangent to the embedding (zeros elsewhere: a scatter of zeros).
             d_embed = jax.vjp(lambda o: self.first(o, lane.inputs_B), self.other)[1](
                 _masked(flags.first_B & real, dx_bTD))[0]
             d_other = d_embed if d_loss is None else jax.tree.map(jnp.add, d_embed, d_loss)
-            return _Backward(loss, report, dx_bTD, _masked(real, d_w), d_other)
+            return _Backward(loss, report, dx_bTD, _masked(real, d_w), d_other, boundary)
 
     def _over_lanes(self, lane_fn: Callable, lanes_PZ: _Lane, t: jax.Array) -> Any:
         """`lane_fn(w_RJ, c_RJ, lane, flags)` on every stage (a vmap on `stage`) and batch shard (inside, a vmap
         on the batch axes) in slot t, with each stage's tokens and flags."""
         stage_P = jnp.arange(self.P)
         m_F, c_F, m_B, c_B = schedule.microbatches_in(t, self.P, self.R)
+        m_W, c_W = (jnp.broadcast_to(a, (self.P,)) for a in schedule.weight_grads_in(t, self.P, self.R))
         flags = _Flags(c_F, c_B, (stage_P == 0) & (c_F == 0), (stage_P == 0) & (c_B == 0),
                        (stage_P == self.P - 1) & (c_F == self.R - 1), (m_F >= 0) & (m_F < self.M),
-                       (m_B >= 0) & (m_B < self.M))
+                       (m_B >= 0) & (m_B < self.M), c_W, (m_W >= 0) & (m_W < self.M))
         pick = lambda tree, m: jax.tree.map(
             lambda x_MZbT: jax.lax.dynamic_index_in_dim(x_MZbT, jnp.clip(m, 0, self.M - 1), 0, False), tree)
 
@@ -350,9 +404,14 @@ class _Schedule:
             lambda a: jax.lax.dynamic_index_in_dim(a, entry, 0, False), stash_WZbTD)
         return self._activations(jax.vmap(read, spmd_axis_name="stage")(stash_PWZbTD, entry_P))
 
-    def _slot(self, carry, t, *, forward: bool, backward: bool):
-        """Slot t: every stage's forward (then the shift on) and backward (then the shift back)."""
-        x_PZbTD, g_PZbTD, stash_PWZbTD, (loss_PZ, reports_PZM, d_w, d_other) = carry
+    def _deferred_layout(self, ring_PWZ: Any) -> Any:
+        return jax.tree.map(lambda a: constrain(a, self.mesh, "stage", None, self.lanes, *(U,) * (a.ndim - 3)),
+                            ring_PWZ)
+
+    def _slot(self, carry, t, *, forward: bool, backward: bool, weights: bool = False):
+        """Slot t: every stage's forward (then the shift on) and backward (then the shift back); zero-bubble:
+        the backward's boundary into the ring of deferred weights' parts, and a weights' part from it."""
+        x_PZbTD, g_PZbTD, stash_PWZbTD, deferred_PWZ, (loss_PZ, reports_PZM, d_w, d_other) = carry
         lanes = _Lane(g=g_PZbTD, stashed=self._stashed(stash_PWZbTD, t))  # read before this slot's write
         shift = lambda tree: jax.tree.map(functools.partial(stages_lib.shift, mesh=self.mesh), tree)
         if forward:
@@ -369,9 +428,22 @@ class _Schedule:
             if forward:  # the report of microbatch m_F, which only the loss's slots have
                 m_F = jnp.clip(schedule.microbatches_in(t, self.P, self.R)[0][-1], 0, self.M - 1)
                 reports_PZM = jax.tree.map(lambda acc, r: acc.at[:, :, m_F].add(r), reports_PZM, out.report)
-            d_w = jax.tree.map(jnp.add, d_w, out.d_w)
             d_other = jax.tree.map(jnp.add, d_other, out.d_other)
-        return (x_PZbTD, g_PZbTD, stash_PWZbTD, (loss_PZ, reports_PZM, d_w, d_other)), None
+            if not self.zero_bubble:
+                d_w = jax.tree.map(jnp.add, d_w, out.d_w)
+            else:  # written before it is read: stage 0 takes its own at once
+                deferred_PWZ = self._deferred_layout(jax.tree.map(
+                    lambda a, x: jax.lax.dynamic_update_index_in_dim(a, x, t % self.W_deferred, 1), deferred_PWZ,
+                    out.boundary))
+        if weights:  # stage q backwarded the chunk it takes now q slots ago (`schedule.weight_offset`)
+            entry_P = (t - jnp.arange(self.P)) % self.W_deferred
+            read = lambda ring_WZ, entry: jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, entry, 0, False),
+                                                       ring_WZ)
+            boundary_PZ = jax.vmap(read, spmd_axis_name="stage")(deferred_PWZ, entry_P)
+            # its collectives (e.g. SP's for the norm scales) after the backward's: the shift, the embedding's
+            boundary_PZ = _after(boundary_PZ, g_PZbTD, d_other)
+            d_w = jax.tree.map(jnp.add, d_w, self._over_lanes(self._weight_lane, _Lane(stashed=boundary_PZ), t))
+        return (x_PZbTD, g_PZbTD, stash_PWZbTD, deferred_PWZ, (loss_PZ, reports_PZM, d_w, d_other)), None
 
     def _accumulators(self, like: Any) -> Any:  # per stage and batch shard: one copy per device
         return jax.tree.map(lambda x: constrain(jnp.zeros((self.P, self.Z, *x.shape), x.dtype), self.mesh, "stage",
@@ -388,6 +460,24 @@ class _Schedule:
         return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), jax.eval_shape(
             jax.vmap(report, axis_name=LANES), zeros_Z(x_like), targets))
 
+    def _deferred_ring(self, x_like: Any) -> list:
+        """Zero-bubble: splits a layer's backward (`split_backward`, traced as a lane runs it) and makes the ring
+        of the boundaries of deferred weights' parts, [P, P, Z, J, ...] per boundary value (NaN-filled with
+        poisoned bubbles: a weights' part of a bubble reads no real boundary)."""
+        per_layer = lambda tree, lead: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[lead:], a.dtype), tree)
+        args = stages_lib.lane_args(per_layer(self.args, 0), per_layer(self.rows_MZb, 2))
+        with self._in_lane():
+            self.split = split_backward.Split.of(
+                lambda w, x, extra: nnx.merge(self.graphdef, w, extra[0])(x, *extra[1]),
+                per_layer(self.weights_PRJ, 3), x_like, (per_layer(self.consts_PRJ, 3), args))
+        self.W_deferred = schedule.deferred_size(self.P)
+
+        def ring(aval):
+            fill = self.fill if jnp.issubdtype(aval.dtype, jnp.inexact) else 0
+            return jnp.full((self.P, self.W_deferred, self.Z, self.J, *aval.shape), fill, aval.dtype)
+
+        return self._deferred_layout([ring(v.aval) for v in self.split.boundary])
+
     def run(self) -> tuple[jax.Array, nnx.State, nnx.State, Any, tuple[Any, Any]]:
         """The slots, phase by phase: (loss, stack gradients, `other` gradients, reports, in-flight buffers)."""
         P, Z = self.P, self.Z
@@ -399,13 +489,16 @@ class _Schedule:
         x_PZbTD, g_PZbTD = self._activations(empty(P, Z)), self._activations(empty(P, Z))
         stash_PWZbTD = self._stash_layout(empty(P, self.W, Z))
         reports_PZM = jax.tree.map(lambda a: jnp.zeros((P, Z, self.M, *a.shape), a.dtype), report_like)
-        carry = (x_PZbTD, g_PZbTD, stash_PWZbTD, (jnp.zeros((P, Z), jnp.float32), reports_PZM,
+        deferred_PWZ, phases = (), tuple((*phase, False) for phase in schedule.phases(P, self.M, self.R))
+        if self.zero_bubble:
+            deferred_PWZ, phases = self._deferred_ring(x_like), schedule.zero_bubble_phases(P, self.M, self.R)
+        carry = (x_PZbTD, g_PZbTD, stash_PWZbTD, deferred_PWZ, (jnp.zeros((P, Z), jnp.float32), reports_PZM,
                                                   self._accumulators(jax.tree.map(lambda w: w[0], self.weights_PRJ)),
                                                   self._accumulators(self.other)))
-        for start, stop, forward, backward in schedule.phases(P, self.M, self.R):
-            body = functools.partial(self._slot, forward=forward, backward=backward)
+        for start, stop, forward, backward, weights in phases:
+            body = functools.partial(self._slot, forward=forward, backward=backward, weights=weights)
             carry, _ = jax.lax.scan(body, carry, jnp.arange(start, stop))
-        x_PZbTD, g_PZbTD, _, (loss_PZ, reports_PZM, d_w, d_other) = carry
+        x_PZbTD, g_PZbTD, _, _, (loss_PZ, reports_PZM, d_w, d_other) = carry
         # the per-shard (and, for `other`, per-stage) gradients reduced once, after the slots
         d_w = jax.tree.map(lambda g: self._at_rest(g.sum(1)), d_w)
         return (loss_PZ.sum(), d_w, jax.tree.map(lambda g: g.sum((0, 1)), d_other),
@@ -414,7 +507,7 @@ class _Schedule:
 
 def one_f_one_b(stack: nnx.Module, other: nnx.State, first: First, last: Last, inputs_BT: jax.Array,
                 targets: tuple[jax.Array, jax.Array], *args: jax.Array, mesh: Mesh, stages: int, microbatches: int,
-                remat: str, poison_bubbles: bool, repeats: int = 1) -> Result:
+                remat: str, poison_bubbles: bool, repeats: int = 1, zero_bubble: bool = False) -> Result:
     """The weighted loss of a batch and its gradients, as a 1F1B pipeline of the stacked layers (docstring).
 
     Per microbatch: `first(other, inputs)` on stage 0, the L layers of `stack` (each called as
@@ -428,7 +521,7 @@ def one_f_one_b(stack: nnx.Module, other: nnx.State, first: First, last: Last, i
     """
     loss, d_stack, d_other, reports, in_flight = _Schedule(
         stack, other, first, last, inputs_BT, targets, args, mesh=mesh, stages=stages, microbatches=microbatches,
-        repeats=repeats, remat=remat, poison_bubbles=poison_bubbles).run()
+        repeats=repeats, remat=remat, poison_bubbles=poison_bubbles, zero_bubble=zero_bubble).run()
     return Result(loss, (d_stack, d_other), reports, in_flight)
 
 
@@ -438,7 +531,8 @@ def _in_stack(path: tuple, variable: Any) -> bool:
 
 def model_loss_and_grads(model: nnx.Module, batch: Batch | jax.Array, *, mesh: Mesh, stages: int,
                          microbatches: int, repeats: int = 1, remat: str = "none", chunk: int = 0,
-                         aux_coef: float = 0.0, z_coef: float = 0.0, poison_bubbles: bool = False) -> Result:
+                         aux_coef: float = 0.0, z_coef: float = 0.0, poison_bubbles: bool = False,
+                         zero_bubble: bool = False) -> Result:
     """The next-token loss of `model` (in parts: module docstring) on a batch (or tokens [B, T + 1]) and the
     gradients of every `nnx.Param`: what `jax.value_and_grad` of `meshpar.loss.next_token_loss` gives, by
     1F1B (interleaved with `repeats` > 1: the stack, and its gradient, in the order at rest). A mixture of
@@ -448,7 +542,8 @@ def model_loss_and_grads(model: nnx.Module, batch: Batch | jax.Array, *, mesh: M
     statistics [M, ...] (`RouterStats.grouped`), the others' ()."""
     missing = [part for part in PARTS if not hasattr(model, part)]
     if missing:
-        raise InputError(f"parallel.pipeline_schedule = 1f1b runs the model in parts ({', '.join(PARTS)}: "
+        raise InputError(f"parallel.pipeline_schedule = {'zero_bubble' if zero_bubble else '1f1b'} runs the model "
+                         f"in parts ({', '.join(PARTS)}: "
                          f"meshpar.pipeline.one_f_one_b); {type(model).__name__} has no {', '.join(missing)}")
     x = next_token_inputs(batch)
     parts, stack_params, other, others = nnx.split(model, _in_stack, nnx.Param, ...)
@@ -469,7 +564,7 @@ def model_loss_and_grads(model: nnx.Module, batch: Batch | jax.Array, *, mesh: M
     documents = () if x.segments is None else (x.segments,)
     result = one_f_one_b(model.blocks, other, first, last, x.inputs, (x.targets, x.weights), x.positions, *documents,
                          mesh=mesh, stages=stages, microbatches=microbatches, repeats=repeats, remat=remat,
-                         poison_bubbles=poison_bubbles)
+                         poison_bubbles=poison_bubbles, zero_bubble=zero_bubble)
     d_stack, d_other = result.grads
     return result._replace(grads=nnx.merge_state(nnx.State({"blocks": d_stack}), d_other))
 
@@ -482,8 +577,9 @@ def value_and_grad(graphdef: nnx.GraphDef, rest: nnx.State, loss: Any = None, ch
     active Compute: P = its mesh's `stage` size, M = `schedule.microbatches`, R its pipeline repeats, its
     remat. `loss` must be None (next-token cross-entropy): a custom loss cannot run inside the pipeline."""
     if loss is not None:
-        raise InputError("parallel.pipeline_schedule = 1f1b computes the next-token loss inside the pipeline, "
-                         "microbatch by microbatch; a custom loss cannot run there: use pipeline_schedule=gpipe")
+        raise InputError(f"parallel.pipeline_schedule = {context.active().rules.parallel.pipeline_schedule} computes "
+                         "the next-token loss inside the pipeline, microbatch by microbatch; a custom loss cannot "
+                         "run there: use pipeline_schedule=gpipe")
 
     def fn(params: nnx.State, batch: Batch) -> tuple[tuple[jax.Array, Any], nnx.State]:
         compute = context.active()
@@ -491,7 +587,8 @@ def value_and_grad(graphdef: nnx.GraphDef, rest: nnx.State, loss: Any = None, ch
         result = model_loss_and_grads(nnx.merge(graphdef, params, rest), batch, mesh=compute.mesh, stages=P,
                                       microbatches=schedule.microbatches(compute.rules.parallel.microbatches, P),
                                       repeats=compute.rules.parallel.pipeline_repeats, remat=compute.remat,
-                                      chunk=chunk, aux_coef=aux_coef, z_coef=z_coef)
+                                      chunk=chunk, aux_coef=aux_coef, z_coef=z_coef,
+                                      zero_bubble=compute.rules.parallel.pipeline_schedule == "zero_bubble")
         return (result.loss, result.reports or None), result.grads
 
     return fn

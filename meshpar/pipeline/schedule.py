@@ -1,5 +1,6 @@
 """The pipeline schedules' arithmetic, in one place: how many steps they take, how much of it idles, and
-what 1F1B keeps. The schedules (`gpipe`, `one_f_one_b`) and the planner (`meshpar.plan`) both read it.
+what 1F1B and zero-bubble keep. The schedules (`gpipe`, `one_f_one_b`) and the planner (`meshpar.plan`) both
+read it.
 
 Letters: P stages, M microbatches, R repeats (the circular schedule's rounds of the stages; interleaved
 1F1B's chunks per stage).
@@ -96,3 +97,47 @@ def stash_size(stages: int, repeats: int = 1) -> int:
     without interleaving). A lockstep slot moves an activation one stage on, so a round trip from stage 0
     through R·P chunks and back takes 2(R·P − 1) slots."""
     return max(2 * (repeats * stages - 1), 1)
+
+
+def weight_offset(stages: int, repeats: int = 1) -> int:
+    """Zero-bubble: every stage computes the weights' gradient of its u-th backward in slot u + R·P + P − 2,
+    the slot in which stage 0 backwards it (ZB-H1's order, Qi et al. 2023): stage q, which backwarded it in
+    slot u + R·P + P − 2 − q, defers it q slots, and the weights' parts take the last R·M slots, which
+    backward anyway."""
+    return repeats * stages + stages - 2
+
+
+def weight_grads_in(slot: Any, stages: int, repeats: int = 1) -> tuple[Any, Any]:
+    """Zero-bubble: (microbatch, chunk) whose weights' gradient every stage computes in `slot` (real where the
+    microbatch is in [0, M)); the same on every stage."""
+    m, c_reversed = _nth(slot - weight_offset(stages, repeats), stages, repeats)
+    return m, repeats - 1 - c_reversed
+
+
+def zero_bubble_phases(stages: int, microbatches: int,
+                       repeats: int = 1) -> tuple[tuple[int, int, bool, bool, bool], ...]:
+    """Zero-bubble's slots in runs of one kind: (first slot, end, forwards, input gradients, weight gradients),
+    1F1B's slots with the weights' parts from slot R·P + P − 2 to the end (`weight_offset`)."""
+    P, M, R = stages, microbatches, repeats
+    n = slots(P, M, R)
+    edges = sorted({0, R * P - 1, weight_offset(P, R), R * M + P - 1, n})
+    return tuple((a, b, a < R * M + P - 1, a >= R * P - 1, a >= weight_offset(P, R))
+                 for a, b in zip(edges, edges[1:]) if a < b)
+
+
+def zero_bubble_fraction(stages: int, microbatches: int, repeats: int = 1, *, forward: float = 1.0,
+                         input_grad: float = 2.0, weight_grad: float = 1.0) -> float:
+    """The fraction of zero-bubble's time a stage idles, with a chunk's forward, input-gradient and
+    weight-gradient parts costing `forward`, `input_grad` and `weight_grad`: R·M + P − 1 slots forward and
+    as many take input gradients, R·M take weight gradients, of which a stage does R·M each:
+    (P − 1)(F + B) / ((R·M + P − 1)(F + B) + R·M·W). The defaults are the matmul FLOPs of meshpar's
+    (F = 1; B = 2, the input gradient recomputing its forward; W = 1)."""
+    P, M, R = stages, microbatches, repeats
+    busy = forward + input_grad
+    return (P - 1) * busy / ((R * M + P - 1) * busy + R * M * weight_grad)
+
+
+def deferred_size(stages: int) -> int:
+    """Zero-bubble: weights' parts a stage holds the boundary of between slots: stage q defers q slots
+    (`weight_offset`), so a ring of P entries, written before it is read in each slot."""
+    return stages

@@ -80,7 +80,8 @@ class Layout:
             parts.append(par.context_attention + ("+zigzag" if par.context_attention == "ring" and par.load_balance
                                                   else ""))
         if self.mesh.stage > 1:
-            parts.append(f"M={self.M},R={self.R}" + (",1f1b" if par.pipeline_schedule == "1f1b" else ""))
+            parts.append(f"M={self.M},R={self.R}" + (f",{par.pipeline_schedule}" if par.pipeline_schedule != "gpipe"
+                                                       else ""))
         if par.expert_capacity:
             parts.append(f"capacity={par.expert_capacity:g}")
         parts.append(f"remat={self.remat}")
@@ -150,7 +151,8 @@ def check(shape: Shape, lay: Layout, run: Run) -> list[str]:
     ask(check_accumulation, B, lay.batch_ways, A, table["batch"])
     if lay.mesh.stage > 1:
         ask(stages.check, shape.layers, B // A, sizes, stages=lay.mesh.stage, microbatches=lay.M, repeats=lay.R)
-        ask(check_schedule, dataclasses.replace(par, microbatches=lay.M), lay.mesh.stage)
+        ask(check_schedule, dataclasses.replace(par, microbatches=lay.M), lay.mesh.stage, lay.mesh.sequence,
+            bool(shape.experts))
     if lay.mesh.sequence > 1:
         ways = lambda name: math.prod(sizes[axis] for axis in table[name])
         ask(context_parallel.check, par.context_attention, T, (shape.heads, shape.kv_heads), lay.mesh.sequence,

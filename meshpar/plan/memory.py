@@ -52,6 +52,7 @@ from meshpar.pipeline import schedule
 from meshpar.plan.layout import (PRECISIONS, Layout, Run, expert_rows, layer_applications, local_dims, local_elements,
                                  local_tensors)
 from meshpar.plan.shape import Shape
+from meshpar.rules import SLOT_SCHEDULES
 
 
 
@@ -202,18 +203,33 @@ def update_bytes(shape: Shape, lay: Layout, run: Run) -> float:
                 / (layers_here if "layers" in ns[-1] else 1) for ns in per_tensor), default=0.0)
 
 
+def deferred_bytes_per_token(shape: Shape, lay: Layout, run: Run) -> float:
+    """Zero-bubble: what one layer's deferred weights' gradient reads, per local token (the boundary of
+    `meshpar.pipeline.split_backward`): each weight matmul's input and its output's cotangent (the q/k/v
+    projections' shared input, q, k and v's cotangents; the output projection's input and cotangent; the
+    MLP's input, gate's and up's cotangents, down's input and cotangent) and both norms' normalised inputs
+    and cotangents: 8·D + 2·Q + 2·KV + 3·F (the tests' model: its boundary exactly)."""
+    w = _widths(shape, lay)
+    return run.e * (8 * w["D"] + 2 * w["Q"] + 2 * w["KV"] + 3 * w["F"])
+
+
 def activations_1f1b(shape: Shape, lay: Layout, run: Run, *, cpu: bool = False) -> float:
     """What the 1F1B schedule (meshpar.pipeline.one_f_one_b) keeps per device beyond one layer's working set,
     whatever M: its stash of 2(R·P − 1) chunk inputs and the two microbatches in flight (activations and
     cotangents), and one chunk's layers (a stage's, R = 1), as the remat policy saves them, while its
     backward recomputes them. On a GPU, XLA's while-loop double buffering (meshpar.gpu_flags) unrolls the
     slot loop by two, so a second slot's recomputed chunk and its working set are live beside the first (not
-    on XLA:CPU, which has no such pass)."""
+    on XLA:CPU, which has no such pass). Zero-bubble adds its ring of deferred weights' parts: P chunks'
+    boundaries (`deferred_bytes_per_token`)."""
     b, t, *_ = local_dims(shape, lay, run)
     stage_inputs = schedule.stash_size(lay.mesh.stage, lay.R) + 2
-    stage = shape.layers / (lay.mesh.stage * lay.R) * layer_bytes_per_token(shape, lay, run)
+    chunk_layers = shape.layers / (lay.mesh.stage * lay.R)
+    stage = chunk_layers * layer_bytes_per_token(shape, lay, run)
     second_slot = 0.0 if cpu else stage + layer_bytes_per_token(shape, lay, run, saved=False)
-    return (stage_inputs * run.e * shape.d_model + stage + second_slot) * b * t
+    deferred = 0.0
+    if lay.parallel.pipeline_schedule == "zero_bubble":
+        deferred = schedule.deferred_size(lay.mesh.stage) * chunk_layers * deferred_bytes_per_token(shape, lay, run)
+    return (stage_inputs * run.e * shape.d_model + stage + second_slot + deferred) * b * t
 
 
 def _saved(shape: Shape, lay: Layout, run: Run, tokens: float, cpu: bool) -> float:
@@ -222,7 +238,7 @@ def _saved(shape: Shape, lay: Layout, run: Run, tokens: float, cpu: bool) -> flo
     per_layer = layer_bytes_per_token(shape, lay, run)
     if lay.mesh.stage == 1:
         return shape.layers * per_layer * tokens
-    if lay.parallel.pipeline_schedule == "1f1b":
+    if lay.parallel.pipeline_schedule in SLOT_SCHEDULES:
         return activations_1f1b(shape, lay, run, cpu=cpu)
     # Every schedule iteration keeps what its stage step's remat saves: the stage input (full, offload) or
     # every layer's (dots, none), and its bubble masks; the backward pass then recomputes one stage.
@@ -238,7 +254,7 @@ def _stage_weights(shape: Shape, lay: Layout) -> float:
     """What a pipeline holds per device for its stage weights beyond the model states (`PIPELINE`)."""
     if lay.mesh.stage == 1:
         return 0.0
-    per_element, one_f_one_b = PIPELINE.held, lay.parallel.pipeline_schedule == "1f1b"
+    per_element, one_f_one_b = PIPELINE.held, lay.parallel.pipeline_schedule in SLOT_SCHEDULES
     if lay.mesh.fsdp > 1:
         per_element += PIPELINE.chunk / (lay.R if PIPELINE.chunk_per_repeat else 1)
         per_element += PIPELINE.one_f_one_b_fsdp if one_f_one_b else 0

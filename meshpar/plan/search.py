@@ -39,7 +39,7 @@ from meshpar.plan.layout import (EFFICIENCY, PRECISIONS, Layout, Run, check, lay
 from meshpar.plan.memory import memory
 from meshpar.plan.shape import Shape
 from meshpar.plan.time import Estimate, compute_seconds, estimate
-from meshpar.rules import CONTEXT_ATTENTION, OFFLOAD, ParallelConfig
+from meshpar.rules import CONTEXT_ATTENTION, OFFLOAD, PIPELINE_SCHEDULES, ParallelConfig
 
 GB = 1e9
 MAX_SEQUENCE = 64
@@ -131,7 +131,7 @@ def _settings(shape: Shape, mesh: MeshConfig, run: Run):
     # the two largest microbatch counts (more microbatches: a smaller bubble and smaller passes)
     counts = [M for M in (8 * P, 4 * P, 2 * P, P) if rows % M == 0][:2]
     pipes = [(0, 1, "gpipe")] if P == 1 else [(M, R, kind) for M in counts for R in (1, 2, 4)
-                                              for kind in ("gpipe", "1f1b") if shape.layers % (P * R) == 0]
+                                              for kind in PIPELINE_SCHEDULES if shape.layers % (P * R) == 0]
     for zero in zeros:
         for sp in sps:
             for mode in modes:

@@ -38,11 +38,17 @@ from meshpar.plan.layout import (PRECISIONS, Layout, Run, check, expert_rows, la
                                  local_dims, local_elements)
 from meshpar.plan.memory import Memory, attention_bytes_per_token, memory
 from meshpar.plan.shape import Shape
+from meshpar.rules import SLOT_SCHEDULES
 
 
 def bubble(lay: Layout) -> float:
-    """Idle fraction of the layout's pipeline (`schedule.bubble_fraction`); 0 without one."""
-    return 0.0 if lay.mesh.stage == 1 else schedule.bubble_fraction(lay.mesh.stage, lay.M, lay.R)
+    """Idle fraction of the layout's pipeline (`schedule.bubble_fraction`, `zero_bubble_fraction`); 0 without
+    one."""
+    if lay.mesh.stage == 1:
+        return 0.0
+    if lay.parallel.pipeline_schedule == "zero_bubble":
+        return schedule.zero_bubble_fraction(lay.mesh.stage, lay.M, lay.R)
+    return schedule.bubble_fraction(lay.mesh.stage, lay.M, lay.R)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,9 +139,13 @@ def compute_seconds(shape: Shape, lay: Layout, run: Run, hw: Hardware) -> tuple[
     ring = lay.mesh.sequence > 1 and lay.parallel.context_attention == "ring"
     recompute = {"none": 0.0, "dots": attn, "offload": attn, "full": proj + attn}[lay.remat]
     recompute += attn if ring and lay.remat != "full" else 0.0  # ring steps are rematerialised anyway
-    one_f_one_b = lay.mesh.stage > 1 and lay.parallel.pipeline_schedule == "1f1b"
+    one_f_one_b = lay.mesh.stage > 1 and lay.parallel.pipeline_schedule in SLOT_SCHEDULES
     recompute += proj + attn if one_f_one_b else 0.0  # 1F1B recomputes each chunk's forward in its backward
     flops_layer = (3 * (proj + attn) + recompute) * tokens
+    # zero-bubble: the weights' gradients (one matmul per weight: proj) run in R·M of the R·M + P − 1 slots
+    deferred = lay.mesh.stage > 1 and lay.parallel.pipeline_schedule == "zero_bubble"
+    weight_share = lay.R * lay.M / schedule.iterations(lay.mesh.stage, lay.M, lay.R) if deferred else 1.0
+    flops_layer -= (1 - weight_share) * proj * tokens
     act = layer_traffic_per_token(shape, lay, run)
     if ring and not run.flash_attention:  # every step's [t, t] score block goes through HBM, not just one
         N, n = shape.heads / lay.mesh.model, lay.mesh.sequence

@@ -1,0 +1,144 @@
+"""A layer's backward pass in two parts, the input's gradient now and the weights' gradient later: what a
+zero-bubble schedule (`meshpar.pipeline.one_f_one_b`) needs, taken from the layer's own VJP, with no change
+to the model.
+
+`Split.of(fn, w, x, extra)` traces `fn(w, x, extra) → y` and its VJP with respect to the weights `w` and
+the input `x` (`extra`: per-call inputs with no gradient, e.g. positions) into one program, and sorts its
+equations into three:
+- forward: those that do not depend on the output's cotangent g (the layer's forward pass);
+- input: those that depend on g and lead to the input's gradient dx (the critical path of a pipeline);
+- weights: those that depend on g and lead only to the weights' gradient dw (for a transformer layer, one
+  matmul per weight: dW = Xᵀ·dY).
+`forward(w, x, extra) → (y, residuals)`, `input_grad(w, residuals, g) → (dx, boundary)` and
+`weight_grad(w, boundary) → dw` run them; the residuals are the forward values the other two read, the
+boundary what the weights' part reads of the others' (each matmul's input and its output's cotangent).
+Together they compute `jax.vjp` exactly, in three calls. An equation is never split: one that computes
+both (a shard_map whose body yields some weights' gradient with an input's) runs in the input part, and
+its weight gradient rides in the boundary, computed early but still correct.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+from jax.extend import core as jcore
+
+
+def _is_var(v: Any) -> bool:
+    return not isinstance(v, jcore.Literal)
+
+
+def _needed(eqns: Sequence[Any], outputs: Sequence[Any]) -> list[bool]:
+    """Which equations the `outputs` depend on (or that have effects)."""
+    need, keep = {v for v in outputs if _is_var(v)}, [False] * len(eqns)
+    for i in reversed(range(len(eqns))):
+        if eqns[i].effects or any(v in need for v in eqns[i].outvars):
+            keep[i] = True
+            need.update(v for v in eqns[i].invars if _is_var(v))
+    return keep
+
+
+def _run(eqns: Sequence[Any], env: dict) -> Callable[[Any], Any]:
+    """Evaluate `eqns` in order into `env` (as `jax.core.eval_jaxpr` does); returns a reader of `env`."""
+    def read(v):
+        return v.val if isinstance(v, jcore.Literal) else env[v]
+
+    for eqn in eqns:
+        with eqn.ctx.manager:
+            out = eqn.primitive.bind(*map(read, eqn.invars), **eqn.primitive.get_bind_params(eqn.params))
+        env.update(zip(eqn.outvars, out if eqn.primitive.multiple_results else [out]))
+    return read
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+    """The three parts of one traced VJP (module docstring); pytrees in, pytrees out."""
+
+    jaxpr: Any
+    consts: list
+    eqns: tuple[list, list, list]  # forward, input, weights
+    residuals: list
+    boundary: list
+    trees: tuple[Any, Any, Any]  # of w, x, y
+    counts: tuple[int, int, int, int]  # leaves of w, x, extra, y
+
+    @classmethod
+    def of(cls, fn: Callable[[Any, Any, Any], Any], w: Any, x: Any, extra: Any) -> Split:
+        def full(w, x, extra, g):
+            y, vjp = jax.vjp(lambda w, x: fn(w, x, extra), w, x)
+            return y, vjp(g)
+
+        y = jax.eval_shape(fn, w, x, extra)
+        closed = jax.make_jaxpr(full)(w, x, extra, y)
+        jaxpr, counts = closed.jaxpr, tuple(len(jax.tree.leaves(t)) for t in (w, x, extra, y))
+        nw, nx, ne, ny = counts
+        g_in, (y_out, dw_out, dx_out) = jaxpr.invars[nw + nx + ne:], _cut(jaxpr.outvars, (ny, nw, nx))
+        on_g, depends = set(g_in), []
+        for eqn in jaxpr.eqns:
+            depends.append(any(_is_var(v) and v in on_g for v in eqn.invars))
+            if depends[-1]:
+                on_g.update(eqn.outvars)
+        for_y, for_dx, for_dw = (_needed(jaxpr.eqns, outs) for outs in (y_out, dx_out, dw_out))
+        parts = ([], [], [])
+        for i, eqn in enumerate(jaxpr.eqns):
+            if not depends[i] and (for_y[i] or for_dx[i] or for_dw[i]):
+                parts[0].append(eqn)
+            elif depends[i] and for_dx[i]:
+                parts[1].append(eqn)
+            elif depends[i] and for_dw[i]:
+                parts[2].append(eqn)
+        reads = lambda eqns, outs: {v for e in eqns for v in e.invars if _is_var(v)} | {v for v in outs if _is_var(v)}
+        made = lambda eqns, given: set(given) | {v for e in eqns for v in e.outvars}
+        weights = set(jaxpr.invars[:nw]) | set(jaxpr.constvars)
+        forward_made = made(parts[0], jaxpr.invars[:nw + nx + ne])
+        later = reads(parts[1], dx_out) | reads(parts[2], dw_out)
+        residuals = [v for v in jaxpr.invars[nw:nw + nx + ne] + [v for e in parts[0] for v in e.outvars]
+                     if v in forward_made and v in later and v not in weights]
+        weight_reads = reads(parts[2], dw_out)
+        boundary = [v for v in residuals + list(g_in) + [v for e in parts[1] for v in e.outvars]
+                    if v in weight_reads and v not in weights]
+        trees = tuple(jax.tree.structure(t) for t in (w, x, y))
+        return cls(jaxpr, closed.consts, parts, residuals, list(dict.fromkeys(boundary)), trees, counts)
+
+    def _env(self, w: Any) -> dict:
+        env = dict(zip(self.jaxpr.constvars, self.consts))
+        env.update(zip(self.jaxpr.invars[:self.counts[0]], jax.tree.leaves(w)))
+        return env
+
+    def forward(self, w: Any, x: Any, extra: Any) -> tuple[Any, list]:
+        """(y, the residuals the other parts read)."""
+        nw, nx, ne, ny = self.counts
+        env = self._env(w)
+        env.update(zip(self.jaxpr.invars[nw:nw + nx + ne], jax.tree.leaves(x) + jax.tree.leaves(extra)))
+        read = _run(self.eqns[0], env)
+        return jax.tree.unflatten(self.trees[2], [read(v) for v in self.jaxpr.outvars[:ny]]), \
+            [read(v) for v in self.residuals]
+
+    def input_grad(self, w: Any, residuals: list, g: Any) -> tuple[Any, list]:
+        """(dx, the boundary the weights' part reads)."""
+        nw, nx, ne, ny = self.counts
+        env = self._env(w)
+        env.update(zip(self.residuals, residuals))
+        env.update(zip(self.jaxpr.invars[nw + nx + ne:], jax.tree.leaves(g)))
+        read = _run(self.eqns[1], env)
+        return jax.tree.unflatten(self.trees[1], [read(v) for v in self.jaxpr.outvars[ny + nw:]]), \
+            [read(v) for v in self.boundary]
+
+    def weight_grad(self, w: Any, boundary: list) -> Any:
+        """dw, from the boundary."""
+        nw, _, _, ny = self.counts
+        env = self._env(w)
+        env.update(zip(self.boundary, boundary))
+        read = _run(self.eqns[2], env)
+        return jax.tree.unflatten(self.trees[0], [read(v) for v in self.jaxpr.outvars[ny:ny + nw]])
+
+
+def _cut(seq: Sequence[Any], sizes: Sequence[int]) -> list[list]:
+    out, start = [], 0
+    for size in sizes:
+        out.append(list(seq[start:start + size]))
+        start += size
+    return out
