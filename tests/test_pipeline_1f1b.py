@@ -296,15 +296,17 @@ def test_training_step_matches_one_device(deep_reference, spec, R, settings):
     assert max_relative_error(grads, deep_reference[1]) < 1e-5
 
 
-def test_interleaved_packed_documents_match_one_device():
-    """Interleaved 1F1B (R = 2) on a batch of packed documents (their ids and positions ride with each
-    microbatch's rows through every chunk): the loss and every gradient of one device on the same batch."""
+@pytest.mark.parametrize("kind", ["1f1b", "zero_bubble"])
+def test_interleaved_packed_documents_match_one_device(kind):
+    """Interleaved 1F1B (R = 2), and zero-bubble, on a batch of packed documents (their ids and positions
+    ride with each microbatch's rows through every chunk, and into zero-bubble's deferred boundaries): the
+    loss and every gradient of one device on the same batch."""
     require_devices(8)
     from test_documents import CFG as DOCS_CFG, packed_batch
 
     model = dataclasses.replace(MODEL, n_layers=4)
     batch = packed_batch(DOCS_CFG)[0]
-    runs = {spec: MeshRun(spec, DOCS_CFG, model, ParallelConfig(microbatches=2, pipeline_schedule="1f1b",
+    runs = {spec: MeshRun(spec, DOCS_CFG, model, ParallelConfig(microbatches=2, pipeline_schedule=kind,
                                                                 pipeline_repeats=1 if spec == "single" else 2))
             for spec in ("single", "stage=2,data=2,model=2")}
     (ref_loss, ref_grads), (loss, grads) = (
@@ -314,22 +316,24 @@ def test_interleaved_packed_documents_match_one_device():
     assert max_relative_error(jax.device_get(grads), jax.device_get(ref_grads)) < 1e-5
 
 
-def test_interleaved_in_bfloat16_holds_bfloat16_and_matches_one_device():
-    """compute_dtype = bfloat16, interleaved (R = 2) on stage=2,data=4: the activations and cotangents the
-    stages pass on (and stash) are bfloat16 in the program JAX hands the compiler (XLA:CPU then widens its
-    collectives to float32; XLA:GPU keeps them), the gradients float32, and the loss and gradients are one
-    device's bfloat16 ones within what bfloat16 rounding in another order gives (measured: loss 6.2e-6,
-    gradients 2.2e-2 relative to the largest, where one device's bfloat16 gradients are 1.3e-2 from its
-    float32 ones and GPipe's 1.8e-2 from one device's)."""
+@pytest.mark.parametrize("kind", ["1f1b", "zero_bubble"])
+def test_interleaved_in_bfloat16_holds_bfloat16_and_matches_one_device(kind):
+    """compute_dtype = bfloat16, interleaved (R = 2; 1F1B and zero-bubble) on stage=2,data=4: the activations
+    and cotangents the stages pass on (and stash) are bfloat16 in the program JAX hands the compiler (XLA:CPU
+    then widens its collectives to float32; XLA:GPU keeps them), the gradients float32, and the loss and
+    gradients are one device's bfloat16 ones within what bfloat16 rounding in another order gives
+    (measured, 1F1B: loss 6.2e-6, gradients 2.2e-2 relative to the largest, where one device's bfloat16
+    gradients are 1.3e-2 from its float32 ones and GPipe's 1.8e-2 from one device's)."""
     require_devices(8)
     cfg, model = dataclasses.replace(TRAIN, compute_dtype="bfloat16"), dataclasses.replace(MODEL, n_layers=4)
-    layout = MeshRun("stage=2,data=4", cfg, model, ParallelConfig(microbatches=2, pipeline_schedule="1f1b",
+    layout = MeshRun("stage=2,data=4", cfg, model, ParallelConfig(microbatches=2, pipeline_schedule=kind,
                                                                   pipeline_repeats=2))
 
     def run(state, tokens_BT):
         with context.use(train.compute_context(layout.sharded, cfg)):
             return one_f_one_b.model_loss_and_grads(nnx.merge(layout.sharded.graphdef, state).model, tokens_BT,
-                                                    mesh=layout.mesh, stages=2, microbatches=2, repeats=2)
+                                                    mesh=layout.mesh, stages=2, microbatches=2, repeats=2,
+                                                    zero_bubble=kind == "zero_bubble")
 
     shapes = jax.eval_shape(run, layout.state, layout.batch(0))
     assert {x.dtype for x in jax.tree.leaves(shapes.in_flight)} == {jnp.dtype(jnp.bfloat16)}
@@ -340,12 +344,13 @@ def test_interleaved_in_bfloat16_holds_bfloat16_and_matches_one_device():
     assert max_relative_error(grads, ref_grads) < 4e-2
 
 
-def test_interleaved_with_the_optimizer_in_host_memory_trains_as_on_the_devices():
-    """Interleaved 1F1B (R = 2) with `parallel.offload=optimizer`: the update streams the stacks in their order
-    at rest; three steps' losses as with the moments on the devices."""
+@pytest.mark.parametrize("kind", ["1f1b", "zero_bubble"])
+def test_interleaved_with_the_optimizer_in_host_memory_trains_as_on_the_devices(kind):
+    """Interleaved 1F1B (R = 2), and zero-bubble, with `parallel.offload=optimizer`: the update streams the
+    stacks in their order at rest; three steps' losses as with the moments on the devices."""
     require_devices(8)
     model = dataclasses.replace(MODEL, n_layers=4)
-    losses = [MeshRun("stage=2,data=4", TRAIN, model, ParallelConfig(microbatches=2, pipeline_schedule="1f1b",
+    losses = [MeshRun("stage=2,data=4", TRAIN, model, ParallelConfig(microbatches=2, pipeline_schedule=kind,
                                                                      pipeline_repeats=2, offload=offload)).losses(3)
               for offload in ("none", "optimizer")]
     assert np.max(np.abs(np.subtract(*losses))) <= 1e-6, losses
