@@ -18,7 +18,7 @@ VENV312 := .venv312
 NEWEST_TESTS := tests/test_train.py tests/test_parallel.py tests/test_pipeline.py tests/test_pipeline_1f1b.py \
 	tests/test_offload.py tests/test_hf.py tests/test_hf_training.py tests/test_fit.py tests/test_generate.py \
 	tests/test_checkpoint.py tests/test_attention.py tests/test_flash.py tests/test_loss.py tests/test_documents.py \
-	tests/test_moe.py tests/test_pipeline_moe.py tests/test_hf_moe.py tests/test_gpu.py \
+	tests/test_moe.py tests/test_pipeline_moe.py tests/test_split_backward.py tests/test_hf_moe.py tests/test_gpu.py \
 	tests/test_distributed.py::test_each_process_reads_only_its_rows \
 	tests/test_distributed.py::test_two_processes_match_one_across_checkpoints
 

@@ -339,6 +339,7 @@ def _loss_and_grads(sharded: Sharded, cfg: TrainConfig, loss: Loss | None, model
     batch, count = normalised(as_batch(batch))
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     stages, parallel = sharded.mesh.shape["stage"], sharded.rules.parallel
+    # (for a mixture of experts; under 1F1B it also refuses a batch scope, which the pipeline cannot pool)
     pools = router_pools(cfg.router_loss_scope, parallel, stages) if sharding.axis_size(params, "experts") else 1
     if stages > 1 and parallel.pipeline_schedule in SLOT_SCHEDULES:  # the loss runs inside, pooled per microbatch
         value_and_grad = one_f_one_b.value_and_grad(graphdef, rest, loss, cfg.loss_chunk, *router_coefficients(cfg))

@@ -205,6 +205,17 @@ def _after(x: Any, *tokens: Any) -> Any:
     return _masked(~never, x)
 
 
+def _ring_read(ring_PW: Any, entry_P: jax.Array) -> Any:
+    """Each stage's own entry of a ring [P, W, ...] of every leaf (the stash, zero-bubble's boundaries): [P, ...]."""
+    read = lambda ring_W, entry: jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, entry, 0, False), ring_W)
+    return jax.vmap(read, spmd_axis_name="stage")(ring_PW, entry_P)
+
+
+def _ring_write(ring_PW: Any, value_P: Any, entry: jax.Array) -> Any:
+    """Every stage's `value_P` into entry `entry` of its ring [P, W, ...]."""
+    return jax.tree.map(lambda a, x: jax.lax.dynamic_update_index_in_dim(a, x, entry, 1), ring_PW, value_P)
+
+
 def _is_variable(x: Any) -> bool:
     return isinstance(x, nnx.Variable)
 
@@ -272,13 +283,15 @@ class _Schedule:
     def _in_lane(self):
         return context.use(self.lane_compute) if self.lane_compute is not None else contextlib.nullcontext()
 
+    def _laid_out(self, tree: Any, *lead: Any) -> Any:
+        """Every leaf of `tree` on the mesh axes `lead` of its leading dimensions, the rest the compiler's."""
+        return jax.tree.map(lambda a: constrain(a, self.mesh, *lead, *(U,) * (a.ndim - len(lead))), tree)
+
     def _activations(self, x_PZb: Any) -> Any:
-        return jax.tree.map(lambda a: constrain(a, self.mesh, "stage", self.lanes, self.inside, *(U,) * (a.ndim - 3)),
-                            x_PZb)
+        return self._laid_out(x_PZb, "stage", self.lanes, self.inside)
 
     def _stash_layout(self, stash_PWZb: Any) -> Any:
-        return jax.tree.map(lambda a: constrain(a, self.mesh, "stage", None, self.lanes, self.inside,
-                                                *(U,) * (a.ndim - 4)), stash_PWZb)
+        return self._laid_out(stash_PWZb, "stage", None, self.lanes, self.inside)
 
     def _stage(self, w_RJ: nnx.State, c_RJ: nnx.State, chunk: jax.Array, x_bTD: Any, rows: tuple) -> Any:
         """Chunk `chunk` of a stage's R: its J layers on one batch shard's rows of a microbatch."""
@@ -400,13 +413,10 @@ class _Schedule:
         forwarded it, into that slot's ring entry, mod W."""
         _, _, m_B, c_B = schedule.microbatches_in(t, self.P, self.R)
         entry_P = schedule.forward_slot(m_B, c_B, jnp.arange(self.P), self.P, self.R) % self.W
-        read = lambda stash_WZbTD, entry: jax.tree.map(
-            lambda a: jax.lax.dynamic_index_in_dim(a, entry, 0, False), stash_WZbTD)
-        return self._activations(jax.vmap(read, spmd_axis_name="stage")(stash_PWZbTD, entry_P))
+        return self._activations(_ring_read(stash_PWZbTD, entry_P))
 
     def _deferred_layout(self, ring_PWZ: Any) -> Any:
-        return jax.tree.map(lambda a: constrain(a, self.mesh, "stage", None, self.lanes, *(U,) * (a.ndim - 3)),
-                            ring_PWZ)
+        return self._laid_out(ring_PWZ, "stage", None, self.lanes)
 
     def _slot(self, carry, t, *, forward: bool, backward: bool, weights: bool = False):
         """Slot t: every stage's forward (then the shift on) and backward (then the shift back); zero-bubble:
@@ -417,8 +427,7 @@ class _Schedule:
         if forward:
             x_in, y_PZbTD = self._over_lanes(self._forward_lane, _Lane(x=x_PZbTD), t)
             x_PZbTD = self._activations(shift(self._activations(y_PZbTD)))  # q → q+1
-            stash_PWZbTD = self._stash_layout(jax.tree.map(
-                lambda a, x: jax.lax.dynamic_update_index_in_dim(a, x, t % self.W, 1), stash_PWZbTD, x_in))
+            stash_PWZbTD = self._stash_layout(_ring_write(stash_PWZbTD, x_in, t % self.W))
             lanes = lanes._replace(x=x_in, y=y_PZbTD, shifted=x_PZbTD)
         if backward:
             out = self._over_lanes(functools.partial(self._backward_lane, with_loss=forward), lanes, t)
@@ -432,22 +441,17 @@ class _Schedule:
             if not self.zero_bubble:
                 d_w = jax.tree.map(jnp.add, d_w, out.d_w)
             else:  # written before it is read: stage 0 takes its own at once
-                deferred_PWZ = self._deferred_layout(jax.tree.map(
-                    lambda a, x: jax.lax.dynamic_update_index_in_dim(a, x, t % self.W_deferred, 1), deferred_PWZ,
-                    out.boundary))
+                deferred_PWZ = self._deferred_layout(_ring_write(deferred_PWZ, out.boundary, t % self.W_deferred))
         if weights:  # stage q backwarded the chunk it takes now q slots ago (`schedule.weight_offset`)
-            entry_P = (t - jnp.arange(self.P)) % self.W_deferred
-            read = lambda ring_WZ, entry: jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, entry, 0, False),
-                                                       ring_WZ)
-            boundary_PZ = jax.vmap(read, spmd_axis_name="stage")(deferred_PWZ, entry_P)
+            boundary_PZ = _ring_read(deferred_PWZ, (t - jnp.arange(self.P)) % self.W_deferred)
             # its collectives (e.g. SP's for the norm scales) after the backward's: the shift, the embedding's
             boundary_PZ = _after(boundary_PZ, g_PZbTD, d_other)
             d_w = jax.tree.map(jnp.add, d_w, self._over_lanes(self._weight_lane, _Lane(stashed=boundary_PZ), t))
         return (x_PZbTD, g_PZbTD, stash_PWZbTD, deferred_PWZ, (loss_PZ, reports_PZM, d_w, d_other)), None
 
     def _accumulators(self, like: Any) -> Any:  # per stage and batch shard: one copy per device
-        return jax.tree.map(lambda x: constrain(jnp.zeros((self.P, self.Z, *x.shape), x.dtype), self.mesh, "stage",
-                                                self.lanes, *(U,) * x.ndim), like)
+        return self._laid_out(jax.tree.map(lambda x: jnp.zeros((self.P, self.Z, *x.shape), x.dtype), like), "stage",
+                              self.lanes)
 
     def _report_like(self, x_like: Any) -> Any:
         """The shape of `last`'s report on one lane (it pools over the lanes: evaluated under their vmap)."""

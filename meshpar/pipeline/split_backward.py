@@ -90,18 +90,15 @@ class Split:
                 parts[1].append(eqn)
             elif depends[i] and for_dw[i]:
                 parts[2].append(eqn)
+        # what a part reads; the weights and constants every part has, so neither is carried between them
         reads = lambda eqns, outs: {v for e in eqns for v in e.invars if _is_var(v)} | {v for v in outs if _is_var(v)}
-        made = lambda eqns, given: set(given) | {v for e in eqns for v in e.outvars}
-        weights = set(jaxpr.invars[:nw]) | set(jaxpr.constvars)
-        forward_made = made(parts[0], jaxpr.invars[:nw + nx + ne])
+        made = lambda eqns: [v for e in eqns for v in e.outvars]
         later = reads(parts[1], dx_out) | reads(parts[2], dw_out)
-        residuals = [v for v in jaxpr.invars[nw:nw + nx + ne] + [v for e in parts[0] for v in e.outvars]
-                     if v in forward_made and v in later and v not in weights]
+        residuals = [v for v in jaxpr.invars[nw:nw + nx + ne] + made(parts[0]) if v in later]
         weight_reads = reads(parts[2], dw_out)
-        boundary = [v for v in residuals + list(g_in) + [v for e in parts[1] for v in e.outvars]
-                    if v in weight_reads and v not in weights]
+        boundary = [v for v in residuals + list(g_in) + made(parts[1]) if v in weight_reads]
         trees = tuple(jax.tree.structure(t) for t in (w, x, y))
-        return cls(jaxpr, closed.consts, parts, residuals, list(dict.fromkeys(boundary)), trees, counts)
+        return cls(jaxpr, closed.consts, parts, residuals, boundary, trees, counts)
 
     def _env(self, w: Any) -> dict:
         env = dict(zip(self.jaxpr.constvars, self.consts))
