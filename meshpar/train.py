@@ -185,8 +185,7 @@ def sharded_abstract(make_model: ModelFactory, tx: optax.GradientTransformation,
         abstract_ts = nnx.eval_shape(lambda: TrainState(make_model(nnx.Rngs(seed)), tx))
     graphdef, abstract = nnx.split(abstract_ts)
     if mesh.shape["stage"] > 1:
-        check_schedule(rules.parallel, mesh.shape["stage"], mesh.shape["sequence"],
-                       sharding.axis_size(abstract, "experts") is not None)
+        check_schedule(rules.parallel, mesh.shape["stage"])
     if mesh.shape["stage"] > 1 and sharding.axis_size(abstract, "layers") is None:
         raise InputError(f"mesh axis stage = {mesh.shape['stage']} pipelines a stack of layers, and this model "
                          f"names no 'layers' axis: build its blocks with meshpar.layers.scan over a stacked "
@@ -194,18 +193,12 @@ def sharded_abstract(make_model: ModelFactory, tx: optax.GradientTransformation,
     return Sharded(graphdef, abstract, sharding.state_shardings(abstract, mesh, rules), mesh, rules)
 
 
-def check_schedule(parallel: ParallelConfig, stages: int, sequence: int = 1, experts: bool = False) -> None:
-    """Refuse a pipeline schedule that cannot run these microbatches, or (zero-bubble) this model on this mesh:
-    `sequence` the mesh's sequence axis, `experts` a mixture of experts. The training step and the planner
-    both ask this."""
+def check_schedule(parallel: ParallelConfig, stages: int) -> None:
+    """Refuse a pipeline schedule that cannot run these microbatches. The training step and the planner both
+    ask this."""
     if parallel.pipeline_schedule in SLOT_SCHEDULES:
         pipeline.schedule.check_interleaving(stages, pipeline.schedule.microbatches(parallel.microbatches, stages),
                                              parallel.pipeline_repeats)
-    if parallel.pipeline_schedule == "zero_bubble" and (sequence > 1 or experts):
-        what = f"context parallelism, mesh axis sequence = {sequence}" if sequence > 1 else "a mixture of experts"
-        raise InputError(f"parallel.pipeline_schedule = zero_bubble cannot yet split the backward pass of a layer "
-                         f"that runs a shard_map over the pipeline's stages ({what}): its residuals are laid out "
-                         f"per device before the stages are batched; use pipeline_schedule=1f1b")
 
 
 def router_pools(scope: str, parallel: ParallelConfig, stages: int) -> int:

@@ -212,17 +212,19 @@ def test_moe_training_matches_transformers_step_for_step(moe_family, spec, paral
     assert relative[worst] < TOLERANCE, (losses, reference)
 
 
-def test_moe_1f1b_matches_transformers_pooled_per_microbatch(moe_family):
-    """1F1B on `stage=2,expert=2`, M = 2, the router's loss pooled per microbatch (`auto` under 1F1B): STEPS steps
-    at 1e-5 against the PyTorch loop whose loss averages transformers' `load_balancing_loss_func` over the two
-    microbatches' rows (rows 0, 2, … and 1, 3, …); the batch-pooled loop is measurably another run."""
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
+def test_moe_1f1b_matches_transformers_pooled_per_microbatch(moe_family, schedule):
+    """1F1B and zero-bubble on `stage=2,expert=2`, M = 2, the router's loss pooled per microbatch (`auto` under
+    both): STEPS steps at 1e-5 against the PyTorch loop whose loss averages transformers'
+    `load_balancing_loss_func` over the two microbatches' rows (rows 0, 2, … and 1, 3, …); the batch-pooled
+    loop is measurably another run."""
     model_type, directory, tokens, pooled_over_batch, _ = moe_family
     settings = {**SETTINGS, "router_aux_loss_coef": MOE_TRAIN.router_aux_loss_coef, "router_pools": 2}
     reference = np.asarray(call("train_losses", directory, tokens.tolist(), settings))
-    parallel = rules_lib.ParallelConfig(pipeline_schedule="1f1b", microbatches=2)
+    parallel = rules_lib.ParallelConfig(pipeline_schedule=schedule, microbatches=2)
     losses = meshpar_losses(directory, tokens, "stage=2,expert=2", parallel, cfg=MOE_TRAIN)
     relative = np.abs(losses - reference) / np.abs(reference)
-    print(f"{model_type}, 1F1B on stage=2,expert=2, router loss per microbatch: worst relative difference "
+    print(f"{model_type}, {schedule} on stage=2,expert=2, router loss per microbatch: worst relative difference "
           f"{relative.max():.2e} (step {int(np.argmax(relative))})")
     assert relative.max() < TOLERANCE, (losses, reference)
     assert (np.abs(pooled_over_batch - reference) / reference).max() > 5 * TOLERANCE

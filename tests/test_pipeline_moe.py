@@ -48,7 +48,9 @@ def reference(tokens: np.ndarray, M: int, accumulation: int = 1) -> tuple[float,
 CASES = [("gpipe", 1, 2, MESH, {}), ("gpipe", 2, 4, MESH, {}), ("1f1b", 1, 2, MESH, {}), ("1f1b", 2, 2, MESH, {}),
          ("1f1b", 2, 4, MESH, {}), ("1f1b", 2, 2, "stage=2,sequence=2,expert=2", {}),
          ("1f1b", 2, 2, "stage=2,fsdp=2,expert=2", {}),
-         ("1f1b", 2, 2, "stage=2,expert=2,model=2", {"sequence_parallel": True})]
+         ("1f1b", 2, 2, "stage=2,expert=2,model=2", {"sequence_parallel": True}),
+         ("zero_bubble", 1, 2, MESH, {}), ("zero_bubble", 2, 4, MESH, {}),
+         ("zero_bubble", 2, 2, "stage=2,sequence=2,expert=2", {})]
 
 
 @pytest.mark.parametrize("kind,R,M,spec,settings", CASES,
@@ -69,7 +71,8 @@ def test_schedules_equal_one_device_pooling_each_microbatch(kind, R, M, spec, se
                 model = nnx.merge(layout.sharded.graphdef, state).model
                 return one_f_one_b.model_loss_and_grads(
                     model, tokens_BT, mesh=layout.mesh, stages=2, microbatches=M, repeats=R, remat="none",
-                    aux_coef=TRAIN.router_aux_loss_coef, z_coef=TRAIN.router_z_loss_coef, poison_bubbles=True)[:2]
+                    aux_coef=TRAIN.router_aux_loss_coef, z_coef=TRAIN.router_z_loss_coef, poison_bubbles=True,
+                    zero_bubble=kind == "zero_bubble")[:2]
 
         loss, grads = jax.jit(run)(layout.state, layout.batch(0))
         loss, grads = float(loss), jax.device_get(pipeline.to_layers(grads, layout.mesh, R))

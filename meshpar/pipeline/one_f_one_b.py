@@ -170,12 +170,12 @@ class _Lane(NamedTuple):
 
 class _Backward(NamedTuple):
     """A backward lane's results: its share of the loss and its report, its input's cotangent, its gradients
-    (zero-bubble: its chunk's boundary for the weights' gradient instead of that gradient)."""
+    (zero-bubble: the early leaves of the weights' gradient, and its chunk's boundary for the others)."""
 
     loss: jax.Array
     report: Any
     dx: Any
-    d_w: nnx.State
+    d_w: nnx.State | list
     d_other: nnx.State
     boundary: Any = ()
 
@@ -214,6 +214,14 @@ def _ring_read(ring_PW: Any, entry_P: jax.Array) -> Any:
 def _ring_write(ring_PW: Any, value_P: Any, entry: jax.Array) -> Any:
     """Every stage's `value_P` into entry `entry` of its ring [P, W, ...]."""
     return jax.tree.map(lambda a, x: jax.lax.dynamic_update_index_in_dim(a, x, entry, 1), ring_PW, value_P)
+
+
+def _add_leaves(tree: Any, leaves: tuple[int, ...], values: list) -> Any:
+    """`tree` with `values` added to its leaves numbered `leaves` (in flattening order)."""
+    flat, treedef = jax.tree.flatten(tree)
+    for i, value in zip(leaves, values):
+        flat[i] = flat[i] + value
+    return jax.tree.unflatten(treedef, flat)
 
 
 def _is_variable(x: Any) -> bool:
@@ -312,10 +320,11 @@ class _Schedule:
         return jax.tree.map(index, tree_RJ)
 
     def _input_grad(self, w_RJ: nnx.State, c_RJ: nnx.State, chunk: jax.Array, x_bTD: Any, g_bTD: Any,
-                    rows: tuple) -> tuple[Any, list]:
+                    rows: tuple) -> tuple[Any, tuple[list, list]]:
         """Zero-bubble's backward of chunk `chunk`: its input's cotangent and, per layer, the boundary its
-        weights' gradient reads later (`split_backward`). Without remat the forward keeps every layer's
-        residuals for it; with any policy only each layer's input, and each layer's forward runs again."""
+        weights' gradient reads later and the weights' gradients it cannot defer (`split_backward`: early).
+        Without remat the forward keeps every layer's residuals for it; with any policy only each layer's
+        input, and each layer's forward runs again."""
         w_J, c_J = self._chunk(w_RJ, chunk), self._chunk(c_RJ, chunk)
         args = stages_lib.lane_args(self.args, rows)
         keep_all = self.policy is None
@@ -327,22 +336,29 @@ class _Schedule:
         def backward(g, layer_saved):
             (w, c), saved = layer_saved
             residuals = saved if keep_all else self.split.forward(w, saved, (c, args))[1]
-            return self.split.input_grad(w, residuals, g)
+            dx, boundary, early = self.split.input_grad(w, residuals, g)
+            return dx, (boundary, early)
 
         saved_J = jax.lax.scan(forward, x_bTD, (w_J, c_J))[1]
         return jax.lax.scan(backward, g_bTD, ((w_J, c_J), saved_J), reverse=True)
 
-    def _weight_lane(self, w_RJ: nnx.State, c_RJ: nnx.State, lane: _Lane, flags: _Flags) -> nnx.State:
+    def _in_chunk(self, w_RJ: nnx.State, leaves: tuple[int, ...], d_J: list, chunk: jax.Array) -> list:
+        """Zero-bubble: the gradients `d_J` [J, ...] of the stage weights' `leaves`, as the stage's [R, J, ...],
+        zeros but for chunk `chunk`."""
+        w_leaves = jax.tree.leaves(w_RJ)
+        if self.R == 1:
+            return [d[None] for d in d_J]
+        return [jax.lax.dynamic_update_index_in_dim(jnp.zeros_like(w_leaves[i]), d, chunk, 0)
+                for i, d in zip(leaves, d_J)]
+
+    def _weight_lane(self, w_RJ: nnx.State, c_RJ: nnx.State, lane: _Lane, flags: _Flags) -> list:
         """Zero-bubble: one stage on one batch shard computes the weights' gradient of chunk c_W of a
-        microbatch it backwarded earlier, from that backward's boundary; the stage's [R, J, ...], zeros but
-        for chunk c_W."""
+        microbatch it backwarded earlier, from that backward's boundary: the `late` leaves (`split_backward`)."""
         with self._in_lane():
             w_J = self._chunk(w_RJ, flags.chunk_W)
             d_J = jax.lax.scan(lambda _, w_boundary: (None, self.split.weight_grad(*w_boundary)), None,
                                (w_J, lane.stashed))[1]
-            put = (lambda a, d: d[None]) if self.R == 1 else (
-                lambda a, d: jax.lax.dynamic_update_index_in_dim(jnp.zeros_like(a), d, flags.chunk_W, 0))
-            return _masked(flags.real_W, jax.tree.map(put, w_RJ, d_J))
+            return _masked(flags.real_W, self._in_chunk(w_RJ, self.split.late, d_J, flags.chunk_W))
 
     def _forward_lane(self, w_RJ: nnx.State, c_RJ: nnx.State, lane: _Lane, flags: _Flags) -> tuple[Any, Any]:
         """One stage on one batch shard: the forward of microbatch m_F through chunk c_F, whose input is the
@@ -375,8 +391,9 @@ class _Schedule:
                 loss, report, d_loss, g_bTD, x_B = self._loss_lane(lane, flags)
             real = flags.real_B
             g_bTD, x_B = _where(real, g_bTD, self.fill), _where(real, x_B, self.fill)
-            if self.zero_bubble:  # the weights' gradient later, from the boundary
-                (dx_bTD, boundary), d_w = self._input_grad(w_RJ, c_RJ, flags.chunk_B, x_B, g_bTD, lane.rows_B), ()
+            if self.zero_bubble:  # most weights' gradient later, from the boundary; the early leaves now
+                dx_bTD, (boundary, early_J) = self._input_grad(w_RJ, c_RJ, flags.chunk_B, x_B, g_bTD, lane.rows_B)
+                d_w = self._in_chunk(w_RJ, self.split.early, early_J, flags.chunk_B)
             else:
                 boundary = ()
                 d_w, dx_bTD = jax.vjp(lambda w, x: self._stage(w, c_RJ, flags.chunk_B, x, lane.rows_B), w_RJ,
@@ -441,12 +458,13 @@ class _Schedule:
             if not self.zero_bubble:
                 d_w = jax.tree.map(jnp.add, d_w, out.d_w)
             else:  # written before it is read: stage 0 takes its own at once
+                d_w = _add_leaves(d_w, self.split.early, out.d_w)
                 deferred_PWZ = self._deferred_layout(_ring_write(deferred_PWZ, out.boundary, t % self.W_deferred))
         if weights:  # stage q backwarded the chunk it takes now q slots ago (`schedule.weight_offset`)
             boundary_PZ = _ring_read(deferred_PWZ, (t - jnp.arange(self.P)) % self.W_deferred)
             # its collectives (e.g. SP's for the norm scales) after the backward's: the shift, the embedding's
             boundary_PZ = _after(boundary_PZ, g_PZbTD, d_other)
-            d_w = jax.tree.map(jnp.add, d_w, self._over_lanes(self._weight_lane, _Lane(stashed=boundary_PZ), t))
+            d_w = _add_leaves(d_w, self.split.late, self._over_lanes(self._weight_lane, _Lane(stashed=boundary_PZ), t))
         return (x_PZbTD, g_PZbTD, stash_PWZbTD, deferred_PWZ, (loss_PZ, reports_PZM, d_w, d_other)), None
 
     def _accumulators(self, like: Any) -> Any:  # per stage and batch shard: one copy per device
@@ -470,10 +488,15 @@ class _Schedule:
         poisoned bubbles: a weights' part of a bubble reads no real boundary)."""
         per_layer = lambda tree, lead: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[lead:], a.dtype), tree)
         args = stages_lib.lane_args(per_layer(self.args, 0), per_layer(self.rows_MZb, 2))
-        with self._in_lane():
+
+        def trace(_):  # as a lane runs it, so that a shard_map inside leaves the vmapped axes to the vmaps
             self.split = split_backward.Split.of(
                 lambda w, x, extra: nnx.merge(self.graphdef, w, extra[0])(x, *extra[1]),
                 per_layer(self.weights_PRJ, 3), x_like, (per_layer(self.consts_PRJ, 3), args))
+
+        with self._in_lane():
+            lanes = jax.vmap(trace, axis_name=LANES, spmd_axis_name=self.lanes)
+            jax.eval_shape(jax.vmap(lanes, spmd_axis_name="stage"), jnp.zeros((self.P, self.Z)))
         self.W_deferred = schedule.deferred_size(self.P)
 
         def ring(aval):

@@ -9,12 +9,13 @@ equations into three:
 - input: those that depend on g and lead to the input's gradient dx (the critical path of a pipeline);
 - weights: those that depend on g and lead only to the weights' gradient dw (for a transformer layer, one
   matmul per weight: dW = Xᵀ·dY).
-`forward(w, x, extra) → (y, residuals)`, `input_grad(w, residuals, g) → (dx, boundary)` and
-`weight_grad(w, boundary) → dw` run them; the residuals are the forward values the other two read, the
+`forward(w, x, extra) → (y, residuals)`, `input_grad(w, residuals, g) → (dx, boundary, early)` and
+`weight_grad(w, boundary) → late` run them; the residuals are the forward values the other two read, the
 boundary what the weights' part reads of the others' (each matmul's input and its output's cotangent).
-Together they compute `jax.vjp` exactly, in three calls. An equation is never split: one that computes
-both (a shard_map whose body yields some weights' gradient with an input's) runs in the input part, and
-its weight gradient rides in the boundary, computed early but still correct.
+Together they compute `jax.vjp` exactly, in three calls (`gradient(early, late)` is dw). An equation is
+never split: one that computes both (a shard_map whose body yields some weights' gradient with an input's:
+a mixture of experts' dispatch) runs in the input part, and those weights' gradients come out of it,
+`early` (the leaves `Split.early` of dw); the weights' part computes the others, `late`.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ class Split:
     eqns: tuple[list, list, list]  # forward, input, weights
     residuals: list
     boundary: list
+    early: tuple[int, ...]  # the leaves of dw that the input part computes; the weights' part the others
     trees: tuple[Any, Any, Any]  # of w, x, y
     counts: tuple[int, int, int, int]  # leaves of w, x, extra, y
 
@@ -93,12 +95,15 @@ class Split:
         # what a part reads; the weights and constants every part has, so neither is carried between them
         reads = lambda eqns, outs: {v for e in eqns for v in e.invars if _is_var(v)} | {v for v in outs if _is_var(v)}
         made = lambda eqns: [v for e in eqns for v in e.outvars]
-        later = reads(parts[1], dx_out) | reads(parts[2], dw_out)
+        late_made = set(made(parts[2]))
+        early = tuple(i for i, v in enumerate(dw_out) if v not in late_made)
+        early_out, late_out = [dw_out[i] for i in early], [v for v in dw_out if v in late_made]
+        later = reads(parts[1], dx_out + early_out) | reads(parts[2], late_out)
         residuals = [v for v in jaxpr.invars[nw:nw + nx + ne] + made(parts[0]) if v in later]
-        weight_reads = reads(parts[2], dw_out)
+        weight_reads = reads(parts[2], late_out)
         boundary = [v for v in residuals + list(g_in) + made(parts[1]) if v in weight_reads]
         trees = tuple(jax.tree.structure(t) for t in (w, x, y))
-        return cls(jaxpr, closed.consts, parts, residuals, boundary, trees, counts)
+        return cls(jaxpr, closed.consts, parts, residuals, boundary, early, trees, counts)
 
     def _env(self, w: Any) -> dict:
         env = dict(zip(self.jaxpr.constvars, self.consts))
@@ -114,23 +119,36 @@ class Split:
         return jax.tree.unflatten(self.trees[2], [read(v) for v in self.jaxpr.outvars[:ny]]), \
             [read(v) for v in self.residuals]
 
-    def input_grad(self, w: Any, residuals: list, g: Any) -> tuple[Any, list]:
-        """(dx, the boundary the weights' part reads)."""
+    @property
+    def late(self) -> tuple[int, ...]:
+        """The leaves of dw that the weights' part computes."""
+        return tuple(i for i in range(self.counts[0]) if i not in self.early)
+
+    def _dw_out(self, leaves: tuple[int, ...]) -> list:
+        nw, _, _, ny = self.counts
+        return [self.jaxpr.outvars[ny + i] for i in leaves]
+
+    def input_grad(self, w: Any, residuals: list, g: Any) -> tuple[Any, list, list]:
+        """(dx, the boundary the weights' part reads, the `early` leaves of dw)."""
         nw, nx, ne, ny = self.counts
         env = self._env(w)
         env.update(zip(self.residuals, residuals))
         env.update(zip(self.jaxpr.invars[nw + nx + ne:], jax.tree.leaves(g)))
         read = _run(self.eqns[1], env)
-        return jax.tree.unflatten(self.trees[1], [read(v) for v in self.jaxpr.outvars[ny + nw:]]), \
-            [read(v) for v in self.boundary]
+        return (jax.tree.unflatten(self.trees[1], [read(v) for v in self.jaxpr.outvars[ny + nw:]]),
+                [read(v) for v in self.boundary], [read(v) for v in self._dw_out(self.early)])
 
-    def weight_grad(self, w: Any, boundary: list) -> Any:
-        """dw, from the boundary."""
-        nw, _, _, ny = self.counts
+    def weight_grad(self, w: Any, boundary: list) -> list:
+        """The `late` leaves of dw, from the boundary."""
         env = self._env(w)
         env.update(zip(self.boundary, boundary))
         read = _run(self.eqns[2], env)
-        return jax.tree.unflatten(self.trees[0], [read(v) for v in self.jaxpr.outvars[ny:ny + nw]])
+        return [read(v) for v in self._dw_out(self.late)]
+
+    def gradient(self, early: list, late: list) -> Any:
+        """dw, the weights' tree, from both parts' leaves."""
+        leaves = dict(zip(self.early, early)) | dict(zip(self.late, late))
+        return jax.tree.unflatten(self.trees[0], [leaves[i] for i in range(self.counts[0])])
 
 
 def _cut(seq: Sequence[Any], sizes: Sequence[int]) -> list[list]:

@@ -151,8 +151,7 @@ def check(shape: Shape, lay: Layout, run: Run) -> list[str]:
     ask(check_accumulation, B, lay.batch_ways, A, table["batch"])
     if lay.mesh.stage > 1:
         ask(stages.check, shape.layers, B // A, sizes, stages=lay.mesh.stage, microbatches=lay.M, repeats=lay.R)
-        ask(check_schedule, dataclasses.replace(par, microbatches=lay.M), lay.mesh.stage, lay.mesh.sequence,
-            bool(shape.experts))
+        ask(check_schedule, dataclasses.replace(par, microbatches=lay.M), lay.mesh.stage)
     if lay.mesh.sequence > 1:
         ways = lambda name: math.prod(sizes[axis] for axis in table[name])
         ask(context_parallel.check, par.context_attention, T, (shape.heads, shape.kv_heads), lay.mesh.sequence,
@@ -211,14 +210,15 @@ def _local_elements(shape: Shape, zero: int, stage: int, fsdp: int, model: int, 
     return sum(n for n, (_, names) in zip(tensors, shape.elements()) if not only_layers or "layers" in names)
 
 
-def layer_matmul_params(shape: Shape, lay: Layout, run: Run) -> float:
+def layer_matmul_params(shape: Shape, lay: Layout, run: Run, *, experts: bool = True) -> float:
     """The parameters of one layer that enter matmuls, as one device computes with them per local token
     (heads and mlp split over `model`, embed whole); its experts' once per row it computes per token
-    (`expert_rows`: k where the grouped matmuls skip the empty rows, more with capacity padding)."""
+    (`expert_rows`: k where the grouped matmuls skip the empty rows, more with capacity padding), or none
+    of theirs (`experts=False`)."""
     tensors = local_tensors(shape, lay, "activations")
     per_expert = expert_rows(shape, lay, run)[1] / (shape.experts / lay.mesh.expert) if shape.experts else 0.0
     here = sum(n * (per_expert if "experts" in names else 1) for n, (_, names) in zip(tensors, shape.elements())
-               if "layers" in names and shape.is_matmul(names))
+               if "layers" in names and shape.is_matmul(names) and (experts or "experts" not in names))
     return here / (shape.layers / lay.mesh.stage)
 
 

@@ -41,14 +41,22 @@ from meshpar.plan.shape import Shape
 from meshpar.rules import SLOT_SCHEDULES
 
 
-def bubble(lay: Layout) -> float:
+def bubble(lay: Layout, deferred: float = 1.0) -> float:
     """Idle fraction of the layout's pipeline (`schedule.bubble_fraction`, `zero_bubble_fraction`); 0 without
-    one."""
+    one. `deferred`: the share of the weights' gradient matmuls zero-bubble defers (`deferred_share`); the
+    rest runs with the input's gradient."""
     if lay.mesh.stage == 1:
         return 0.0
     if lay.parallel.pipeline_schedule == "zero_bubble":
-        return schedule.zero_bubble_fraction(lay.mesh.stage, lay.M, lay.R)
+        return schedule.zero_bubble_fraction(lay.mesh.stage, lay.M, lay.R, input_grad=3 - deferred,
+                                             weight_grad=deferred)
     return schedule.bubble_fraction(lay.mesh.stage, lay.M, lay.R)
+
+
+def deferred_share(shape: Shape, lay: Layout, run: Run) -> float:
+    """Zero-bubble: the share of a layer's weight-gradient matmuls that it defers, all but a mixture's
+    experts' (their gradients come out of the dispatch's shard_map with the input's: `split_backward`)."""
+    return layer_matmul_params(shape, lay, run, experts=False) / layer_matmul_params(shape, lay, run)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,10 +150,10 @@ def compute_seconds(shape: Shape, lay: Layout, run: Run, hw: Hardware) -> tuple[
     one_f_one_b = lay.mesh.stage > 1 and lay.parallel.pipeline_schedule in SLOT_SCHEDULES
     recompute += proj + attn if one_f_one_b else 0.0  # 1F1B recomputes each chunk's forward in its backward
     flops_layer = (3 * (proj + attn) + recompute) * tokens
-    # zero-bubble: the weights' gradients (one matmul per weight: proj) run in R·M of the R·M + P − 1 slots
-    deferred = lay.mesh.stage > 1 and lay.parallel.pipeline_schedule == "zero_bubble"
-    weight_share = lay.R * lay.M / schedule.iterations(lay.mesh.stage, lay.M, lay.R) if deferred else 1.0
-    flops_layer -= (1 - weight_share) * proj * tokens
+    # zero-bubble: the deferred weights' gradients (one matmul per weight) run in R·M of the R·M + P − 1 slots
+    if lay.mesh.stage > 1 and lay.parallel.pipeline_schedule == "zero_bubble":
+        weight_share = lay.R * lay.M / schedule.iterations(lay.mesh.stage, lay.M, lay.R)
+        flops_layer -= (1 - weight_share) * deferred_share(shape, lay, run) * proj * tokens
     act = layer_traffic_per_token(shape, lay, run)
     if ring and not run.flash_attention:  # every step's [t, t] score block goes through HBM, not just one
         N, n = shape.heads / lay.mesh.model, lay.mesh.sequence
@@ -191,7 +199,7 @@ def estimate(shape: Shape, lay: Layout, run: Run, hw: Hardware, devices_per_host
                     comm={k: (v[0], v[1]) for k, v in comm.items()}, compute_s=compute,
                     exposed_s=sum(exposed.values()), step_s=step, tokens_per_s=tokens_step / step,
                     mfu=mfu(shape.model_flops_per_token(run.seq_len), tokens_step / step, lay.devices,
-                            hw.peak(run.e)), bubble=bubble(lay),
+                            hw.peak(run.e)), bubble=bubble(lay, deferred_share(shape, lay, run)),
                     problems=problems, exposed=exposed, optimizer_s=optimizer_s,
                     host_budget=hw.host_mem * mem_fraction, host_s=host_s)
 
