@@ -2,6 +2,8 @@
 output, the input's gradient and every weight's gradient, for a dense block and a mixture of experts' block
 (its carry a tuple with router statistics); and the weights' part is where the weight matmuls went."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -43,9 +45,14 @@ def test_the_three_parts_compute_the_vjp(cfg):
     assert max_relative_error(dx, dx_ref) < 1e-5
     assert max_relative_error(dw, dw_ref) < 1e-5
     dots = [sum(eqn.primitive.name == "dot_general" for eqn in part) for part in split.eqns]
-    assert split.early == ()  # no equation computes a weight's gradient with the input's
+    assert leaf_names(w, split.early) == ["attn_norm", "mlp_norm"]  # a norm's scale: a product and a sum
     if not cfg.n_experts:  # q, k, v, o, gate, up, down: one matmul per weight in the weights' part
         assert dots[2] == 7 and dots[1] > 0
+
+
+def leaf_names(w, leaves) -> list[str]:
+    paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(w)[0]]
+    return [paths[i].split("'")[1] for i in leaves]
 
 
 def test_a_nan_cotangent_reaches_every_gradient():
@@ -84,24 +91,27 @@ def test_a_shard_map_computing_a_weights_gradient_runs_early():
 
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("cfg", [MODEL, MOE], ids=["dense", "moe"])
-def test_the_boundary_is_what_the_planner_holds(cfg):
+def test_the_boundary_is_what_the_planner_holds(cfg, dtype):
     """On `expert=2,data=4`, as the schedule runs a layer: the weights' part reads, per token, what the
-    planner holds in zero-bubble's ring (`plan.memory.deferred_bytes_per_token`), exactly. A mixture's
-    experts' gradients come early, out of the dispatch's shard_map, so their rows are not in it."""
-    mesh = "expert=2,data=4"
-    layout = MeshRun(mesh, TRAIN, cfg)
+    planner holds in zero-bubble's ring (`plan.memory.deferred_bytes_per_token`), exactly, in either compute
+    dtype (the norms' in float32). A mixture's experts' gradients come early, out of the dispatch's
+    shard_map, so their rows are not in it."""
+    cfg_train = dataclasses.replace(TRAIN, compute_dtype=dtype)
+    layout = MeshRun("expert=2,data=4", cfg_train, cfg)
     with nnx.use_eager_sharding(False):
-        graphdef, w = nnx.split(Block(cfg, jnp.float32, nnx.Rngs(0)))
+        graphdef, w = nnx.split(Block(cfg, cfg_train.dtype, nnx.Rngs(0)))
     B, T = 8, 16
-    x = jnp.zeros((B, T, cfg.d_model))
+    x = jnp.zeros((B, T, cfg.d_model), cfg_train.dtype)
     if cfg.n_experts:
         x = (x, routing.RouterStats.zeros(B, cfg.n_experts))
-    with context.use(train.compute_context(layout.sharded, TRAIN)):
+    with context.use(train.compute_context(layout.sharded, cfg_train)):
         split = Split.of(lambda w, x, positions: nnx.merge(graphdef, w)(x, positions), w, x, jnp.arange(T))
     per_token = sum(v.aval.size * v.aval.dtype.itemsize for v in split.boundary) / (B * T)
     shape = plan.Shape.of_model(Transformer.factory(cfg), cfg.experts_per_token if cfg.n_experts else 0)
-    lay = plan.Layout.of_run(MeshConfig(expert=2, data=4), ParallelConfig(pipeline_schedule="zero_bubble"), TRAIN,
-                             "cpu")
-    assert per_token == deferred_bytes_per_token(shape, lay, plan.Run.of(TRAIN, "cpu"))
-    assert len(split.early) == (3 if cfg.n_experts else 0)  # gate, up, down
+    lay = plan.Layout.of_run(MeshConfig(expert=2, data=4), ParallelConfig(pipeline_schedule="zero_bubble"),
+                             cfg_train, "cpu")
+    assert per_token == deferred_bytes_per_token(shape, lay, plan.Run.of(cfg_train, "cpu")), \
+        " ".join(str(v.aval) for v in split.boundary)
+    assert sorted(leaf_names(w, split.early)) == ["attn_norm", *(["mlp"] * 3 if cfg.n_experts else []), "mlp_norm"]

@@ -45,7 +45,11 @@ Zero-bubble (ZB-H1's order, Qi et al. 2023; `zero_bubble=True`). The same slots,
 the boundary it leaves, in slot u + R·P + P − 2 for a stage's u-th backward on every stage (stage q defers
 it q slots, a ring of P boundaries), so that the weights' parts fill the last R·M slots, which 1F1B spends
 on stage 0's ramp-down: (P − 1)(F + B)/R idles instead of (P − 1)(F + B + W)/R (`schedule`:
-`weight_offset`, `weight_grads_in`, `zero_bubble_phases`, `zero_bubble_fraction`, `deferred_size`).
+`weight_offset`, `weight_grads_in`, `zero_bubble_phases`, `zero_bubble_fraction`, `deferred_size`). The
+gradients the split finishes with the input's (`Split.early`: norms' scales, a mixture's experts) are added
+in the backward's slot. The split is traced under the vmaps over stages and batch shards, as a lane runs
+the layer, so that a shard_map inside (context attention, the experts' dispatch) leaves those mesh axes to
+the vmaps, as it does when a lane runs it whole.
 
 Each slot is computed like GPipe's iterations, under the vmaps over stages and batch shards of
 `meshpar.pipeline.stages`, so the layers run unchanged under GSPMD. The loss runs per microbatch inside the
@@ -462,7 +466,8 @@ class _Schedule:
                 deferred_PWZ = self._deferred_layout(_ring_write(deferred_PWZ, out.boundary, t % self.W_deferred))
         if weights:  # stage q backwarded the chunk it takes now q slots ago (`schedule.weight_offset`)
             boundary_PZ = _ring_read(deferred_PWZ, (t - jnp.arange(self.P)) % self.W_deferred)
-            # its collectives (e.g. SP's for the norm scales) after the backward's: the shift, the embedding's
+            # its collectives (a weight gradient's sum over positions SP splits) after the backward's: the shift's,
+            # the embedding's
             boundary_PZ = _after(boundary_PZ, g_PZbTD, d_other)
             d_w = _add_leaves(d_w, self.split.late, self._over_lanes(self._weight_lane, _Lane(stashed=boundary_PZ), t))
         return (x_PZbTD, g_PZbTD, stash_PWZbTD, deferred_PWZ, (loss_PZ, reports_PZM, d_w, d_other)), None
@@ -489,7 +494,7 @@ class _Schedule:
         per_layer = lambda tree, lead: jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[lead:], a.dtype), tree)
         args = stages_lib.lane_args(per_layer(self.args, 0), per_layer(self.rows_MZb, 2))
 
-        def trace(_):  # as a lane runs it, so that a shard_map inside leaves the vmapped axes to the vmaps
+        def trace(_):  # as a lane runs it (module docstring)
             self.split = split_backward.Split.of(
                 lambda w, x, extra: nnx.merge(self.graphdef, w, extra[0])(x, *extra[1]),
                 per_layer(self.weights_PRJ, 3), x_like, (per_layer(self.consts_PRJ, 3), args))

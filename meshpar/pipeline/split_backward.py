@@ -14,8 +14,10 @@ equations into three:
 boundary what the weights' part reads of the others' (each matmul's input and its output's cotangent).
 Together they compute `jax.vjp` exactly, in three calls (`gradient(early, late)` is dw). An equation is
 never split: one that computes both (a shard_map whose body yields some weights' gradient with an input's:
-a mixture of experts' dispatch) runs in the input part, and those weights' gradients come out of it,
-`early` (the leaves `Split.early` of dw); the weights' part computes the others, `late`.
+a mixture of experts' dispatch) runs in the input part. A weight's gradient that then needs no matmul
+(that one's, at most cast from the compute dtype) is finished there too, for deferring it would only
+carry a weight-sized value to the weights' part: those are `early` (the leaves `Split.early` of dw), and
+the weights' part computes the others, `late`.
 """
 
 from __future__ import annotations
@@ -40,6 +42,14 @@ def _needed(eqns: Sequence[Any], outputs: Sequence[Any]) -> list[bool]:
             keep[i] = True
             need.update(v for v in eqns[i].invars if _is_var(v))
     return keep
+
+
+def _has_matmul(eqn: Any) -> bool:
+    """Whether an equation multiplies matrices, itself or inside a program it carries (a scan's, a shard_map's)."""
+    if "dot" in eqn.primitive.name:
+        return True
+    inner = [getattr(p, "jaxpr", p) for p in eqn.params.values() if hasattr(p, "eqns") or hasattr(p, "jaxpr")]
+    return any(_has_matmul(e) for jaxpr in inner for e in getattr(jaxpr, "eqns", ()))
 
 
 def _run(eqns: Sequence[Any], env: dict) -> Callable[[Any], Any]:
@@ -92,6 +102,14 @@ class Split:
                 parts[1].append(eqn)
             elif depends[i] and for_dw[i]:
                 parts[2].append(eqn)
+        # a weight's gradient whose weights' part has no matmul is finished with the input's (module docstring)
+        finished = set()
+        for v in dw_out:
+            needs = [eqn for eqn, need in zip(parts[2], _needed(parts[2], [v])) if need]
+            if not any(map(_has_matmul, needs)):
+                finished.update(map(id, needs))
+        parts[1].extend(eqn for eqn in parts[2] if id(eqn) in finished)
+        parts = (parts[0], parts[1], [eqn for eqn in parts[2] if id(eqn) not in finished])
         # what a part reads; the weights and constants every part has, so neither is carried between them
         reads = lambda eqns, outs: {v for e in eqns for v in e.invars if _is_var(v)} | {v for v in outs if _is_var(v)}
         made = lambda eqns: [v for e in eqns for v in e.outvars]

@@ -205,16 +205,16 @@ def update_bytes(shape: Shape, lay: Layout, run: Run) -> float:
 
 def deferred_bytes_per_token(shape: Shape, lay: Layout, run: Run) -> float:
     """Zero-bubble: what one layer's deferred weights' gradient reads, per local token (the boundary of
-    `meshpar.pipeline.split_backward`): each weight matmul's input and its output's cotangent (the q/k/v
-    projections' shared input, q, k and v's cotangents; the output projection's input and cotangent; a
-    dense MLP's input, gate's and up's cotangents, down's input and cotangent; a router's input and logits'
-    cotangent, not its experts', whose gradients are not deferred) and both norms' normalised inputs and
-    cotangents: 8·D + 2·Q + 2·KV + 3·F dense, 7·D + 2·Q + 2·KV + E for a mixture without a dense MLP (the
-    tests' models: their boundaries exactly)."""
+    `meshpar.pipeline.split_backward`): each deferred weight matmul's input and its output's cotangent (the
+    q/k/v projections' shared input, q, k and v's cotangents; the output projection's input and cotangent;
+    a dense MLP's input, gate's and up's cotangents, down's input and cotangent; a router's input and its
+    logits' cotangent): 4·D + 2·Q + 2·KV + 3·F values dense, 3·D + 2·Q + 2·KV and E float32 ones for a
+    mixture without a dense MLP (the tests' models: their boundaries exactly, in float32 and bfloat16). Not the norms' scales' nor a mixture's
+    experts' (`split_backward`: finished with the input's gradient)."""
     w, E = _widths(shape, lay), shape.experts
     mlp = 2 * w["D"] + 3 * w["F"] if shape.d_ff else 0.0
-    router = E + (0.0 if shape.d_ff else w["D"]) if E else 0.0  # its input is a dense MLP's where both run
-    return run.e * (6 * w["D"] + 2 * w["Q"] + 2 * w["KV"] + mlp + router)
+    router_input = w["D"] if E and not shape.d_ff else 0.0  # a dense MLP's input where both run
+    return run.e * (2 * w["D"] + 2 * w["Q"] + 2 * w["KV"] + mlp + router_input) + 4 * E
 
 
 def activations_1f1b(shape: Shape, lay: Layout, run: Run, *, cpu: bool = False) -> float:
