@@ -110,6 +110,8 @@ def test_the_memory_table_holds_on_the_gpu(row):
 # program; the GPU's needed one term more, 1F1B's second slot, derived from the 1F1B × model layout);
 # HELD_OUT: never used to fit them. MISSES: layouts where it is more than 10% off, at the error the README
 # states (to 2 points).
+MOE_PIPELINE = ("stage=4,expert=8,data=2", "train.global_batch=128", "train.seq_len=4096", "parallel.microbatches=8",
+                "train.remat=full")
 FITTED = {
     "8b fsdp, dots": ("llama_8b", 8, "fsdp=8", "train.global_batch=8", "train.remat=dots"),
     "8b fsdp×model+SP, dots": ("llama_8b", 8, "fsdp=2,model=4", "train.global_batch=4", "train.remat=dots", *SP),
@@ -132,23 +134,18 @@ HELD_OUT = {
     "mixtral expert=8×fsdp=8, T=4k": PRESETS["mixtral_8x7b, expert=8×fsdp=8, T=4k"][0],
     "8b zero-bubble × data, dots": ("llama_8b", 8, "stage=4,data=2", "train.global_batch=16", "parallel.microbatches=8",
                                     "parallel.pipeline_schedule=zero_bubble", "train.remat=dots"),
+    "qwen3-moe fsdp=8, capacity 1.25, T=8k": ("qwen3_30b_a3b", 8, "fsdp=8", "train.global_batch=8", "train.seq_len=8192",
+                                              "train.remat=full", "parallel.expert_capacity=1.25"),
+    "qwen3-moe 1F1B stage=4×expert=8×data=2, T=4k": ("qwen3_30b_a3b", 64, *MOE_PIPELINE,
+                                                     "parallel.pipeline_schedule=1f1b"),
+    "qwen3-moe zero-bubble stage=4×expert=8×data=2, T=4k": ("qwen3_30b_a3b", 64, *MOE_PIPELINE,
+                                                            "parallel.pipeline_schedule=zero_bubble"),
+    "qwen3-moe GPipe stage=4×expert=8×data=2, T=4k": ("qwen3_30b_a3b", 64, *MOE_PIPELINE),
 }
 MISSES = {
     "8b ZeRO-2": (("llama_8b", 8, "fsdp=8", "train.global_batch=8", "parallel.zero_stage=2", "train.remat=full"), -0.139),
     "8b 1F1B × fsdp, P=2": (("llama_8b", 8, "stage=2,fsdp=4", "train.global_batch=16", "parallel.microbatches=4",
                              "parallel.pipeline_schedule=1f1b", "train.remat=full"), 0.110),
-    "qwen3-moe fsdp=8, capacity 1.25, T=8k": (("qwen3_30b_a3b", 8, "fsdp=8", "train.global_batch=8",
-                                               "train.seq_len=8192", "train.remat=full",
-                                               "parallel.expert_capacity=1.25"), -0.172),
-    "qwen3-moe 1F1B stage=4×expert=8×data=2, T=4k": (("qwen3_30b_a3b", 64, "stage=4,expert=8,data=2",
-                                                      "train.global_batch=128", "train.seq_len=4096",
-                                                      "parallel.microbatches=8", "parallel.pipeline_schedule=1f1b",
-                                                      "train.remat=full"), -0.320),
-    "qwen3-moe zero-bubble stage=4×expert=8×data=2, T=4k": (("qwen3_30b_a3b", 64, "stage=4,expert=8,data=2",
-                                                             "train.global_batch=128", "train.seq_len=4096",
-                                                             "parallel.microbatches=8",
-                                                             "parallel.pipeline_schedule=zero_bubble",
-                                                             "train.remat=full"), -0.255),
 }
 
 
@@ -167,6 +164,16 @@ def test_planner_predicts_the_gpu_peak_within_10_percent(name):
 def test_the_planners_misses_are_the_readmes(name):
     layout, stated = MISSES[name]
     assert abs(error(compiled(*layout)) - stated) < 0.02
+
+
+def test_zero2_beyond_the_planner_is_the_schedulers_headroom(monkeypatch):
+    """ZeRO-2's miss is XLA's latency-hiding scheduler overlapping the update's gathers while its memory limit
+    allows: held to half that limit, the step compiles to the README's 51.8 GB, within 2% of the planner."""
+    options = gpu.compile_options()
+    monkeypatch.setattr(gpu, "compile_options", lambda: {**options, "xla_gpu_memory_limit_slop_factor": 50})
+    config, devices, mesh, *overrides = MISSES["8b ZeRO-2"][0]
+    report = compiled.__wrapped__(config, devices, mesh, *overrides)  # not the cached compile at the default limit
+    assert abs(peak(report) / GB / 51.8 - 1) < 0.01 and abs(error(report)) < 0.02
 
 
 # The README's second opinion on step time: the H100 program's roofline over the planner's estimate, and the

@@ -113,13 +113,23 @@ def experts_ffn(x_BTD: jax.Array, experts_BTk: jax.Array, weights_BTk: jax.Array
 def grouped_matmul(x_ID: jax.Array, w_EDF: jax.Array, sizes_E: jax.Array, vmapped: bool) -> jax.Array:
     """Rows [I, D] in groups of `sizes_E` consecutive rows, group e times w_EDF[e] (rows past the groups: 0):
     `jax.lax.ragged_dot`. Under a vmap (`vmapped`: the pipeline's lanes, accumulation's replicas), whose
-    batching rule ragged_dot lacks for these layouts, as one matmul of the rows masked per group — what
-    XLA:CPU runs for ragged_dot anyway, but El times the FLOPs of a GPU's grouped kernel."""
+    batching rule ragged_dot lacks for these layouts, a loop over the experts, each multiplying every row
+    and keeping its own group's: what XLA:CPU runs for ragged_dot anyway, El times the FLOPs of a GPU's
+    grouped kernel, but one [I, F] product at a time (one matmul of the rows masked per group would hold
+    El copies of the rows: 17 GB per GPU at `qwen3_30b_a3b` in a pipeline)."""
     if not vmapped:
         return jax.lax.ragged_dot(x_ID, w_EDF, sizes_E)
     group_I = jnp.searchsorted(jnp.cumsum(sizes_E), jnp.arange(x_ID.shape[0]), side="right")
-    x_EID = jnp.where((group_I == jnp.arange(w_EDF.shape[0])[:, None])[..., None], x_ID, 0)
-    return jnp.einsum("eid,edf->if", x_EID, w_EDF)
+
+    @jax.checkpoint  # the backward recomputes the product and its mask: no [I, F] residual per expert
+    def own_group(e, w_DF):
+        return jnp.where((group_I == e)[:, None], x_ID @ w_DF, 0)
+
+    def one_expert(y_IF, e_and_w):
+        return y_IF + own_group(*e_and_w), None
+
+    y_IF = jnp.zeros((x_ID.shape[0], w_EDF.shape[2]), jnp.result_type(x_ID, w_EDF))
+    return jax.lax.scan(one_expert, y_IF, (jnp.arange(w_EDF.shape[0]), w_EDF))[0]
 
 
 def _local(x_btD, experts_btk, weights_btk, w_gate_EDF, w_up_EDF, w_down_EFD, *, capacity: float, experts: int,

@@ -210,6 +210,24 @@ def _local_elements(shape: Shape, zero: int, stage: int, fsdp: int, model: int, 
     return sum(n for n, (_, names) in zip(tensors, shape.elements()) if not only_layers or "layers" in names)
 
 
+def transposed_for_gathers(shape: Shape, lay: Layout) -> float:
+    """Elements on one device of the stacked weights that XLA's GPU compiler copies whole, before the layer
+    loop, into another order: those whose first dimension split over fsdp at rest is not the first after
+    `layers` (the attention output's and the MLP's down projection, a mixture's every expert weight in its
+    [E, D, F] order), for a GPU all-gathers a layer's shard along its most major dimension. The copy lives
+    through the step (read in the GPU program: one per such weight, its fsdp shard in the params' dtype).
+    A pipeline gathers its stage weights whole once instead (`memory.PIPELINE`)."""
+    if lay.mesh.fsdp == 1 or lay.mesh.stage > 1:
+        return 0.0
+    table = _tables(ParallelConfig(zero_stage=lay.parallel.zero_stage))["params"]
+
+    def transposed(names: tuple) -> bool:
+        split = [i for i, name in enumerate(names) if name and "fsdp" in table.get(name, ())]
+        return "layers" in names and bool(split) and split[0] != names.index("layers") + 1
+
+    return sum(n for n, (_, names) in zip(local_tensors(shape, lay, "params"), shape.elements()) if transposed(names))
+
+
 def layer_matmul_params(shape: Shape, lay: Layout, run: Run, *, experts: bool = True) -> float:
     """The parameters of one layer that enter matmuls, as one device computes with them per local token
     (heads and mlp split over `model`, embed whole); its experts' once per row it computes per token

@@ -50,7 +50,7 @@ import jax
 
 from meshpar.pipeline import schedule
 from meshpar.plan.layout import (PRECISIONS, Layout, Run, expert_rows, layer_applications, local_dims, local_elements,
-                                 local_tensors)
+                                 local_tensors, transposed_for_gathers)
 from meshpar.plan.shape import Shape
 from meshpar.rules import SLOT_SCHEDULES
 
@@ -223,13 +223,14 @@ def activations_1f1b(shape: Shape, lay: Layout, run: Run, *, cpu: bool = False) 
     cotangents), and one chunk's layers (a stage's, R = 1), as the remat policy saves them, while its
     backward recomputes them. On a GPU, XLA's while-loop double buffering (meshpar.gpu_flags) unrolls the
     slot loop by two, so a second slot's recomputed chunk and its working set are live beside the first (not
-    on XLA:CPU, which has no such pass). Zero-bubble adds its ring of deferred weights' parts: P chunks'
+    on XLA:CPU, which has no such pass), but not a second set of a mixture's dispatch buffers. Zero-bubble adds its ring of deferred weights' parts: P chunks'
     boundaries (`deferred_bytes_per_token`)."""
     b, t, *_ = local_dims(shape, lay, run)
     stage_inputs = schedule.stash_size(lay.mesh.stage, lay.R) + 2
     chunk_layers = shape.layers / (lay.mesh.stage * lay.R)
     stage = chunk_layers * layer_bytes_per_token(shape, lay, run)
-    second_slot = 0.0 if cpu else stage + layer_bytes_per_token(shape, lay, run, saved=False)
+    working = layer_bytes_per_token(shape, lay, run, saved=False) - moe_bytes_per_token(shape, lay, run, saved=False)
+    second_slot = 0.0 if cpu else stage + working
     deferred = 0.0
     if lay.parallel.pipeline_schedule == "zero_bubble":
         deferred = schedule.deferred_size(lay.mesh.stage) * chunk_layers * deferred_bytes_per_token(shape, lay, run)
@@ -293,6 +294,8 @@ def memory(shape: Shape, lay: Layout, run: Run, *, cpu: bool = False) -> Memory:
     rows = run.global_batch / lay.batch_ways
     other = HEAD_BYTES * shape.d_model * V + 4 * rows * (run.seq_len + 1)  # the head; the int32 token batch
     other += _stage_weights(shape, lay)
+    if not cpu:  # XLA:GPU's reordered copies of the weights it gathers along a later dimension
+        other += pb * transposed_for_gathers(shape, lay)
     if lay.grad_accum > 1:
         other += gb * local_elements(shape, lay, "grads")  # the accumulator, in the gradients' layout
     # remat offload: every layer application of one accumulation step keeps its projections
