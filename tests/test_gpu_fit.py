@@ -134,13 +134,13 @@ HELD_OUT = {
     "mixtral expert=8×fsdp=8, T=4k": PRESETS["mixtral_8x7b, expert=8×fsdp=8, T=4k"][0],
     "8b zero-bubble × data, dots": ("llama_8b", 8, "stage=4,data=2", "train.global_batch=16", "parallel.microbatches=8",
                                     "parallel.pipeline_schedule=zero_bubble", "train.remat=dots"),
-    "qwen3-moe fsdp=8, capacity 1.25, T=8k": ("qwen3_30b_a3b", 8, "fsdp=8", "train.global_batch=8", "train.seq_len=8192",
-                                              "train.remat=full", "parallel.expert_capacity=1.25"),
+    "qwen3-moe fsdp=8, capacity 1.25, T=8k": ("qwen3_30b_a3b", 8, "fsdp=8", "train.global_batch=8",
+                                              "train.seq_len=8192", "train.remat=full",
+                                              "parallel.expert_capacity=1.25"),
     "qwen3-moe 1F1B stage=4×expert=8×data=2, T=4k": ("qwen3_30b_a3b", 64, *MOE_PIPELINE,
                                                      "parallel.pipeline_schedule=1f1b"),
     "qwen3-moe zero-bubble stage=4×expert=8×data=2, T=4k": ("qwen3_30b_a3b", 64, *MOE_PIPELINE,
                                                             "parallel.pipeline_schedule=zero_bubble"),
-    "qwen3-moe GPipe stage=4×expert=8×data=2, T=4k": ("qwen3_30b_a3b", 64, *MOE_PIPELINE),
 }
 MISSES = {
     "8b ZeRO-2": (("llama_8b", 8, "fsdp=8", "train.global_batch=8", "parallel.zero_stage=2", "train.remat=full"), -0.139),

@@ -209,8 +209,8 @@ def deferred_bytes_per_token(shape: Shape, lay: Layout, run: Run) -> float:
     q/k/v projections' shared input, q, k and v's cotangents; the output projection's input and cotangent;
     a dense MLP's input, gate's and up's cotangents, down's input and cotangent; a router's input and its
     logits' cotangent): 4·D + 2·Q + 2·KV + 3·F values dense, 3·D + 2·Q + 2·KV and E float32 ones for a
-    mixture without a dense MLP (the tests' models: their boundaries exactly, in float32 and bfloat16). Not the norms' scales' nor a mixture's
-    experts' (`split_backward`: finished with the input's gradient)."""
+    mixture without a dense MLP (the tests' models: their boundaries exactly, in float32 and bfloat16). Not
+    the norms' scales' nor a mixture's experts' (`split_backward`: finished with the input's gradient)."""
     w, E = _widths(shape, lay), shape.experts
     mlp = 2 * w["D"] + 3 * w["F"] if shape.d_ff else 0.0
     router_input = w["D"] if E and not shape.d_ff else 0.0  # a dense MLP's input where both run
@@ -223,8 +223,8 @@ def activations_1f1b(shape: Shape, lay: Layout, run: Run, *, cpu: bool = False) 
     cotangents), and one chunk's layers (a stage's, R = 1), as the remat policy saves them, while its
     backward recomputes them. On a GPU, XLA's while-loop double buffering (meshpar.gpu_flags) unrolls the
     slot loop by two, so a second slot's recomputed chunk and its working set are live beside the first (not
-    on XLA:CPU, which has no such pass), but not a second set of a mixture's dispatch buffers. Zero-bubble adds its ring of deferred weights' parts: P chunks'
-    boundaries (`deferred_bytes_per_token`)."""
+    on XLA:CPU, which has no such pass), but not a second set of a mixture's dispatch buffers. Zero-bubble
+    adds its ring of deferred weights' parts: P chunks' boundaries (`deferred_bytes_per_token`)."""
     b, t, *_ = local_dims(shape, lay, run)
     stage_inputs = schedule.stash_size(lay.mesh.stage, lay.R) + 2
     chunk_layers = shape.layers / (lay.mesh.stage * lay.R)
