@@ -45,10 +45,12 @@ def _needed(eqns: Sequence[Any], outputs: Sequence[Any]) -> list[bool]:
 
 
 def _has_matmul(eqn: Any) -> bool:
-    """Whether an equation multiplies matrices, itself or inside a program it carries (a scan's, a shard_map's)."""
+    """Whether an equation multiplies matrices, itself or inside a program it carries (a scan's, a shard_map's,
+    a cond's branches)."""
     if "dot" in eqn.primitive.name:
         return True
-    inner = [getattr(p, "jaxpr", p) for p in eqn.params.values() if hasattr(p, "eqns") or hasattr(p, "jaxpr")]
+    values = [v for p in eqn.params.values() for v in (p if isinstance(p, (tuple, list)) else (p,))]
+    inner = [getattr(v, "jaxpr", v) for v in values if hasattr(v, "eqns") or hasattr(v, "jaxpr")]
     return any(_has_matmul(e) for jaxpr in inner for e in getattr(jaxpr, "eqns", ()))
 
 
