@@ -349,9 +349,9 @@ class _Schedule:
     def _in_chunk(self, w_RJ: nnx.State, leaves: tuple[int, ...], d_J: list, chunk: jax.Array) -> list:
         """Zero-bubble: the gradients `d_J` [J, ...] of the stage weights' `leaves`, as the stage's [R, J, ...],
         zeros but for chunk `chunk`."""
-        w_leaves = jax.tree.leaves(w_RJ)
         if self.R == 1:
             return [d[None] for d in d_J]
+        w_leaves = jax.tree.leaves(w_RJ)
         return [jax.lax.dynamic_update_index_in_dim(jnp.zeros_like(w_leaves[i]), d, chunk, 0)
                 for i, d in zip(leaves, d_J)]
 
