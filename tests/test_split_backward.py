@@ -20,6 +20,12 @@ from models.transformer import Block, Transformer
 from test_moe import MOE
 
 
+def leaf_names(w, leaves) -> list[str]:
+    """The top-level names of the weights' leaves numbered `leaves` (flattening order)."""
+    paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(w)[0]]
+    return [paths[i].split("'")[1] for i in leaves]
+
+
 @pytest.mark.parametrize("cfg", [MODEL, MOE], ids=["dense", "moe"])
 def test_the_three_parts_compute_the_vjp(cfg):
     with nnx.use_eager_sharding(False):
@@ -48,11 +54,6 @@ def test_the_three_parts_compute_the_vjp(cfg):
     assert leaf_names(w, split.early) == ["attn_norm", "mlp_norm"]  # a norm's scale: a product and a sum
     if not cfg.n_experts:  # q, k, v, o, gate, up, down: one matmul per weight in the weights' part
         assert dots[2] == 7 and dots[1] > 0
-
-
-def leaf_names(w, leaves) -> list[str]:
-    paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(w)[0]]
-    return [paths[i].split("'")[1] for i in leaves]
 
 
 def test_a_nan_cotangent_reaches_every_gradient():
@@ -88,7 +89,6 @@ def test_a_shard_map_computing_a_weights_gradient_runs_early():
     assert max_relative_error(dx, dx_ref) < 1e-5
     assert max_relative_error(split.gradient(early, split.weight_grad(w, boundary)), dw_ref) < 1e-5
     assert not any(eqn.primitive.name == "shard_map" for eqn in split.eqns[2])
-
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -145,7 +145,7 @@ class Split:
         return tuple(i for i in range(self.counts[0]) if i not in self.early)
 
     def _dw_out(self, leaves: tuple[int, ...]) -> list:
-        nw, _, _, ny = self.counts
+        ny = self.counts[3]
         return [self.jaxpr.outvars[ny + i] for i in leaves]
 
     def input_grad(self, w: Any, residuals: list, g: Any) -> tuple[Any, list, list]:

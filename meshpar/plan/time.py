@@ -55,7 +55,10 @@ def bubble(lay: Layout, deferred: float = 1.0) -> float:
 
 def deferred_share(shape: Shape, lay: Layout, run: Run) -> float:
     """Zero-bubble: the share of a layer's weight-gradient matmuls that it defers, all but a mixture's
-    experts' (their gradients come out of the dispatch's shard_map with the input's: `split_backward`)."""
+    experts' (their gradients come out of the dispatch's shard_map with the input's: `split_backward`).
+    Other schedules defer none and never read it: 1, without the search paying for the count."""
+    if lay.mesh.stage == 1 or lay.parallel.pipeline_schedule != "zero_bubble":
+        return 1.0
     return layer_matmul_params(shape, lay, run, experts=False) / layer_matmul_params(shape, lay, run)
 
 
