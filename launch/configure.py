@@ -45,15 +45,19 @@ def configure(name: str, mesh_text: str | None, overrides: list[str], hardware: 
 
 
 def shape(cfg: configs.Config) -> plan.Shape:
-    """The planner's view of the config's model (built abstractly), a mixture's k beside it."""
-    return plan.Shape.of_model(cfg.model_factory(), cfg.model.experts_per_token if cfg.model.n_experts else 0)
+    """The planner's view of the config's model (built abstractly), a mixture's k and the layers' windows beside
+    it."""
+    model = cfg.model
+    windows = tuple(kind.window for kind in model.kinds)
+    windows = windows if any(windows) else ()
+    return plan.Shape.of_model(cfg.model_factory(), model.experts_per_token if model.n_experts else 0, windows)
 
 
 def flops_per_token(cfg: configs.Config) -> float:
     """The model FLOPs of one trained token of the config's run (PaLM's, what MFU counts): with a sliding
     window each query sees its W latest keys, not the whole sequence; of a mixture of experts, the active
     parameters (k of the E experts, and the router)."""
-    return shape(cfg).model_flops_per_token(cfg.train.seq_len, getattr(cfg.model, "sliding_window", 0))
+    return shape(cfg).model_flops_per_token(cfg.train.seq_len)
 
 
 def device_budget(hardware: str, mem_fraction: float = 0.9, cluster: gpu.Cluster | None = None) -> float:

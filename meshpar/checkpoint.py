@@ -31,6 +31,7 @@ import concurrent.futures
 import dataclasses
 import functools
 import hashlib
+import json
 import os
 import re
 import sys
@@ -254,6 +255,7 @@ class Checkpointer:
             raise InputError(f"{self.directory} step {step} is damaged: {'; '.join(problems)}")
         meta = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         saved = meta.get("config", {})
+        config = None if config is None else json.loads(json.dumps(config))  # as saved: tuples become lists
         if config is not None and "model" in config and saved.get("model") != config["model"]:
             raise InputError(f"{self.directory} step {step} is a checkpoint of a different model: "
                              + "; ".join(_differences(saved["model"], config["model"], "model.")))

@@ -1,7 +1,8 @@
 """Text generation with a KV cache, on a mesh: the prompt in one pass, then one token per step.
 
-The model provides `init_cache(batch, length)` (key and value caches [L, B, S, K, H]) and
-`decode(tokens [B, T], positions [T], k, v) -> (logits [B, T, V], k, v)`, as meshpar's transformer does.
+The model provides `init_cache(batch, length)` (key and value caches [L, B, S, K, H], or any pytree of
+them: one per kind of layer) and `decode(tokens [B, T], positions [T], k, v) -> (logits [B, T, V], k, v)`,
+as meshpar's transformer does.
 One jitted program runs the prompt (prefill), then a `lax.while_loop` of one new token per step, each step
 attending over the cache and itself (`attention.cached_attention`): T·(S + T) scores per step instead of
 recomputing the prefix. With a sliding window W the cache holds only the W − 1 latest positions, written as

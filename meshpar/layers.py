@@ -1,4 +1,5 @@
-"""Run a stack of identical layers: one `lax.scan` over the leading `layers` axis.
+"""Run a stack of identical layers (or periods of a pattern of layers): one `lax.scan` over the leading
+`layers` axis.
 
 Compile time does not grow with depth, and the stacked axis is what the pipeline splits into stages.
 With the mesh's `stage` axis > 1 the stack runs as a pipeline instead (`meshpar.pipeline`).

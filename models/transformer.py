@@ -8,7 +8,9 @@ query and key head before the rotation (Qwen 3), a head dim of its own (Qwen 3),
 experts in place of every MLP (Mixtral, Qwen3-MoE: `MoE`, routed by `meshpar.moe`), with shared experts every
 token passes, their output gated per token or not (Qwen2-MoE, DeepSeek). The blocks are
 stacked along a leading `layers` axis and run with `lax.scan`, so compile time does not grow with depth
-and the pipeline can split that axis into stages. Its forward pass also comes in the parts the 1F1B
+and the pipeline can split that axis into stages. Layers that differ (per-layer windows, rotary bases,
+dense layers among experts: `layer_pattern`) stack as periods of the pattern (`Period`), so each kind
+compiles once and a stage holds whole periods. Its forward pass also comes in the parts the 1F1B
 schedule takes (`embed`, `blocks`, `final_norm`, `output_head`: `meshpar.pipeline.one_f_one_b`).
 
 The model names LOGICAL axes only (`embed`, `heads`, `kv_heads`, `head_dim`, `mlp`, `vocab`, `layers`,
@@ -39,6 +41,22 @@ from models import rope
 
 
 @dataclasses.dataclass(frozen=True)
+class LayerKind:
+    """One layer of a repeating pattern (`TransformerConfig.layer_pattern`): its attention's reach, its rotary
+    positions and its MLP."""
+
+    window: int = 0  # each query sees its W latest keys, its own included; 0: all (full causal attention)
+    rope_theta: float = 0.0  # its own RoPE base (Gemma 3's local layers); 0: the model's
+    rope_scaling: rope.RopeScaling | None = None  # its own scaling; None: the model's
+    dense: bool = False  # a dense SwiGLU of width d_ff where the model has experts (Qwen3-MoE's mlp_only_layers)
+
+    @classmethod
+    def from_dict(cls, fields: dict) -> LayerKind:
+        scaling = fields.get("rope_scaling")
+        return cls(**{**fields, "rope_scaling": scaling if scaling is None else rope.RopeScaling(**scaling)})
+
+
+@dataclasses.dataclass(frozen=True)
 class TransformerConfig:
     vocab_size: int = 256
     d_model: int = 128
@@ -62,6 +80,9 @@ class TransformerConfig:
     n_shared_experts: int = 0  # experts every token passes (DeepSeek): one SwiGLU of n_shared_experts · d_expert
     shared_expert_gate: bool = False  # weigh the shared experts' output per token by sigmoid(x · w) (Qwen2-MoE)
     norm_topk_prob: bool = True  # weigh the k chosen experts by their probabilities renormalised over the k
+    # Layers that differ: layer i is of kind layer_pattern[i % len]. The stack scans over periods of the
+    # pattern (`Period`), so each kind compiles once. (): every layer alike (`sliding_window`, experts or not).
+    layer_pattern: tuple[LayerKind, ...] = ()
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len"):
@@ -88,6 +109,23 @@ class TransformerConfig:
         if self.n_experts and not 1 <= self.experts_per_token <= self.n_experts:
             raise InputError(f"model.experts_per_token = {self.experts_per_token} must be between 1 and "
                              f"model.n_experts = {self.n_experts}")
+        self._check_pattern()
+
+    def _check_pattern(self):
+        if not self.layer_pattern:
+            return
+        if self.sliding_window:
+            raise InputError(f"model.sliding_window = {self.sliding_window} is every layer's window: with "
+                             f"model.layer_pattern each kind gives its own (LayerKind.window)")
+        if self.n_layers % len(self.layer_pattern):
+            raise InputError(f"model.n_layers = {self.n_layers} is not a whole number of model.layer_pattern's "
+                             f"periods of {len(self.layer_pattern)} layers")
+        for j, kind in enumerate(self.layer_pattern):
+            if kind.window < 0:
+                raise InputError(f"model.layer_pattern[{j}].window = {kind.window} must be >= 0 (0: full attention)")
+            if kind.dense and not self.n_experts:
+                raise InputError(f"model.layer_pattern[{j}].dense = true: every layer is dense already "
+                                 f"(model.n_experts = 0)")
 
     @property
     def head_size(self) -> int:
@@ -99,10 +137,21 @@ class TransformerConfig:
         """An expert's SwiGLU width: `d_expert`, or d_ff where it is 0."""
         return self.d_expert or self.d_ff
 
+    @property
+    def kinds(self) -> tuple[LayerKind, ...]:
+        """One period of the layers' kinds: `layer_pattern`, or the one kind every layer is."""
+        return self.layer_pattern or (LayerKind(window=self.sliding_window),)
+
+    @property
+    def periods(self) -> int:
+        """How many periods of the pattern the stack holds: the length of its `layers` axis."""
+        return self.n_layers // len(self.kinds)
+
     @classmethod
     def from_dict(cls, fields: dict) -> TransformerConfig:
         """The config `dataclasses.asdict` wrote (a saved run's); fields it lacks keep their defaults."""
-        return cls(**{**fields, "rope_scaling": rope.RopeScaling(**fields.get("rope_scaling", {}))})
+        return cls(**{**fields, "rope_scaling": rope.RopeScaling(**fields.get("rope_scaling", {})),
+                      "layer_pattern": tuple(LayerKind.from_dict(k) for k in fields.get("layer_pattern", ()))})
 
 
 # The residual stream: its sequence dimension is `resid_seq`, which Megatron SP splits over `model` too.
@@ -133,7 +182,8 @@ class RMSNorm(nnx.Module):
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: TransformerConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: TransformerConfig, dtype: jnp.dtype, rngs: nnx.Rngs, kind: LayerKind | None = None):
+        kind = kind or cfg.kinds[0]
         D, N, K, H = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_size
         std, out_std = D**-0.5, (N * H) ** -0.5 / math.sqrt(2 * cfg.n_layers)
         self.wq_DNH = _param(rngs, (D, N, H), ("embed", "heads", "head_dim"), std)
@@ -146,11 +196,12 @@ class Attention(nnx.Module):
         if cfg.qk_norm:
             self.q_norm, self.k_norm = RMSNorm(cfg, dtype, "head_dim"), RMSNorm(cfg, dtype, "head_dim")
         self.cfg, self.dtype = cfg, dtype
+        self.window = kind.window or None
+        self.rope = (kind.rope_theta or cfg.rope_theta, kind.rope_scaling or cfg.rope_scaling)
 
     def __call__(self, x_BTD: jax.Array, positions: jax.Array, segments_BT: jax.Array | None = None) -> jax.Array:
         q_BTNH, k_BTKH, v_BTKH = self._project(x_BTD, positions)
-        return self._output(attend(q_BTNH, k_BTKH, v_BTKH, window=self.cfg.sliding_window or None,
-                                   segments_BT=segments_BT))
+        return self._output(attend(q_BTNH, k_BTKH, v_BTKH, window=self.window, segments_BT=segments_BT))
 
     def cached(self, x_BTD: jax.Array, positions_T: jax.Array, k_BSKH: jax.Array,
                v_BSKH: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -166,7 +217,7 @@ class Attention(nnx.Module):
         slot_pos_S = jnp.where(slot_pos_S >= 0, slot_pos_S, jnp.iinfo(jnp.int32).max)  # not written yet: after all
         keys_BSKH, values_BSKH = jnp.concatenate([k_BSKH, k_BTKH], 1), jnp.concatenate([v_BSKH, v_BTKH], 1)
         out_BTNH = cached_attention(q_BTNH, keys_BSKH, values_BSKH, positions_T,
-                                    jnp.concatenate([slot_pos_S, positions_T]), window=self.cfg.sliding_window or None)
+                                    jnp.concatenate([slot_pos_S, positions_T]), window=self.window)
         kept = min(T, S)
         slots = positions_T[T - kept:] % S
         k_BSKH = constrain(k_BSKH.at[:, slots].set(k_BTKH[:, T - kept:]), CACHE)
@@ -185,7 +236,7 @@ class Attention(nnx.Module):
                                       ((q_BTNH, self.q_bias_NH), (k_BTKH, self.k_bias_KH), (v_BTKH, self.v_bias_KH)))
         if cfg.qk_norm:
             q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
-        rotate = lambda x_BTXH: rope.rotate(x_BTXH, positions, cfg.rope_theta, cfg.rope_scaling)
+        rotate = lambda x_BTXH: rope.rotate(x_BTXH, positions, *self.rope)
         return rotate(q_BTNH), rotate(k_BTKH), v_BTKH
 
     def _output(self, out_BTNH: jax.Array) -> jax.Array:
@@ -247,23 +298,28 @@ ROUTER_STATS = moe.RouterStats(("batch", None), ("batch", None), ("batch",), ("b
 
 
 class Block(nnx.Module):
-    """Attention and an MLP (or a mixture of experts), each on a pre-normed residual. A dense block maps
-    x [B, T, D] to x; a MoE block maps (x, router statistics) to (x, the statistics with its own added)."""
+    """Attention and an MLP (or a mixture of experts), each on a pre-normed residual, as `kind` says. In a
+    dense model a block maps x [B, T, D] to x; in one with experts (x, router statistics) to (x, the
+    statistics with its own added: none from a dense kind). `kind`: the model's one kind where not given."""
 
-    def __init__(self, cfg: TransformerConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: TransformerConfig, dtype: jnp.dtype, rngs: nnx.Rngs, kind: LayerKind | None = None):
+        kind = kind or cfg.kinds[0]
         self.attn_norm = RMSNorm(cfg, dtype)
-        self.attn = Attention(cfg, dtype, rngs)
+        self.attn = Attention(cfg, dtype, rngs, kind)
         self.mlp_norm = RMSNorm(cfg, dtype)
-        self.mlp = MoE(cfg, dtype, rngs) if cfg.n_experts else MLP(cfg, dtype, rngs)
+        self.mlp = MoE(cfg, dtype, rngs) if cfg.n_experts and not kind.dense else MLP(cfg, dtype, rngs)
+        self.routed = bool(cfg.n_experts)  # the carry holds router statistics
 
     def __call__(self, carry, positions: jax.Array, segments_BT: jax.Array | None = None):
-        x_BTD, stats = carry if isinstance(self.mlp, MoE) else (carry, None)
+        x_BTD, stats = carry if self.routed else (carry, None)
         x_BTD = constrain(x_BTD + self.attn(self.attn_norm(x_BTD), positions, segments_BT), RESIDUAL)
-        if stats is None:
-            return constrain(x_BTD + self.mlp(self.mlp_norm(x_BTD)), RESIDUAL)
-        y_BTD, layer_stats = self.mlp(self.mlp_norm(x_BTD))
-        stats = jax.tree.map(constrain, stats + layer_stats, ROUTER_STATS)
-        return constrain(x_BTD + y_BTD, RESIDUAL), stats
+        if isinstance(self.mlp, MoE):
+            y_BTD, layer_stats = self.mlp(self.mlp_norm(x_BTD))
+            stats = jax.tree.map(constrain, stats + layer_stats, ROUTER_STATS)
+        else:
+            y_BTD = self.mlp(self.mlp_norm(x_BTD))
+        x_BTD = constrain(x_BTD + y_BTD, RESIDUAL)
+        return (x_BTD, stats) if self.routed else x_BTD
 
     def cached(self, x_BTD: jax.Array, positions_T: jax.Array, k_BSKH: jax.Array,
                v_BSKH: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -274,15 +330,42 @@ class Block(nnx.Module):
         return constrain(x_BTD + y_BTD, RESIDUAL), k_BSKH, v_BSKH
 
 
+class Period(nnx.Module):
+    """One period of `layer_pattern`: a block of each kind in turn (`layer0`, `layer1`, …), the unit the stack
+    scans and a pipeline's stages hold whole. Its KV caches are a tuple, one per kind."""
+
+    def __init__(self, cfg: TransformerConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
+        self.size = len(cfg.layer_pattern)
+        for j, kind in enumerate(cfg.layer_pattern):
+            setattr(self, f"layer{j}", Block(cfg, dtype, rngs, kind))
+
+    def blocks(self) -> list[Block]:
+        return [getattr(self, f"layer{j}") for j in range(self.size)]
+
+    def __call__(self, carry, positions: jax.Array, segments_BT: jax.Array | None = None):
+        for block in self.blocks():
+            carry = block(carry, positions, segments_BT)
+        return carry
+
+    def cached(self, x_BTD: jax.Array, positions_T: jax.Array, k_caches: tuple[jax.Array, ...],
+               v_caches: tuple[jax.Array, ...]) -> tuple[jax.Array, tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+        ks, vs = [], []
+        for block, k_BSKH, v_BSKH in zip(self.blocks(), k_caches, v_caches):
+            x_BTD, k_BSKH, v_BSKH = block.cached(x_BTD, positions_T, k_BSKH, v_BSKH)
+            ks.append(k_BSKH)
+            vs.append(v_BSKH)
+        return x_BTD, tuple(ks), tuple(vs)
+
+
 class Transformer(nnx.Module):
     def __init__(self, cfg: TransformerConfig, *, dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs):
         self.cfg, self.dtype = cfg, dtype
         self.embed_VD = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), 1.0)
 
-        @nnx.split_rngs(splits=cfg.n_layers)
+        @nnx.split_rngs(splits=cfg.periods)
         @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def stacked_blocks(rngs: nnx.Rngs) -> Block:
-            return Block(cfg, dtype, rngs)
+        def stacked_blocks(rngs: nnx.Rngs) -> Block | Period:
+            return Period(cfg, dtype, rngs) if cfg.layer_pattern else Block(cfg, dtype, rngs)
 
         self.blocks = stacked_blocks(rngs)
         self.final_norm = RMSNorm(cfg, dtype)
@@ -342,18 +425,24 @@ class Transformer(nnx.Module):
         return x_BTD, jax.tree.map(constrain, moe.RouterStats.zeros(tokens_BT.shape[0], self.cfg.n_experts),
                                    ROUTER_STATS)
 
-    def init_cache(self, batch: int, length: int) -> tuple[jax.Array, jax.Array]:
+    def init_cache(self, batch: int, length: int):
         """Empty key and value caches [L, B, S, K, H] for `length` positions, in the compute dtype: S = length,
-        or with a sliding window W the W − 1 latest positions (a query's own key comes with it: `cached`)."""
+        or with a sliding window W the W − 1 latest positions (a query's own key comes with it: `cached`).
+        With `layer_pattern`, a tuple of them, one per kind, each [L / period, B, S of its kind, K, H]."""
         cfg = self.cfg
-        S = min(length, cfg.sliding_window - 1) if cfg.sliding_window > 1 else length
-        zeros = jnp.zeros((cfg.n_layers, batch, S, cfg.n_kv_heads, cfg.head_size), self.dtype)
-        return constrain(zeros, ("layers", *CACHE)), constrain(zeros, ("layers", *CACHE))
 
-    def decode(self, tokens_BT: jax.Array, positions_T: jax.Array, k_LBSKH: jax.Array,
-               v_LBSKH: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Logits [B, T, V] of T new tokens at positions (contiguous), attending over the KV caches and
-        everything before them; returns the caches with the new positions written in."""
+        def cache(kind: LayerKind) -> jax.Array:
+            S = min(length, kind.window - 1) if kind.window > 1 else length
+            zeros = jnp.zeros((cfg.periods, batch, S, cfg.n_kv_heads, cfg.head_size), self.dtype)
+            return constrain(zeros, ("layers", *CACHE))
+
+        if not cfg.layer_pattern:
+            return cache(cfg.kinds[0]), cache(cfg.kinds[0])
+        return tuple(map(cache, cfg.kinds)), tuple(map(cache, cfg.kinds))
+
+    def decode(self, tokens_BT: jax.Array, positions_T: jax.Array, k_LBSKH, v_LBSKH):
+        """Logits [B, T, V] of T new tokens at positions (contiguous), attending over the KV caches
+        (`init_cache`'s) and everything before them; returns the caches with the new positions written in."""
         x_BTD = self.embed(tokens_BT)
         graphdef, stacked = nnx.split(self.blocks)
 

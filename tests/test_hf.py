@@ -219,8 +219,10 @@ def test_tied_bfloat16_checkpoint(tmp_path):
     ("llama", {"hidden_act": "gelu"}, "hidden_act"),
     ("llama", {"model_type": "gemma"}, "model_type = 'gemma' is not one meshpar can convert"),
     ("llama", {"architectures": ["LlamaForSequenceClassification"]}, "only LlamaForCausalLM"),
-    ("qwen2", {"use_sliding_window": True}, "use_sliding_window = true is not implemented"),
-    ("qwen2", {"layer_types": ["full_attention", "sliding_attention"]}, "layer_types has 'sliding_attention'"),
+    ("llama", {"layer_types": ["full_attention", "sliding_attention"]},
+     r"layer_types has 'sliding_attention' layers, which meshpar does not read for llama \(per-layer windows: qwen2"),
+    ("qwen2", {"layer_types": ["full_attention", "chunked_attention"]}, r"layer_types = \[.*is not implemented"),
+    ("qwen3", {"layer_types": ["full_attention"]}, r"layer_types = \[.*one of full_attention or sliding_attention"),
     ("qwen3", {"attention_bias": True}, "attention_bias"),
     ("qwen3", {"attention_dropout": 0.1}, "attention_dropout"),
 ])

@@ -225,7 +225,7 @@ def test_stack_at_rest_holds_each_stage_groups_chunks():
         for to_rest in (True, False):
             hlo = order.swap_chunks.lower(w, w.sharding, 0, R, to_rest).compile().as_text()
             assert compiler.collectives(hlo) == {"all-to-all": {"count": 1, "bytes": w.nbytes // 4}}
-    with pytest.raises(ValueError, match=r"L = 8 layers cannot be stored as stage=2 blocks of R = 8 chunks each"):
+    with pytest.raises(ValueError, match=r"L = 8 stacked layers are not divisible by P = 2 stages × R = 8 repeats"):
         order.to_rest(c.state, c.mesh, 8)
 
 
@@ -303,8 +303,8 @@ def test_compile_cost_does_not_grow_with_microbatches():
 
 
 @pytest.mark.parametrize("kwargs,batch,message", [
-    (dict(stages=4, microbatches=2, repeats=4), 16, r"L = 8 layers .* P = 4 stages × R = 4 repeats"),
-    (dict(stages=3, microbatches=2), 16, r"L = 8 layers .* P = 3 stages"),
+    (dict(stages=4, microbatches=2, repeats=4), 16, r"L = 8 stacked layers .* P = 4 stages × R = 4 repeats"),
+    (dict(stages=3, microbatches=2), 16, r"L = 8 stacked layers .* P = 3 stages"),
     (dict(stages=4, microbatches=3), 16, r"batch B = 16 .* M = 3 microbatches"),
     (dict(stages=4, microbatches=4), 12, r"B/M = 12/4 = 3 rows .* data=2 = 2"),
     (dict(stages=2, microbatches=2), 16, r"P = 2 stages cannot be split over mesh axis stage=4"),

@@ -27,13 +27,13 @@ PER_MICROBATCH = dataclasses.replace(TRAIN, router_loss_scope="microbatch")
 MESH = "stage=2,expert=2,data=2"
 
 
-def reference(tokens: np.ndarray, M: int, accumulation: int = 1) -> tuple[float, nnx.State]:
+def reference(tokens: np.ndarray, M: int, accumulation: int = 1, model=MODEL) -> tuple[float, nnx.State]:
     """One device's loss and gradients on each pool of rows (accumulation microbatch a: the a-th block of
     rows; pipeline microbatch m of it: rows m, M + m, …), its router losses pooled over them alone, averaged
     over the pools."""
     A, B = accumulation, tokens.shape[0]
     cfg = dataclasses.replace(TRAIN, global_batch=B // (A * M))
-    single = MeshRun("single", cfg, MODEL)
+    single = MeshRun("single", cfg, model)
     step = train.loss_and_grads(single.sharded, single.tokens_sharding, cfg)
     blocks = [tokens[a * B // A:(a + 1) * B // A] for a in range(A)]
     outs = [step(single.state, jax.device_put(block[m::M], single.tokens_sharding)) for block in blocks

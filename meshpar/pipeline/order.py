@@ -51,6 +51,13 @@ def _reordered(state: nnx.State, mesh: Mesh, repeats: int, *, to_rest: bool) -> 
     return jax.tree.map(one, state, is_leaf=lambda v: isinstance(v, nnx.Variable))
 
 
+def refuse_uneven_chunks(L: int, stages: int, repeats: int) -> None:
+    """Refuse a stack of L entries that P stages × R repeats cannot split into equal chunks."""
+    if L % (stages * repeats):
+        raise InputError(f"pipeline: L = {L} stacked layers are not divisible by P = {stages} stages × R = {repeats} "
+                         f"repeats (with model.layer_pattern, L counts its periods: a chunk holds whole ones)")
+
+
 @functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
 def swap_chunks(x: jax.Array, layout: NamedSharding, dim: int, repeats: int, to_rest: bool) -> jax.Array:
     """Axis `dim` of `x` viewed as [R, p, J] (layer order) → [p, R, J] (at rest), or back; laid out as `x`.
@@ -59,9 +66,7 @@ def swap_chunks(x: jax.Array, layout: NamedSharding, dim: int, repeats: int, to_
     the view for `to_rest`, out of it for `to_layers`), never a gather of the whole stack.
     """
     mesh, p, L = layout.mesh, layout.mesh.shape["stage"], x.shape[dim]
-    if L % (p * repeats):
-        raise InputError(f"pipeline: L = {L} layers cannot be stored as stage={p} blocks of R = {repeats} "
-                         f"chunks each: L is not divisible by {p * repeats}")
+    refuse_uneven_chunks(L, p, repeats)
     spec = (*layout.spec, *(None,) * (x.ndim - len(layout.spec)))
     before, after = spec[:dim], spec[dim + 1:]
 

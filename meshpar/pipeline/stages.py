@@ -23,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from meshpar import context, sharding
 from meshpar.errors import InputError
+from meshpar.pipeline import order
 from meshpar.rules import BATCH_AXES
 
 U = P.UNCONSTRAINED
@@ -121,9 +122,7 @@ def check(layers: int, rows: int, sizes: Mapping[str, int], *, stages: int, micr
     for name, value in (("stages", stages), ("microbatches", microbatches), ("repeats", repeats)):
         if value < 1:
             raise InputError(f"pipeline: {name} = {value} must be >= 1")
-    if layers % (stages * repeats):
-        raise InputError(f"pipeline: L = {layers} layers are not divisible by P = {stages} stages × R = {repeats} "
-                         f"repeats")
+    order.refuse_uneven_chunks(layers, stages, repeats)
     if "stage" not in sizes:
         raise InputError(f"pipeline: the mesh has no 'stage' axis (axes: {', '.join(sizes)})")
     if stages % sizes["stage"]:

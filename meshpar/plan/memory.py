@@ -36,9 +36,13 @@ peak to 10% on the layouts it was fitted on and, apart, on layouts it was not):
   probabilities; `dots` the matmuls' results (the outputs, gate and up); `full` and `offload` nothing
   beyond the layer's input. A layer's backward pass works with the buffers both ways and their gradients
   (`MOE_WORKING`). Derived from meshpar.moe.dispatch, not fitted.
+- layers that differ (`layer_pattern`): a "layer" here is one entry of the stack, a period's layers. Its
+  widths add up its layers' (D, Q and KV each layer's; F those with an MLP; the experts' terms those with
+  experts), so the fitted per-layer coefficients apply unchanged. The remat policy checkpoints the entry,
+  so its backward pass works on a whole period at once.
 
 Letters as in `meshpar.plan.layout`; the widths: D (d_model), Dsp (D / model under Megatron SP: the
-residual stream), F (d_ff / model), Q (N·H / model) and KV (K·H / model).
+residual stream), F (d_ff / model), Q (N·H / model) and KV (K·H / model), each summed over an entry's layers.
 """
 
 from __future__ import annotations
@@ -123,8 +127,11 @@ def _widths(shape: Shape, lay: Layout) -> dict[str, float]:
 
 @functools.lru_cache(maxsize=4096)
 def _widths_of(shape: Shape, m: int, sequence_parallel: bool) -> dict[str, float]:
-    return {"D": shape.d_model, "Dsp": shape.d_model / (m if sequence_parallel else 1),
-            "F": shape.d_ff / m, "Q": shape.heads * shape.head_dim / m, "KV": shape.kv_heads * shape.head_dim / m}
+    """The widths of one entry of the stack: of every layer it holds (`Shape.period`), F of those with an MLP."""
+    L = shape.period
+    return {"D": L * shape.d_model, "Dsp": L * shape.d_model / (m if sequence_parallel else 1),
+            "F": shape.mlp_layers * shape.d_ff / m, "Q": L * shape.heads * shape.head_dim / m,
+            "KV": L * shape.kv_heads * shape.head_dim / m}
 
 
 def _weighted(coefficients: dict[str, float], widths: dict[str, float], run: Run) -> float:
@@ -175,13 +182,13 @@ def moe_bytes_per_token(shape: Shape, lay: Layout, run: Run, *, saved: bool = Tr
     widths = {"D": shape.d_model, "Fe": shape.expert_width / lay.mesh.model}
     per_row = lambda counts: sum(k * widths[name] for name, k in counts.items()) * rows * run.e
     if not saved:
-        return per_row(MOE_WORKING)
+        return per_row(MOE_WORKING) * shape.moe_layers
     if lay.remat in ("full", "offload"):  # the layer's input only (offload: activations on the device)
         return 0.0
     kept = per_row(MOE_SAVED[lay.remat])
     if lay.remat == "none":  # the combine's gathered outputs and the router's float32 probabilities
         kept += shape.experts_per_token * shape.d_model * run.e + 4 * shape.experts
-    return kept
+    return kept * shape.moe_layers
 
 
 def host_layer_bytes_per_token(shape: Shape, lay: Layout, run: Run) -> float:
@@ -211,10 +218,10 @@ def deferred_bytes_per_token(shape: Shape, lay: Layout, run: Run) -> float:
     logits' cotangent): 4·D + 2·Q + 2·KV + 3·F values dense, 3·D + 2·Q + 2·KV and E float32 ones for a
     mixture without a dense MLP (the tests' models: their boundaries exactly, in float32 and bfloat16). Not
     the norms' scales' nor a mixture's experts' (`split_backward`: finished with the input's gradient)."""
-    w, E = _widths(shape, lay), shape.experts
-    mlp = 2 * w["D"] + 3 * w["F"] if shape.d_ff else 0.0
-    router_input = w["D"] if E and not shape.d_ff else 0.0  # a dense MLP's input where both run
-    return run.e * (2 * w["D"] + 2 * w["Q"] + 2 * w["KV"] + mlp + router_input) + 4 * E
+    w, E, D = _widths(shape, lay), shape.experts, shape.d_model
+    mlp = 2 * D * shape.mlp_layers + 3 * w["F"]
+    router_inputs = D * (shape.period - shape.mlp_layers) if E else 0.0  # where no MLP shares the input
+    return run.e * (2 * w["D"] + 2 * w["Q"] + 2 * w["KV"] + mlp + router_inputs) + 4 * E * shape.moe_layers
 
 
 def activations_1f1b(shape: Shape, lay: Layout, run: Run, *, cpu: bool = False) -> float:

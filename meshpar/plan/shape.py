@@ -7,7 +7,12 @@ formulas need are the sizes of those names: D = embed, N = heads, K = kv_heads, 
 vocab, L = layers, E = experts, Fe = expert_mlp. Which device holds which part of a tensor then follows from
 the same rules the training step uses (`meshpar.plan.layout`). The one figure no parameter shape holds, a
 mixture's k (the experts each token is routed to), is given beside them: a token computes with k of the E
-experts, so its FLOPs count the experts' weights k/E times (the active parameters).
+experts, so its FLOPs count the experts' weights k/E times (the active parameters). So are the layers'
+attention windows, which no weight shows.
+
+Layers that differ (`layer_pattern`) stack as periods: one entry of the `layers` axis holds a period's
+layers, each with its attention, a dense MLP (`mlp`) or experts. The planner's "layer" is that entry;
+`period`, `mlp_layers` and `moe_layers` count what it holds, read from the weights.
 """
 
 from __future__ import annotations
@@ -29,18 +34,22 @@ Tensor = tuple[str, tuple[int, ...], tuple[str | None, ...]]  # (path, shape, lo
 class Shape:
     tensors: tuple[Tensor, ...]
     experts_per_token: int = 0  # k of a mixture of experts (not read for a dense model)
+    windows: tuple[int, ...] = ()  # each layer of a period's sliding window (0: full attention); (): all full
 
     @classmethod
-    def of(cls, abstract_params: nnx.State, experts_per_token: int = 0) -> Shape:
+    def of(cls, abstract_params: nnx.State, experts_per_token: int = 0, windows: tuple[int, ...] = ()) -> Shape:
         """From a (possibly abstract) state of parameters that declare their logical axes."""
         return cls(tuple((sharding.path_name(path), tuple(v.shape), sharding.logical_axes(v, path))
-                         for path, v in nnx.to_flat_state(nnx.state(abstract_params, nnx.Param))), experts_per_token)
+                         for path, v in nnx.to_flat_state(nnx.state(abstract_params, nnx.Param))),
+                   experts_per_token, windows)
 
     @classmethod
-    def of_model(cls, make_model: Callable[[nnx.Rngs], nnx.Module], experts_per_token: int = 0) -> Shape:
+    def of_model(cls, make_model: Callable[[nnx.Rngs], nnx.Module], experts_per_token: int = 0,
+                 windows: tuple[int, ...] = ()) -> Shape:
         """From a model factory (`rngs → model`), built abstractly: nothing is allocated."""
         with nnx.use_eager_sharding(False):  # meshpar, not Flax, resolves logical names
-            return cls.of(nnx.state(nnx.eval_shape(lambda: make_model(nnx.Rngs(0))), nnx.Param), experts_per_token)
+            return cls.of(nnx.state(nnx.eval_shape(lambda: make_model(nnx.Rngs(0))), nnx.Param), experts_per_token,
+                          windows)
 
     def __post_init__(self):
         # Derived once: the planner's search asks for them hundreds of thousands of times.
@@ -50,6 +59,12 @@ class Shape:
                 sizes.setdefault(name, dim)
         object.__setattr__(self, "_sizes", sizes)
         object.__setattr__(self, "_elements", tuple((math.prod(shape), names) for _, shape, names in self.tensors))
+        count = lambda names: sum(1 for _, _, n in self.tensors if n == names)
+        object.__setattr__(self, "_counts", (max(1, count(("layers", "embed", "heads", "head_dim"))),
+                                             count(("layers", "embed", "mlp")) // 2,  # gate and up
+                                             count(("layers", "experts", "embed", "expert_mlp")) // 2))
+        if self.windows and len(self.windows) != self.period:
+            raise InputError(f"{len(self.windows)} windows for a period of {self.period} layers")
         if self.experts and not 1 <= self.experts_per_token <= self.experts:
             raise InputError(f"the model has {self.experts} experts (its 'experts' axis): give experts_per_token, the "
                              f"experts each token is routed to, between 1 and {self.experts} (got "
@@ -70,6 +85,26 @@ class Shape:
     @property
     def layers(self) -> int:
         return self.size("layers")
+
+    @property
+    def period(self) -> int:
+        """The layers one entry of the `layers` axis holds (a `layer_pattern`'s period; 1: all alike)."""
+        return self._counts[0]
+
+    @property
+    def mlp_layers(self) -> int:
+        """Of those, the layers with an `mlp`-wide MLP: dense ones, or a mixture's shared experts."""
+        return self._counts[1]
+
+    @property
+    def moe_layers(self) -> int:
+        """Of those, the layers with experts."""
+        return self._counts[2]
+
+    def attention_keys(self, keys: float) -> float:
+        """The keys a query sees in one entry's layers together, `keys` where nothing bounds them (each
+        window W: at most W)."""
+        return sum(min(keys, w) if w else keys for w in self.windows or (0,) * self.period)
 
     @property
     def heads(self) -> int:
@@ -124,7 +159,8 @@ class Shape:
         return sum(n * self.experts_per_token // self.experts if "experts" in names else n
                    for n, names in self.elements() if self.is_matmul(names))
 
-    def model_flops_per_token(self, seq_len: int, window: int = 0) -> float:
-        """PaLM's 6Ψ + 12·L·N·H·T (`meshpar.mfu`); with a sliding window W < T, each query sees W keys, not T."""
-        keys = min(seq_len, window) if window else seq_len
-        return palm_flops_per_token(self.matmul_params, self.layers, self.heads, self.head_dim, keys)
+    def model_flops_per_token(self, seq_len: int) -> float:
+        """PaLM's 6Ψ + 12·L·N·H·T (`meshpar.mfu`); in a layer with a sliding window W < T, each query sees W
+        keys, not T."""
+        keys = self.attention_keys(seq_len) / self.period  # a layer's on average
+        return palm_flops_per_token(self.matmul_params, self.layers * self.period, self.heads, self.head_dim, keys)

@@ -108,7 +108,8 @@ class Estimate:
 
 
 def layer_flops_per_token(shape: Shape, lay: Layout, run: Run) -> tuple[float, float]:
-    """(projection, attention) matmul FLOPs of one layer's forward pass per local token, on one device."""
+    """(projection, attention) matmul FLOPs of one layer's forward pass per local token, on one device (of one
+    entry of the stack: a period's layers, each window bounding its keys)."""
     H, T, n = shape.head_dim, run.seq_len, lay.mesh.sequence
     _, _, N, *_ = local_dims(shape, lay, run)
     proj = 2 * layer_matmul_params(shape, lay, run)
@@ -118,7 +119,7 @@ def layer_flops_per_token(shape: Shape, lay: Layout, run: Run) -> tuple[float, f
         keys = T * (n + 1) / (2 * n)  # zigzag: the local block whole, then two visible half blocks per step
     else:
         keys = T  # the whole masked square is computed (and the busiest ring device does all blocks)
-    return proj, 4 * N * H * keys
+    return proj, 4 * N * H * shape.attention_keys(keys)
 
 
 def layer_traffic_per_token(shape: Shape, lay: Layout, run: Run) -> float:
@@ -126,14 +127,14 @@ def layer_traffic_per_token(shape: Shape, lay: Layout, run: Run) -> float:
     norms (float32 statistics and outputs), the region inputs, q, k, v and the attention output, SwiGLU's
     three [F] tensors and their products, and what attention keeps of its scores; a mixture's experts the
     same per row of its buffers, and the buffers (send, receive, sorted, each way: 6 of D)."""
-    D, H, e = shape.d_model, shape.head_dim, run.e
+    D, H, e, L = shape.d_model, shape.head_dim, run.e, shape.period
     _, _, N, K, F, _ = local_dims(shape, lay, run)
     sp = lay.mesh.model if lay.parallel.sequence_parallel else 1
     experts = 0.0
     if shape.experts:
         rows = expert_rows(shape, lay, run)[2]
-        experts = rows * (6 * shape.expert_width / lay.mesh.model + 6 * D) * e
-    return ((2 * e + 16) * D / sp + 2 * D * e + 2 * (N + K) * H * e + 6 * F * e + experts
+        experts = rows * (6 * shape.expert_width / lay.mesh.model + 6 * D) * e * shape.moe_layers
+    return (L * ((2 * e + 16) * D / sp + 2 * D * e + 2 * (N + K) * H * e) + 6 * F * e * shape.mlp_layers + experts
             + attention_bytes_per_token(shape, lay, run))
 
 

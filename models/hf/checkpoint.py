@@ -151,15 +151,17 @@ def _weight_map(hf_dir: Path) -> dict[str, Path]:
 
 
 def _every(cfg: TransformerConfig) -> dict[str, range]:
-    """The values each placeholder of a name takes (`families.STACKED`): every layer, every expert."""
-    return dict(zip(STACKED, (range(cfg.n_layers), range(cfg.n_experts))))
+    """The indices each stacked axis of a parameter takes (`families.STACKED`): every entry of the layer stack
+    (a period of `layer_pattern` each), every expert."""
+    return dict(zip(STACKED, (range(cfg.periods), range(cfg.n_experts))))
 
 
 def _names_of(tensor: Tensor, ranges: dict[str, range]) -> list[tuple[str, tuple[int, ...]]]:
-    """The Hugging Face tensors of `tensor`'s placeholders over `ranges`, each with its index on the leading
-    axes of the meshpar parameter ((): one tensor, the whole parameter)."""
+    """The Hugging Face tensors of `tensor`'s placeholders over `ranges` (indices on the leading axes of the
+    meshpar parameter), each with its index ((): one tensor, the whole parameter)."""
     indices = itertools.product(*(ranges[p] for p in tensor.stacked))
-    return [(tensor.name.format(**dict(zip(tensor.stacked, index))), index) for index in indices]
+    hf = lambda p, i: tensor.layer(i) if p == "l" else i
+    return [(tensor.name.format(**{p: hf(p, i) for p, i in zip(tensor.stacked, index)}), index) for index in indices]
 
 
 def import_params(hf_dir: str | Path, cfg: TransformerConfig, mesh: Mesh, rules: Rules) -> nnx.State:
@@ -247,8 +249,9 @@ def export(params: nnx.State, cfg: TransformerConfig, out_dir: str | Path, max_s
     flat = {path: v.get_value() for path, v in nnx.to_flat_state(params)}
     rows = tensors(cfg, family_of(cfg, model_type))
     whole = [(t.name, t, ()) for t in rows if not t.stacked]
-    per_layer = [(name, t, index) for l in range(cfg.n_layers) for t in rows if t.stacked
-                 for name, index in _names_of(t, {**_every(cfg), "l": range(l, l + 1)})]
+    per_layer = [(name, t, index) for l in range(cfg.n_layers) for t in rows
+                 if t.stacked and (i := t.index_of(l)) is not None
+                 for name, index in _names_of(t, {**_every(cfg), "l": range(i, i + 1)})]
     entries = whole[:1] + per_layer + whole[1:]  # transformers' order: embedding, layer by layer, norm, head
     sizes = {name: 4 * math.prod(flat[t.path].shape[len(t.stacked):]) for name, t, _ in entries}
     shards, room = [], 0

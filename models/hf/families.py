@@ -4,11 +4,18 @@
 |------------|---------------------|------------------------------------------------|--------------------------------|
 | llama      | LlamaForCausalLM    | rope scaling (linear, llama3, yarn), head_dim  | –                              |
 | mistral    | MistralForCausalLM  | as llama; `sliding_window` (every layer)       | –                              |
-| qwen2      | Qwen2ForCausalLM    | `qkv_bias` (always on)                         | self_attn.{q,k,v}_proj.bias    |
-| qwen3      | Qwen3ForCausalLM    | `qk_norm` (always on), head_dim                | self_attn.{q,k}_norm.weight    |
+| qwen2      | Qwen2ForCausalLM    | `qkv_bias` (always on); per-layer windows      | self_attn.{q,k,v}_proj.bias    |
+| qwen3      | Qwen3ForCausalLM    | `qk_norm` (always on), head_dim; per-layer windows | self_attn.{q,k}_norm.weight |
 | mixtral    | MixtralForCausalLM  | as mistral; `n_experts` (every layer)          | block_sparse_moe.* for mlp.*   |
-| qwen3_moe  | Qwen3MoeForCausalLM | as qwen3; `n_experts` (every layer), `norm_topk_prob` | mlp.gate, mlp.experts.* |
+| qwen3_moe  | Qwen3MoeForCausalLM | as qwen3; `n_experts`, dense layers, `norm_topk_prob` | mlp.gate, mlp.experts.* |
 | qwen2_moe  | Qwen2MoeForCausalLM | as qwen2 and qwen3_moe; a gated shared expert  | mlp.shared_expert{,_gate}.*    |
+
+Layers that differ (`layer_pattern`): qwen2 and qwen3 read `layer_types` (or, without it, transformers' rule:
+with `use_sliding_window`, the layers from `max_window_layers` on slide), each sliding layer with the one
+`sliding_window`; qwen3_moe and qwen2_moe read which layers have experts from `decoder_sparse_step` and
+`mlp_only_layers` (the others are dense, `intermediate_size` wide). The per-layer kinds become the shortest
+period that repeats over the layers; with one kind, the model-wide options. A pattern's period j holds layer
+j of each period: HF layer l is `blocks.layer{l % p}` at stack index l // p.
 
 The mixtures of experts (`n_experts`, `experts_per_token`, `d_expert`) read `num_local_experts` (mixtral)
 or `num_experts` (qwen3_moe), `num_experts_per_tok`, and an expert's width from `intermediate_size`
@@ -61,7 +68,7 @@ import json
 
 from meshpar.errors import InputError
 from models.rope import RopeScaling
-from models.transformer import TransformerConfig
+from models.transformer import LayerKind, TransformerConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +80,16 @@ class Tensor:
     path: tuple[str, ...]
     name: str
     kind: str  # same, transpose, heads_in, heads_out, heads_bias
+    layers: tuple[int, int] = (0, 1)  # (j, p): index i of the stacked L axis is the checkpoint's layer j + p·i
+
+    def layer(self, i: int) -> int:
+        """The checkpoint's layer at index `i` of the stacked axis."""
+        return self.layers[0] + self.layers[1] * i
+
+    def index_of(self, layer: int) -> int | None:
+        """The index on the stacked axis of the checkpoint's `layer` (None: a layer of another kind)."""
+        j, p = self.layers
+        return (layer - j) // p if (layer - j) % p == 0 else None
 
     @property
     def stacked(self) -> tuple[str, ...]:
@@ -145,33 +162,31 @@ class Family:
     qkv_bias: bool = False  # its attention always has q, k and v biases
     qk_norm: bool = False  # its attention always norms each query and key head
     windowed: bool = False  # its config.json's `sliding_window` is one window for every layer (model.sliding_window)
+    layer_types: bool = False  # its config.json's `layer_types` slide some layers' attention (one window)
     # config.json keys whose value must be what the model computes (e.g. no sliding window), and the
     # values a checkpoint of this family written by meshpar carries for them
     fixed: tuple[tuple[str, object], ...] = ()
-    experts: Experts | None = None  # a mixture of experts in every layer in place of the MLP
+    experts: Experts | None = None  # a mixture of experts in place of the MLP
+    dense_layers: bool = False  # `decoder_sparse_step` and `mlp_only_layers` leave some layers dense
 
 
 # Why meshpar needs a `fixed` key's value, where the key's name does not say it
-_WHY_FIXED = {"decoder_sparse_step": "meshpar's layers are one scanned stack, a mixture of experts in every layer",
-              "mlp_only_layers": "meshpar's layers are one scanned stack, a mixture of experts in every layer",
-              "router_jitter_noise": "meshpar's router adds no noise",
+_WHY_FIXED = {"router_jitter_noise": "meshpar's router adds no noise",
               "qkv_bias": "as Qwen2-MoE's checkpoints: meshpar's qwen2_moe has q, k and v biases"}
 
 FAMILIES = {family.model_type: family for family in (
     Family("llama", "LlamaForCausalLM", fixed=(("attention_bias", False), ("mlp_bias", False))),
     Family("mistral", "MistralForCausalLM", windowed=True),
-    Family("qwen2", "Qwen2ForCausalLM", qkv_bias=True, fixed=(("use_sliding_window", False),)),
-    Family("qwen3", "Qwen3ForCausalLM", qk_norm=True, fixed=(("attention_bias", False), ("use_sliding_window", False))),
+    Family("qwen2", "Qwen2ForCausalLM", qkv_bias=True, layer_types=True),
+    Family("qwen3", "Qwen3ForCausalLM", qk_norm=True, layer_types=True, fixed=(("attention_bias", False),)),
     Family("mixtral", "MixtralForCausalLM", windowed=True, fixed=(("router_jitter_noise", 0.0),),
            experts=Experts(("num_local_experts",), "intermediate_size", MIXTRAL_EXPERTS, renormalised=True)),
     # the Hub's checkpoints (and transformers 4) name the count num_experts, transformers 5 num_local_experts
     Family("qwen3_moe", "Qwen3MoeForCausalLM", qk_norm=True,
-           fixed=(("attention_bias", False), ("use_sliding_window", False), ("decoder_sparse_step", 1),
-                  ("mlp_only_layers", [])),
+           fixed=(("attention_bias", False), ("use_sliding_window", False)), dense_layers=True,
            experts=Experts(("num_experts", "num_local_experts"), "moe_intermediate_size", QWEN3_MOE_EXPERTS)),
     Family("qwen2_moe", "Qwen2MoeForCausalLM", qkv_bias=True,
-           fixed=(("qkv_bias", True), ("use_sliding_window", False), ("decoder_sparse_step", 1),
-                  ("mlp_only_layers", [])),
+           fixed=(("qkv_bias", True), ("use_sliding_window", False)), dense_layers=True,
            experts=Experts(("num_experts",), "moe_intermediate_size", QWEN2_MOE_EXPERTS,
                            shared_width_key="shared_expert_intermediate_size")),
 )}
@@ -179,12 +194,20 @@ FAMILIES = {family.model_type: family for family in (
 
 def tensors(cfg: TransformerConfig, family: Family) -> list[Tensor]:
     """The tensors of a `family` checkpoint of the model `cfg`: Llama's, its MLP's or its experts', and the
-    rows of the options it has on."""
+    rows of the options it has on; with a `layer_pattern`, each layer row once per kind of its period."""
     if cfg.n_experts and family.experts is None:
         raise InputError(f"model.n_experts = {cfg.n_experts}: a {family.model_type} checkpoint holds no experts")
-    mlp = family.experts.tensors if cfg.n_experts else SWIGLU
-    rows = [*LLAMA, *mlp, *(QKV_BIASES if cfg.qkv_bias else ()), *(QK_NORMS if cfg.qk_norm else ())]
-    return [t for t in rows if not (cfg.tie_embeddings and t.path == ("head_DV",))]
+    options = [*(QKV_BIASES if cfg.qkv_bias else ()), *(QK_NORMS if cfg.qk_norm else ())]
+    rows = []
+    for j, kind in enumerate(cfg.layer_pattern or (None,)):
+        mlp = family.experts.tensors if cfg.n_experts and not (kind and kind.dense) else SWIGLU
+        for t in (*LLAMA, *mlp, *options):
+            if kind is not None and t.path[0] == "blocks":
+                t = dataclasses.replace(t, path=("blocks", f"layer{j}", *t.path[1:]),
+                                        layers=(j, len(cfg.layer_pattern)))
+            if (kind is None or t.path[0] == "blocks" or j == 0) and not (cfg.tie_embeddings and t.path == ("head_DV",)):
+                rows.append(t)
+    return rows
 
 
 # ---------------------------------------------------------------------------------------------- reading
@@ -213,8 +236,29 @@ def config_from_hf(d: dict) -> TransformerConfig:
         max_seq_len=d.get("max_position_embeddings", 2048), tie_embeddings=bool(d.get("tie_word_embeddings", False)),
         rope_theta=float(theta), rope_scaling=scaling, norm_eps=float(d.get("rms_norm_eps", 1e-6)),
         head_dim=0 if d.get("head_dim") in (None, hidden // heads) else d["head_dim"],
-        qkv_bias=family.qkv_bias, qk_norm=family.qk_norm,
-        sliding_window=(d.get("sliding_window") or 0) if family.windowed else 0, **_experts_from_hf(d, family))
+        qkv_bias=family.qkv_bias, qk_norm=family.qk_norm, **_layers_from_hf(d, family), **_experts_from_hf(d, family))
+
+
+def _layers_from_hf(d: dict, family: Family) -> dict:
+    """The TransformerConfig fields of the layers' kinds: a window in every layer (`sliding_window`), or the
+    shortest period of per-layer kinds that repeats (`layer_pattern`)."""
+    n = d["num_hidden_layers"]
+    if family.windowed:
+        return {"sliding_window": d.get("sliding_window") or 0}
+    window = (d.get("sliding_window") or 0) if d.get("use_sliding_window") else 0  # transformers' rule
+    types = d.get("layer_types") or ["sliding_attention" if window and i >= d.get("max_window_layers", n)
+                                     else "full_attention" for i in range(n)]
+    if len(types) != n or not set(types) <= {"full_attention", "sliding_attention"}:
+        raise InputError(f"config.json: layer_types = {json.dumps(types)} is not implemented: meshpar reads one of "
+                         f"full_attention or sliding_attention per layer, {n} in all")
+    only = set(d.get("mlp_only_layers") or ())
+    step = d.get("decoder_sparse_step") or 1
+    kinds = [LayerKind(window=window if kind == "sliding_attention" else 0,
+                       dense=family.dense_layers and (i in only or (i + 1) % step != 0)) for i, kind in enumerate(types)]
+    period = next(p for p in range(1, n + 1) if n % p == 0 and all(kinds[i] == kinds[i % p] for i in range(n)))
+    if period == 1 and not kinds[0].dense:
+        return {"sliding_window": kinds[0].window}
+    return {"layer_pattern": tuple(kinds[:period])}
 
 
 def _experts_from_hf(d: dict, family: Family) -> dict:
@@ -258,9 +302,10 @@ def _refuse_what_is_not_implemented(d: dict, family: Family) -> None:
             raise InputError(f"config.json: {key} = {json.dumps(d[key])} is not implemented: meshpar converts "
                              f"{family.model_type} checkpoints with {key} = {json.dumps(value)}{why}")
     windowed = [kind for kind in d.get("layer_types") or () if kind != "full_attention"]
-    if windowed:
-        raise InputError(f"config.json: layer_types has {windowed[0]!r} layers, which are not implemented: meshpar's "
-                         f"attention is full (causal) in every layer")
+    if windowed and not family.layer_types:
+        readers = ", ".join(f.model_type for f in FAMILIES.values() if f.layer_types)
+        raise InputError(f"config.json: layer_types has {windowed[0]!r} layers, which meshpar does not read for "
+                         f"{family.model_type} (per-layer windows: {readers})")
     if d.get("attention_dropout", 0.0):
         raise InputError(f"config.json: attention_dropout = {d['attention_dropout']} is not implemented: meshpar's "
                          f"attention has no dropout")
@@ -316,11 +361,30 @@ def family_of(cfg: TransformerConfig, model_type: str | None = None) -> Family:
             raise InputError(f"model.{option} = {str(getattr(cfg, option)).lower()}: a {model_type} checkpoint "
                              f"cannot hold it ({family.architecture} has {'' if getattr(family, option) else 'no '}"
                              f"{option.replace('_', ' ')})")
-    if cfg.sliding_window and not family.windowed:
-        windowed = ", ".join(f.model_type for f in FAMILIES.values() if f.windowed)
+    if cfg.sliding_window and not (family.windowed or family.layer_types):
+        windowed = ", ".join(f.model_type for f in FAMILIES.values() if f.windowed or f.layer_types)
         raise InputError(f"model.sliding_window = {cfg.sliding_window}: a {model_type} checkpoint cannot hold it "
-                         f"(of the families meshpar writes, one window for every layer: {windowed})")
+                         f"(of the families meshpar writes, those with windows: {windowed})")
+    _refuse_a_pattern_it_cannot_hold(cfg, family)
     return family
+
+
+def _refuse_a_pattern_it_cannot_hold(cfg: TransformerConfig, family: Family) -> None:
+    kinds, name = cfg.layer_pattern, family.model_type
+    windows = sorted({k.window for k in kinds if k.window})
+    culprit = next((f"model.layer_pattern[{j}].{field}" for j, k in enumerate(kinds)
+                    for field in ("rope_theta", "rope_scaling") if getattr(k, field)), None)
+    if culprit:
+        raise InputError(f"{culprit}: a {name} checkpoint cannot hold it (its rotary positions are the same in "
+                         f"every layer)")
+    if windows and not family.layer_types:
+        raise InputError(f"model.layer_pattern has windowed layers: a {name} checkpoint cannot hold them (per-layer "
+                         f"windows: {', '.join(f.model_type for f in FAMILIES.values() if f.layer_types)})")
+    if len(windows) > 1:
+        raise InputError(f"model.layer_pattern has windows {windows}: a {name} checkpoint holds one (sliding_window)")
+    if any(k.dense for k in kinds) and not family.dense_layers:
+        raise InputError(f"model.layer_pattern has dense layers: a {name} checkpoint cannot hold them (dense layers "
+                         f"beside experts: {', '.join(f.model_type for f in FAMILIES.values() if f.dense_layers)})")
 
 
 def _refuse_experts_it_cannot_hold(cfg: TransformerConfig, family: Family) -> None:
@@ -361,7 +425,7 @@ def config_to_hf(cfg: TransformerConfig, model_type: str | None = None) -> dict:
         "max_position_embeddings": cfg.max_seq_len, "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps,
         "tie_word_embeddings": cfg.tie_embeddings, **dict(family.fixed),
         **({"sliding_window": cfg.sliding_window or None} if family.windowed else {}),
-        **_experts_to_hf(cfg, family),
+        **(_layer_types_to_hf(cfg) if family.layer_types else {}), **_experts_to_hf(cfg, family),
         # transformers ≥ 5 reads rope_parameters and dtype; 4.x reads rope_theta, rope_scaling and torch_dtype
         "rope_parameters": {"rope_type": rope_type, "rope_theta": cfg.rope_theta, **(scaling or {})},
         "rope_theta": cfg.rope_theta, "rope_scaling": scaling and {"rope_type": rope_type, **scaling},
@@ -369,12 +433,22 @@ def config_to_hf(cfg: TransformerConfig, model_type: str | None = None) -> dict:
     }
 
 
+def _layer_types_to_hf(cfg: TransformerConfig) -> dict:
+    """The config.json keys of per-layer windows: each layer's type, and the one window of the sliding ones."""
+    windows = [cfg.kinds[i % len(cfg.kinds)].window for i in range(cfg.n_layers)]
+    window = max(windows)
+    return {"use_sliding_window": bool(window), "sliding_window": window or None, "max_window_layers": cfg.n_layers,
+            "layer_types": ["sliding_attention" if w else "full_attention" for w in windows]}
+
+
 def _experts_to_hf(cfg: TransformerConfig, family: Family) -> dict:
     """The config.json keys of a family's mixture of experts (none for a dense family)."""
     experts = family.experts
     if experts is None:
         return {}
+    dense = [i for i in range(cfg.n_layers) if cfg.kinds[i % len(cfg.kinds)].dense]
     return {experts.count_keys[0]: cfg.n_experts, "num_experts_per_tok": cfg.experts_per_token,
+            **({"decoder_sparse_step": 1, "mlp_only_layers": dense} if family.dense_layers else {}),
             experts.width_key: cfg.expert_width,
             **({"norm_topk_prob": cfg.norm_topk_prob} if experts.renormalised is None else {}),
             **({experts.shared_width_key: cfg.n_shared_experts * cfg.expert_width} if experts.shared_width_key
