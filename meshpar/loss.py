@@ -26,7 +26,8 @@ device's rows, a chunk, a microbatch — adds its share of the global mean, what
 accumulation.
 
 A model that offers `hidden_states(tokens, positions) -> [B, T, D]` and `output_head() -> [D, V]` gets the
-chunked loss (its logits are `logits(hidden, head)`); any other model is called as
+chunked loss (its logits are `logits(hidden, head)`, soft-capped by its `logit_softcap` if it has one:
+Gemma 2's final soft-capping); any other model is called as
 `model(tokens, positions) -> logits`, or `model(tokens) -> logits`, and its logits are reduced whole. With
 documents (segment ids) the model is called with them too: `hidden_states(tokens, positions, segments)`,
 `model(tokens, positions, segments)`, the positions `[B, T]` restarting at every document.
@@ -47,6 +48,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from meshpar import context, sharding
 from meshpar.attention import sequence_order
+from meshpar.attention.flash import soft_cap
 from meshpar.batch import Batch, as_batch, document_positions, loss_weights
 from meshpar.divisors import largest_divisor
 from meshpar.errors import InputError
@@ -58,9 +60,10 @@ from meshpar.moe.routing import RouterStats
 CHUNK_BYTES = 2**28
 
 
-def logits(hidden_BTD: jax.Array, head_DV: jax.Array) -> jax.Array:
-    """Float32 logits [B, T, V] of hidden states [B, T, D] through the output head [D, V]."""
-    logits_BTV = jnp.einsum("btd,dv->btv", hidden_BTD, head_DV, preferred_element_type=jnp.float32)
+def logits(hidden_BTD: jax.Array, head_DV: jax.Array, softcap: float | None = None) -> jax.Array:
+    """Float32 logits [B, T, V] of hidden states [B, T, D] through the output head [D, V]; with `softcap` c,
+    c·tanh(logits / c) (Gemma 2's final soft-capping)."""
+    logits_BTV = soft_cap(jnp.einsum("btd,dv->btv", hidden_BTD, head_DV, preferred_element_type=jnp.float32), softcap)
     return sharding.constrain(logits_BTV, ("batch", "seq", "vocab"))
 
 
@@ -122,8 +125,8 @@ def _chunks(x: jax.Array, c: int) -> jax.Array:
     return jnp.moveaxis(x.reshape(x.shape[0], x.shape[1] // c, c, *x.shape[2:]), 1, 0)
 
 
-def _logits(hidden_bcD: jax.Array, head_Dv: jax.Array) -> jax.Array:
-    return jnp.einsum("bcd,dv->bcv", hidden_bcD, head_Dv, preferred_element_type=jnp.float32)
+def _logits(hidden_bcD: jax.Array, head_Dv: jax.Array, softcap: float | None) -> jax.Array:
+    return soft_cap(jnp.einsum("bcd,dv->bcv", hidden_bcD, head_Dv, preferred_element_type=jnp.float32), softcap)
 
 
 def _is_target(targets_bc: jax.Array, v: int, vocab: tuple[str, ...]) -> jax.Array:
@@ -132,14 +135,15 @@ def _is_target(targets_bc: jax.Array, v: int, vocab: tuple[str, ...]) -> jax.Arr
     return jnp.arange(v) == (targets_bc - first)[..., None]
 
 
-def _forward_local(hidden_btD, head_Dv, targets_bt, weights_bt, *, chunk: int, vocab: tuple[str, ...]):
+def _forward_local(hidden_btD, head_Dv, targets_bt, weights_bt, *, chunk: int, vocab: tuple[str, ...],
+                   softcap: float | None):
     """This device's Σ weight · (logsumexp − target logit) as a [1] partial sum, and the log-sum-exp of every
     position [b, t] (over the whole vocabulary: max and sum of exponentials combined over `vocab`)."""
     c = chunk_length(*targets_bt.shape, head_Dv.shape[1], chunk)
 
     def one_chunk(total, inputs):
         hidden_bcD, targets_bc, weights_bc = inputs
-        logits_bcv = _logits(hidden_bcD, head_Dv)
+        logits_bcv = _logits(hidden_bcD, head_Dv, softcap)
         max_bc = logits_bcv.max(axis=-1)
         max_bc = lax.pmax(max_bc, vocab) if vocab else max_bc
         lse_bc = max_bc + jnp.log(_sum(jnp.exp(logits_bcv - max_bc[..., None]).sum(axis=-1), vocab))
@@ -168,17 +172,20 @@ def _reduce_head(dhead_Dv: jax.Array, rows: tuple[str, ...], scatter: tuple[str,
 
 
 def _backward_local(hidden_btD, head_Dv, targets_bt, weights_bt, lse_bt, g, *, chunk: int, vocab: tuple[str, ...],
-                    rows: tuple[str, ...], scatter: tuple[str, ...]):
+                    rows: tuple[str, ...], scatter: tuple[str, ...], softcap: float | None):
     """(d hidden [b, t, D], d head [D / scatter, v]) for the cotangent g: the head's gradient summed over
     the `rows` shards in float32, D split over `scatter`, the gradient's own layout."""
     c = chunk_length(*targets_bt.shape, head_Dv.shape[1], chunk)
 
     def one_chunk(dhead_Dv, inputs):
         hidden_bcD, targets_bc, weights_bc, lse_bc = inputs
-        logits_bcv = _logits(hidden_bcD, head_Dv)
+        logits_bcv = _logits(hidden_bcD, head_Dv, softcap)
         is_target_bcv = _is_target(targets_bc, logits_bcv.shape[-1], vocab)
         scale_bc1 = (g * weights_bc)[..., None]
-        dlogits_bcv = ((jnp.exp(logits_bcv - lse_bc[..., None]) - is_target_bcv) * scale_bc1).astype(head_Dv.dtype)
+        dlogits_bcv = (jnp.exp(logits_bcv - lse_bc[..., None]) - is_target_bcv) * scale_bc1
+        if softcap is not None:  # through c·tanh(x / c): · (1 − tanh²), tanh = the capped logit / c
+            dlogits_bcv = dlogits_bcv * (1 - jnp.square(logits_bcv / softcap))
+        dlogits_bcv = dlogits_bcv.astype(head_Dv.dtype)
         dhidden_bcD = _sum(jnp.einsum("bcv,dv->bcd", dlogits_bcv, head_Dv, preferred_element_type=jnp.float32),
                            vocab)
         dhead_Dv = dhead_Dv + jnp.einsum("bcd,bcv->dv", hidden_bcD, dlogits_bcv, preferred_element_type=jnp.float32)
@@ -191,9 +198,9 @@ def _backward_local(hidden_btD, head_Dv, targets_bt, weights_bt, lse_bt, g, *, c
     return jnp.moveaxis(dhidden_CbcD, 0, 1).reshape(hidden_btD.shape), dhead_Dv
 
 
-def _forward(hidden_BTD, head_DV, targets_BT, weights_BT, chunk: int, placement: _Placement):
+def _forward(hidden_BTD, head_DV, targets_BT, weights_BT, chunk: int, placement: _Placement, softcap: float | None):
     """(weighted loss sum, log-sum-exp [B, T])."""
-    body = functools.partial(_forward_local, chunk=chunk, vocab=placement.vocab)
+    body = functools.partial(_forward_local, chunk=chunk, vocab=placement.vocab, softcap=softcap)
     if placement.mesh is None:
         partial_sums, lse_BT = body(hidden_BTD, head_DV, targets_BT, weights_BT)
     else:
@@ -205,19 +212,20 @@ def _forward(hidden_BTD, head_DV, targets_BT, weights_BT, chunk: int, placement:
     return partial_sums.sum(), lse_BT
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _loss_sum(hidden_BTD, head_DV, targets_BT, weights_BT, chunk: int, placement: _Placement) -> jax.Array:
-    return _forward(hidden_BTD, head_DV, targets_BT, weights_BT, chunk, placement)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
+def _loss_sum(hidden_BTD, head_DV, targets_BT, weights_BT, chunk: int, placement: _Placement,
+              softcap: float | None) -> jax.Array:
+    return _forward(hidden_BTD, head_DV, targets_BT, weights_BT, chunk, placement, softcap)[0]
 
 
-def _loss_sum_fwd(hidden_BTD, head_DV, targets_BT, weights_BT, chunk, placement):
-    total, lse_BT = _forward(hidden_BTD, head_DV, targets_BT, weights_BT, chunk, placement)
+def _loss_sum_fwd(hidden_BTD, head_DV, targets_BT, weights_BT, chunk, placement, softcap):
+    total, lse_BT = _forward(hidden_BTD, head_DV, targets_BT, weights_BT, chunk, placement, softcap)
     return total, (hidden_BTD, head_DV, targets_BT, weights_BT, lse_BT)
 
 
-def _loss_sum_bwd(chunk, placement, residuals, g):
+def _loss_sum_bwd(chunk, placement, softcap, residuals, g):
     body = functools.partial(_backward_local, chunk=chunk, vocab=placement.vocab, rows=placement.rows,
-                             scatter=placement.scatter)
+                             scatter=placement.scatter, softcap=softcap)
     if placement.mesh is None:
         dhidden_BTD, dhead_DV = body(*residuals, g)
     else:
@@ -233,13 +241,13 @@ _loss_sum.defvjp(_loss_sum_fwd, _loss_sum_bwd)
 
 
 def chunked_cross_entropy(hidden_BTD: jax.Array, head_DV: jax.Array, targets_BT: jax.Array, chunk: int = 0,
-                          weights_BT: jax.Array | None = None) -> jax.Array:
-    """Weighted sum of the next-token cross-entropy of `logits(hidden, head)`, chunk by chunk (module
+                          weights_BT: jax.Array | None = None, softcap: float | None = None) -> jax.Array:
+    """Weighted sum of the next-token cross-entropy of `logits(hidden, head, softcap)`, chunk by chunk (module
     docstring); without weights, the mean."""
     if weights_BT is None:
         weights_BT = jnp.full(targets_BT.shape, 1 / targets_BT.size)
     placement = _placement(hidden_BTD, head_DV, targets_BT)
-    return _loss_sum(hidden_BTD, head_DV, targets_BT, weights_BT.astype(jnp.float32), chunk, placement)
+    return _loss_sum(hidden_BTD, head_DV, targets_BT, weights_BT.astype(jnp.float32), chunk, placement, softcap)
 
 
 def takes_positions(model) -> bool:
@@ -312,7 +320,8 @@ def next_token_loss_and_routing(model, batch: Batch | jax.Array, chunk: int = 0,
         return cross_entropy(model(x.inputs, x.positions, *documents), x.targets, x.weights), None
     routed = getattr(model, "routed_hidden_states", None)
     hidden_BTD, stats = (routed or (lambda *a: (model.hidden_states(*a), None)))(x.inputs, x.positions, *documents)
-    value = chunked_cross_entropy(hidden_BTD, model.output_head(), x.targets, chunk, x.weights)
+    value = chunked_cross_entropy(hidden_BTD, model.output_head(), x.targets, chunk, x.weights,
+                                  getattr(model, "logit_softcap", None))
     if stats is None:
         return value, None
     stats = stats.grouped(pools)

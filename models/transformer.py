@@ -4,7 +4,9 @@ Token embedding, pre-norm blocks (RMSNorm → grouped-query causal attention wit
 RMSNorm → SwiGLU MLP), a final RMSNorm and an output head, tied to the embedding or not. The options of
 the open families are config fields, not other models: biases on q, k and v (Qwen 2), an RMSNorm of each
 query and key head before the rotation (Qwen 3), a head dim of its own (Qwen 3), scaled rotary positions
-(Llama 3.1: `models/rope.py`), tied embeddings, each family's RoPE base and norm epsilon, and a mixture of
+(Llama 3.1: `models/rope.py`), tied embeddings, each family's RoPE base and norm epsilon, Gemma's layer (GeGLU,
+RMSNorms scaled by 1 + w around both sublayers, embeddings × √D, its query scalar, Gemma 2's soft-capped
+attention scores and logits), and a mixture of
 experts in place of every MLP (Mixtral, Qwen3-MoE: `MoE`, routed by `meshpar.moe`), with shared experts every
 token passes, their output gated per token or not (Qwen2-MoE, DeepSeek). The blocks are
 stacked along a leading `layers` axis and run with `lax.scan`, so compile time does not grow with depth
@@ -25,6 +27,7 @@ width), V vocab, X query or kv heads, E experts, k experts per token.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable
 
@@ -69,6 +72,13 @@ class TransformerConfig:
     rope_theta: float = 10_000.0
     rope_scaling: rope.RopeScaling = rope.RopeScaling()
     norm_eps: float = 1e-5
+    norm_plus_one: bool = False  # RMSNorms scale by 1 + w, their weights starting at 0 (Gemma)
+    sandwich_norms: bool = False  # RMSNorms of attention's and the MLP's outputs too, before the adds (Gemma 2, 3)
+    embed_scale: bool = False  # the embeddings multiplied by √d_model (Gemma)
+    mlp_activation: str = "silu"  # the gated MLP's: silu (SwiGLU) or gelu_tanh (GeGLU: Gemma)
+    query_scale: float = 0.0  # scores are q·k / √query_scale (Gemma's query_pre_attn_scalar); 0: / √head size
+    attn_softcap: float = 0.0  # attention scores soft-capped to c·tanh(s / c) (Gemma 2: 50); 0: none
+    logit_softcap: float = 0.0  # the output logits soft-capped the same way (Gemma 2: 30); 0: none
     head_dim: int = 0  # 0: d_model / n_heads (the size used is `head_size`)
     qkv_bias: bool = False  # biases on the q, k and v projections (Qwen 2)
     qk_norm: bool = False  # an RMSNorm of each query and key head before the rotation (Qwen 3)
@@ -100,6 +110,13 @@ class TransformerConfig:
                              f"model.n_kv_heads = {self.n_kv_heads} (grouped-query attention)")
         if self.head_size % 2:
             raise InputError(f"head dim {self.head_size} must be even for rotary positions")
+        if self.mlp_activation not in ACTIVATIONS:
+            raise InputError(f"model.mlp_activation = '{self.mlp_activation}' is not one of {', '.join(ACTIVATIONS)}")
+        if self.query_scale < 0:
+            raise InputError(f"model.query_scale = {self.query_scale} must be >= 0 (0: the head size)")
+        for name in ("attn_softcap", "logit_softcap"):
+            if getattr(self, name) < 0:
+                raise InputError(f"model.{name} = {getattr(self, name)} must be >= 0 (0: no soft-capping)")
         for name in ("n_experts", "d_expert", "n_shared_experts"):
             if getattr(self, name) < 0:
                 raise InputError(f"model.{name} = {getattr(self, name)} must be >= 0")
@@ -154,6 +171,9 @@ class TransformerConfig:
                       "layer_pattern": tuple(LayerKind.from_dict(k) for k in fields.get("layer_pattern", ()))})
 
 
+# The gated MLP's activations: SwiGLU's and GeGLU's (GELU's tanh approximation, PyTorch's gelu_pytorch_tanh)
+ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
+
 # The residual stream: its sequence dimension is `resid_seq`, which Megatron SP splits over `model` too.
 RESIDUAL = ("batch", "resid_seq", "embed")
 # The input of attention and MLP: whole sequences (with Megatron SP this is where T is all-gathered).
@@ -167,18 +187,21 @@ def _param(rngs: nnx.Rngs, shape: tuple[int, ...], logical: tuple[str, ...], std
 
 
 class RMSNorm(nnx.Module):
-    """x / rms(x) · scale over the last axis: the residual stream's `embed` (D), or a head's `head_dim` (H)."""
+    """x / rms(x) · scale over the last axis: the residual stream's `embed` (D), or a head's `head_dim` (H);
+    with `norm_plus_one`, · (1 + scale), the scale starting at 0."""
 
     def __init__(self, cfg: TransformerConfig, dtype: jnp.dtype, axis: str = "embed"):
         size = cfg.d_model if axis == "embed" else cfg.head_size
-        self.scale = nnx.Param(jnp.ones((size,), jnp.float32), out_sharding=(axis,))
+        self.plus_one = float(cfg.norm_plus_one)
+        self.scale = nnx.Param(jnp.full((size,), 1.0 - self.plus_one, jnp.float32), out_sharding=(axis,))
         self.eps, self.dtype = cfg.norm_eps, dtype
 
     def __call__(self, x: jax.Array) -> jax.Array:
         x = x.astype(jnp.float32)  # the statistics in float32 whatever the compute dtype
         # x·x, not x**2: the power's derivative 2x would be one more copy of x kept for the backward pass
         normed = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
-        return (normed * gathered(self.scale, jnp.float32)).astype(self.dtype)
+        scale = gathered(self.scale, jnp.float32)
+        return (normed * (scale + self.plus_one if self.plus_one else scale)).astype(self.dtype)
 
 
 class Attention(nnx.Module):
@@ -196,12 +219,13 @@ class Attention(nnx.Module):
         if cfg.qk_norm:
             self.q_norm, self.k_norm = RMSNorm(cfg, dtype, "head_dim"), RMSNorm(cfg, dtype, "head_dim")
         self.cfg, self.dtype = cfg, dtype
-        self.window = kind.window or None
+        self.window, self.softcap = kind.window or None, cfg.attn_softcap or None
         self.rope = (kind.rope_theta or cfg.rope_theta, kind.rope_scaling or cfg.rope_scaling)
 
     def __call__(self, x_BTD: jax.Array, positions: jax.Array, segments_BT: jax.Array | None = None) -> jax.Array:
         q_BTNH, k_BTKH, v_BTKH = self._project(x_BTD, positions)
-        return self._output(attend(q_BTNH, k_BTKH, v_BTKH, window=self.window, segments_BT=segments_BT))
+        return self._output(attend(q_BTNH, k_BTKH, v_BTKH, window=self.window, segments_BT=segments_BT,
+                                   softcap=self.softcap))
 
     def cached(self, x_BTD: jax.Array, positions_T: jax.Array, k_BSKH: jax.Array,
                v_BSKH: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -217,7 +241,8 @@ class Attention(nnx.Module):
         slot_pos_S = jnp.where(slot_pos_S >= 0, slot_pos_S, jnp.iinfo(jnp.int32).max)  # not written yet: after all
         keys_BSKH, values_BSKH = jnp.concatenate([k_BSKH, k_BTKH], 1), jnp.concatenate([v_BSKH, v_BTKH], 1)
         out_BTNH = cached_attention(q_BTNH, keys_BSKH, values_BSKH, positions_T,
-                                    jnp.concatenate([slot_pos_S, positions_T]), window=self.window)
+                                    jnp.concatenate([slot_pos_S, positions_T]), window=self.window,
+                                    softcap=self.softcap)
         kept = min(T, S)
         slots = positions_T[T - kept:] % S
         k_BSKH = constrain(k_BSKH.at[:, slots].set(k_BTKH[:, T - kept:]), CACHE)
@@ -237,27 +262,30 @@ class Attention(nnx.Module):
         if cfg.qk_norm:
             q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
         rotate = lambda x_BTXH: rope.rotate(x_BTXH, positions, *self.rope)
-        return rotate(q_BTNH), rotate(k_BTKH), v_BTKH
+        q_BTNH = rotate(q_BTNH)
+        if cfg.query_scale and cfg.query_scale != cfg.head_size:  # the kernels divide by √H
+            q_BTNH = q_BTNH * jnp.asarray(math.sqrt(cfg.head_size / cfg.query_scale), q_BTNH.dtype)
+        return q_BTNH, rotate(k_BTKH), v_BTKH
 
     def _output(self, out_BTNH: jax.Array) -> jax.Array:
         return jnp.einsum("btnh,nhd->btd", out_BTNH, gathered(self.wo_NHD, self.dtype))
 
 
 class MLP(nnx.Module):
-    """SwiGLU: down(silu(x · gate) ⊙ (x · up)), of width `d_ff` (or `width`)."""
+    """SwiGLU: down(silu(x · gate) ⊙ (x · up)), of width `d_ff` (or `width`); GeGLU with `mlp_activation`."""
 
     def __init__(self, cfg: TransformerConfig, dtype: jnp.dtype, rngs: nnx.Rngs, width: int = 0):
         D, F = cfg.d_model, width or cfg.d_ff
         self.w_gate_DF = _param(rngs, (D, F), ("embed", "mlp"), D**-0.5)
         self.w_up_DF = _param(rngs, (D, F), ("embed", "mlp"), D**-0.5)
         self.w_down_FD = _param(rngs, (F, D), ("mlp", "embed"), F**-0.5 / math.sqrt(2 * cfg.n_layers))
-        self.dtype = dtype
+        self.dtype, self.activation = dtype, ACTIVATIONS[cfg.mlp_activation]
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
         cast = lambda w: gathered(w, self.dtype)
         x_BTD = relayout(x_BTD, RESIDUAL, REGION_INPUT)
         gate_BTF, up_BTF = project(x_BTD, [cast(self.w_gate_DF), cast(self.w_up_DF)], [("batch", "seq", "mlp")] * 2)
-        return (jax.nn.silu(gate_BTF) * up_BTF) @ cast(self.w_down_FD)
+        return (self.activation(gate_BTF) * up_BTF) @ cast(self.w_down_FD)
 
 
 class MoE(nnx.Module):
@@ -308,26 +336,32 @@ class Block(nnx.Module):
         self.attn = Attention(cfg, dtype, rngs, kind)
         self.mlp_norm = RMSNorm(cfg, dtype)
         self.mlp = MoE(cfg, dtype, rngs) if cfg.n_experts and not kind.dense else MLP(cfg, dtype, rngs)
-        self.routed = bool(cfg.n_experts)  # the carry holds router statistics
+        if cfg.sandwich_norms:
+            self.post_attn_norm, self.post_mlp_norm = RMSNorm(cfg, dtype), RMSNorm(cfg, dtype)
+        self.routed, self.sandwich = bool(cfg.n_experts), cfg.sandwich_norms  # the carry holds router statistics
 
     def __call__(self, carry, positions: jax.Array, segments_BT: jax.Array | None = None):
         x_BTD, stats = carry if self.routed else (carry, None)
-        x_BTD = constrain(x_BTD + self.attn(self.attn_norm(x_BTD), positions, segments_BT), RESIDUAL)
+        x_BTD = self._add(x_BTD, self.attn(self.attn_norm(x_BTD), positions, segments_BT), "post_attn_norm")
         if isinstance(self.mlp, MoE):
             y_BTD, layer_stats = self.mlp(self.mlp_norm(x_BTD))
             stats = jax.tree.map(constrain, stats + layer_stats, ROUTER_STATS)
         else:
             y_BTD = self.mlp(self.mlp_norm(x_BTD))
-        x_BTD = constrain(x_BTD + y_BTD, RESIDUAL)
+        x_BTD = self._add(x_BTD, y_BTD, "post_mlp_norm")
         return (x_BTD, stats) if self.routed else x_BTD
 
     def cached(self, x_BTD: jax.Array, positions_T: jax.Array, k_BSKH: jax.Array,
                v_BSKH: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         attn_BTD, k_BSKH, v_BSKH = self.attn.cached(self.attn_norm(x_BTD), positions_T, k_BSKH, v_BSKH)
-        x_BTD = constrain(x_BTD + attn_BTD, RESIDUAL)
+        x_BTD = self._add(x_BTD, attn_BTD, "post_attn_norm")
         y_BTD = self.mlp(self.mlp_norm(x_BTD))
         y_BTD = y_BTD[0] if isinstance(self.mlp, MoE) else y_BTD
-        return constrain(x_BTD + y_BTD, RESIDUAL), k_BSKH, v_BSKH
+        return self._add(x_BTD, y_BTD, "post_mlp_norm"), k_BSKH, v_BSKH
+
+    def _add(self, x_BTD: jax.Array, y_BTD: jax.Array, post_norm: str) -> jax.Array:
+        """The residual add of a sublayer's output, normed first with `sandwich_norms`."""
+        return constrain(x_BTD + (getattr(self, post_norm)(y_BTD) if self.sandwich else y_BTD), RESIDUAL)
 
 
 class Period(nnx.Module):
@@ -390,11 +424,12 @@ class Transformer(nnx.Module):
         their `positions` (a load-balanced context-parallel step's: global positions [T], or [B, T] within
         each document with `segments_BT`, the document ids of packed rows: `meshpar.batch`)."""
         if positions is not None:
-            return logits(self.hidden_states(tokens_BT, positions, segments_BT), self.output_head())
+            return logits(self.hidden_states(tokens_BT, positions, segments_BT), self.output_head(), self.logit_softcap)
         if segments_BT is not None:
             raise InputError("packed documents (segments_BT) need their positions: meshpar.loss.next_token_inputs")
         reorder, positions_T, restore = sequence_order(tokens_BT.shape[1])
-        return restore(logits(self.hidden_states(reorder(tokens_BT), positions_T), self.output_head()))
+        return restore(logits(self.hidden_states(reorder(tokens_BT), positions_T), self.output_head(),
+                              self.logit_softcap))
 
     def hidden_states(self, tokens_BT: jax.Array, positions: jax.Array | None = None,
                       segments_BT: jax.Array | None = None) -> jax.Array:
@@ -415,7 +450,10 @@ class Transformer(nnx.Module):
 
     def embed(self, tokens_BT: jax.Array) -> jax.Array:
         """The token embeddings `[B, T, D]`: the residual stream entering the first block."""
-        return constrain(gathered(self.embed_VD, self.dtype, lookup=True)[tokens_BT], RESIDUAL)
+        x_BTD = gathered(self.embed_VD, self.dtype, lookup=True)[tokens_BT]
+        if self.cfg.embed_scale:  # √D in the compute dtype, as Gemma's embedding multiplies
+            x_BTD = x_BTD * jnp.asarray(math.sqrt(self.cfg.d_model), self.dtype)
+        return constrain(x_BTD, RESIDUAL)
 
     def stack_input(self, tokens_BT: jax.Array) -> jax.Array | tuple[jax.Array, moe.RouterStats]:
         """What the first block takes: the embeddings, and for a mixture of experts zero router statistics."""
@@ -452,7 +490,12 @@ class Transformer(nnx.Module):
             return x_BTD, (k_BSKH, v_BSKH)
 
         x_BTD, (k_LBSKH, v_LBSKH) = jax.lax.scan(one_layer, x_BTD, (stacked, k_LBSKH, v_LBSKH))
-        return logits(self.final_norm(x_BTD), self.output_head()), k_LBSKH, v_LBSKH
+        return logits(self.final_norm(x_BTD), self.output_head(), self.logit_softcap), k_LBSKH, v_LBSKH
+
+    @property
+    def logit_softcap(self) -> float | None:
+        """c of the logits' soft-capping c·tanh(logits / c) (None: none), which meshpar's loss applies."""
+        return self.cfg.logit_softcap or None
 
     def output_head(self) -> jax.Array:
         """The output projection `[D, V]` as compute uses it (cast; gathered over `fsdp`, vocab split).

@@ -37,6 +37,19 @@ FAMILIES = {
               "rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}},
     # q/k norms, a head dim of its own, linear scaling
     "qwen3": {**SMALL, "head_dim": 32, "rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+    # Gemma 2's layer (GeGLU, (1 + w) norms around both sublayers, √D embeddings), tied; attention and final
+    # logits soft-capped at values the scores and logits reach; four layers alternating a sliding window of 5
+    # with full attention; a query scalar other than the head dim
+    "gemma2": {**SMALL, "num_hidden_layers": 4, "head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 5,
+               "layer_types": ["sliding_attention", "full_attention"] * 2, "attn_logit_softcapping": 2.0,
+               "final_logit_softcapping": 10.0},
+    # Gemma 3's layer (GeGLU, (1 + w) norms around both sublayers, √D embeddings, q/k norms), tied; four layers
+    # alternating a sliding window of 5 (its own rotary base, unscaled) with full attention (linear scaling), a
+    # query scalar other than the head dim
+    "gemma3_text": {**SMALL, "num_hidden_layers": 4, "head_dim": 32, "query_pre_attn_scalar": 24, "sliding_window": 5,
+                    "layer_types": ["sliding_attention", "full_attention"] * 2,
+                    "rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5000.0},
+                                        "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}}},
 }
 # The mixtures of experts: 4 experts (expert=2 and expert=4 divide them), each token routed to 2 of width 64
 # (model=2 divides it). Mixtral with a sliding window; Qwen3-MoE with q/k norms, its own head dim, and its

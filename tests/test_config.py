@@ -161,6 +161,7 @@ def formula_param_count(cfg: TransformerConfig) -> int:
         mlp += D * cfg.shared_expert_gate  # Qwen2-MoE's gate of the shared experts: one logit per token
     per_layer = D * N * H + 2 * D * K * H + N * H * D + mlp + 2 * D
     per_layer += (N + 2 * K) * H * cfg.qkv_bias + 2 * H * cfg.qk_norm  # Qwen 2's biases, Qwen 3's q/k norm scales
+    per_layer += 2 * D * cfg.sandwich_norms  # Gemma's norms of the sublayers' outputs
     return V * D * (1 if cfg.tie_embeddings else 2) + L * per_layer + D
 
 

@@ -14,7 +14,6 @@ Collected only where jax's CUDA plugin and cuDNN's wheel are installed (`make te
 
 import functools
 import importlib.util
-import json
 import os
 import re
 import shlex
@@ -34,7 +33,7 @@ from launch import configure
 from meshpar import gpu_flags, gpu_target
 from meshpar.compiler import gpu, gpu_program, hlo
 from meshpar.errors import InputError
-from test_readme import README, block_commands, table_rows
+from test_readme import block_commands, table_rows
 
 ROOT = Path(__file__).resolve().parents[1]
 GB = 1e9

@@ -34,7 +34,7 @@ from models.transformer import Transformer
 RULES = rules_lib.default()
 TOKENS_BT = np.random.default_rng(0).integers(0, SMALL["vocab_size"], (4, 16))
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                 "qwen3": "Qwen3ForCausalLM"}
+                 "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM"}
 
 
 def hf_model(directory, model_type: str = "llama", seed: int = 0, fields: dict | None = None, **saving) -> str:
@@ -97,7 +97,8 @@ def test_imported_logits_match_transformers(family, spec, kernel):
     cfg = hf.load_config(directory)
     params = hf.import_params(directory, cfg, mesh, RULES)
     shardings = sharding.state_shardings(Transformer.abstract(cfg)[1], mesh, RULES)
-    assert params["blocks"]["attn"]["wq_DNH"][...].sharding == shardings["blocks"]["attn"]["wq_DNH"].get_value()
+    wq = lambda state: next(v for path, v in nnx.to_flat_state(state) if path[-1] == "wq_DNH")
+    assert wq(params)[...].sharding == wq(shardings).get_value()
     error = relative_error(meshpar_logits(params, cfg, mesh, kernel), reference)
     print(f"{model_type} on {spec or 'one device'} ({kernel} kernel): max relative logits difference {error:.2e}")
     assert error < 1e-5
@@ -105,15 +106,18 @@ def test_imported_logits_match_transformers(family, spec, kernel):
 
 def test_the_options_shape_the_logits(family):
     """Each family's small model has its options on (not a Llama by another name): its config has them, and
-    without its RoPE scaling meshpar's logits would be far from transformers'."""
+    without its RoPE scaling, window, query scalar or soft-capping meshpar's logits would be far from
+    transformers'."""
     model_type, directory, reference = family
     cfg = hf.load_config(directory)
     options = {"llama": ("llama3", 0, False, False, 0), "mistral": ("none", 32, False, False, 5),
-               "qwen2": ("yarn", 0, True, False, 0), "qwen3": ("linear", 32, False, True, 0)}[model_type]
+               "qwen2": ("yarn", 0, True, False, 0), "qwen3": ("linear", 32, False, True, 0),
+               "gemma2": ("none", 32, False, False, 0), "gemma3_text": ("linear", 32, False, True, 0)}[model_type]
     assert (cfg.rope_scaling.kind, cfg.head_dim, cfg.qkv_bias, cfg.qk_norm, cfg.sliding_window) == options
-    assert cfg.tie_embeddings == (model_type == "qwen2") and cfg.n_kv_heads < cfg.n_heads
+    assert cfg.tie_embeddings == (model_type in ("qwen2", "gemma2", "gemma3_text")) and cfg.n_kv_heads < cfg.n_heads
     mesh = build_mesh("")
-    for option, off in (("rope_scaling", RopeScaling()), ("sliding_window", 0)):
+    for option, off in (("rope_scaling", RopeScaling()), ("sliding_window", 0), ("query_scale", 0.0),
+                        ("attn_softcap", 0.0), ("logit_softcap", 0.0)):
         if getattr(cfg, option) != off:
             without = dataclasses.replace(cfg, **{option: off})
             assert relative_error(meshpar_logits(hf.import_params(directory, cfg, mesh, RULES), without, mesh),
@@ -156,8 +160,7 @@ def test_the_family_written_is_the_models_unless_asked():
     sliding window, else llama);
     a family that cannot hold the model is refused, naming the option."""
     configs = {t: hf.config_from_hf(family_config(t)) for t in FAMILIES}
-    assert {t: hf.family_of(cfg).model_type for t, cfg in configs.items()} == {
-        "llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+    assert {t: hf.family_of(cfg).model_type for t, cfg in configs.items()} == {t: t for t in FAMILIES}
     assert hf.family_of(configs["llama"], "mistral").model_type == "mistral"
     with pytest.raises(InputError, match=r"model.sliding_window = 5: a llama checkpoint cannot hold it"):
         hf.config_to_hf(configs["mistral"], "llama")
@@ -165,7 +168,8 @@ def test_the_family_written_is_the_models_unless_asked():
         hf.config_to_hf(configs["qwen2"], "llama")
     with pytest.raises(InputError, match=r"model.qk_norm = false: a qwen3 checkpoint cannot hold it"):
         hf.config_to_hf(configs["llama"], "qwen3")
-    with pytest.raises(InputError, match="--family gemma: not one of llama, mistral, qwen2, qwen3, mixtral, qwen3_moe"):
+    with pytest.raises(InputError, match="--family gemma: not one of llama, mistral, qwen2, qwen3, gemma2, "
+                                         "gemma3_text, mixtral"):
         hf.family_of(configs["llama"], "gemma")
 
 

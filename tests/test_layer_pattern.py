@@ -132,10 +132,12 @@ def test_mlp_only_layers_read_as_dense_kinds():
 
 # A mixture whose period is a dense layer with a window and a full MoE layer: P = 2 stages of one period each
 MIXED = dataclasses.replace(MOE, n_layers=4, layer_pattern=(LayerKind(window=WINDOW, dense=True), LayerKind()))
-STAGES = [("gpipe", 1, 2), ("1f1b", 1, 2), ("zero_bubble", 1, 2)]
+SLOW = pytest.mark.slow  # `make test-slow`: within `make test`'s time, one schedule and one CP mode run there
+STAGES = [pytest.param("gpipe", 1, 2, marks=SLOW, id="gpipe"), pytest.param("1f1b", 1, 2, id="1f1b"),
+          pytest.param("zero_bubble", 1, 2, marks=SLOW, id="zero_bubble")]
 
 
-@pytest.mark.parametrize("kind,R,M", STAGES, ids=[kind for kind, *_ in STAGES])
+@pytest.mark.parametrize("kind,R,M", STAGES)
 def test_a_mixed_stack_pipelines_as_one_device(kind, R, M):
     """Loss and every gradient within 1e-5 of one device pooling each microbatch's router losses
     (test_pipeline_moe's reference), under each schedule on `stage=2,expert=2,data=2`."""
@@ -155,7 +157,7 @@ def mixed_reference():
     return MeshRun("single", TRAIN, MIXED).loss_and_grads()
 
 
-@pytest.mark.parametrize("mode", ["ring", "allgather", "ulysses"])
+@pytest.mark.parametrize("mode", ["ring", pytest.param("allgather", marks=SLOW), pytest.param("ulysses", marks=SLOW)])
 def test_a_mixed_stack_trains_under_context_parallelism_as_on_one_device(mixed_reference, mode):
     require_devices(8)
     loss, grads = MeshRun("sequence=2,expert=2,data=2", TRAIN, MIXED,

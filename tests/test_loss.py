@@ -1,5 +1,6 @@
 """The chunked cross-entropy against the whole-logits formula written here: loss and gradients (float32,
-relative 1e-5) on one device and on meshes (vocab-parallel TP, FSDP, context parallelism, Megatron SP);
+relative 1e-5) on one device and on meshes (vocab-parallel TP, FSDP, context parallelism, Megatron SP), with
+soft-capped logits too;
 the logits never whole in the compiled program; the head's gradient reduced once per step."""
 
 import re
@@ -17,8 +18,10 @@ from meshpar.sharding import spec_for
 B, T, D, V = 8, 64, 32, 512
 
 
-def reference(hidden_BTD, head_DV, targets_BT):
+def reference(hidden_BTD, head_DV, targets_BT, softcap: float | None = None):
     logits_BTV = jnp.einsum("btd,dv->btv", hidden_BTD, head_DV)
+    if softcap is not None:  # Gemma 2's final soft-capping
+        logits_BTV = softcap * jnp.tanh(logits_BTV / softcap)
     picked_BT = jnp.take_along_axis(logits_BTV, targets_BT[..., None], axis=-1)[..., 0]
     return jnp.mean(jax.nn.logsumexp(logits_BTV, axis=-1) - picked_BT)
 
@@ -56,7 +59,7 @@ def test_one_device_matches_whole_logits(expected, chunk):
     assert_matches(fn(hidden, head), expected)
 
 
-def sharded_value_and_grads(spec: str, parallel: rules_lib.ParallelConfig, chunk: int):
+def sharded_value_and_grads(spec: str, parallel: rules_lib.ParallelConfig, chunk: int, softcap: float | None = None):
     sizes = mesh_lib.parse(spec)
     n = int(np.prod(list(sizes.sizes().values())))
     require_devices(n)
@@ -69,7 +72,7 @@ def sharded_value_and_grads(spec: str, parallel: rules_lib.ParallelConfig, chunk
 
     def fn(h, w, t):
         with context.use(context.Compute(mesh, rules)):
-            return loss.chunked_cross_entropy(h, w, t, chunk)
+            return loss.chunked_cross_entropy(h, w, t, chunk, softcap=softcap)
 
     compiled = jax.jit(jax.value_and_grad(fn, argnums=(0, 1))).lower(hidden, head, targets).compile()
     return compiled(hidden, head, targets), compiled
@@ -81,6 +84,21 @@ def sharded_value_and_grads(spec: str, parallel: rules_lib.ParallelConfig, chunk
 def test_sharded_matches_whole_logits(expected, spec, sp):
     got, _ = sharded_value_and_grads(spec, rules_lib.ParallelConfig(sequence_parallel=sp), chunk=8)
     assert_matches(got, expected)
+
+
+@pytest.mark.parametrize("spec", ["", "model=4", "data=2,sequence=2,model=2"])
+def test_soft_capped_logits_match_the_formula(spec):
+    """Gemma 2's final soft-capping c·tanh(logits / c) inside the chunked loss (c = 1 bends most logits here):
+    loss and gradients as the whole capped logits give them, on one device and vocab-split."""
+    hidden, head, targets = inputs()
+    expected = jax.value_and_grad(reference, argnums=(0, 1))(hidden, head, targets, 1.0)
+    if spec:
+        got, _ = sharded_value_and_grads(spec, rules_lib.ParallelConfig(), chunk=8, softcap=1.0)
+    else:
+        got = jax.jit(jax.value_and_grad(lambda h, w: loss.chunked_cross_entropy(h, w, targets, 16, softcap=1.0),
+                                         argnums=(0, 1)))(hidden, head)
+    assert_matches(got, expected)
+    assert abs(float(got[0]) - float(reference(hidden, head, targets))) > 1e-2  # the cap changes the loss
 
 
 def _largest_array(hlo: str) -> int:

@@ -53,7 +53,8 @@ def test_the_planner_reads_the_models_dimensions(name):
     shape = shape_of(cfg)
     dense_width = cfg.n_shared_experts * cfg.expert_width if cfg.n_experts else cfg.d_ff
     assert (shape.vocab, shape.d_model, shape.layers, shape.heads, shape.kv_heads, shape.head_dim, shape.d_ff) == (
-        cfg.vocab_size, cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.head_size, dense_width)
+        cfg.vocab_size, cfg.d_model, cfg.periods, cfg.n_heads, cfg.n_kv_heads, cfg.head_size, dense_width)
+    assert shape.period == len(cfg.kinds)  # a layer pattern's period stacked as one entry
     D, N, K, H, F = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_size, cfg.d_ff
     mlp = 3 * D * F  # a mixture: its router and the k experts a token computes with (the active parameters)
     if cfg.n_experts:

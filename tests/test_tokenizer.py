@@ -40,6 +40,10 @@ FAMILIES = {
     "mistral": (["<unk>", "<s>", "</s>"], None, "<s>",
                 {"add_bos_token": True, "add_eos_token": False, "bos_token": MISTRAL_BOS, "eos_token": "</s>",
                  "unk_token": "<unk>"}, "</s>"),
+    # Gemma 2 and 3 instruct: <bos> added by the template, turns ended by <end_of_turn>
+    "gemma-instruct": (["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"], None, "<bos>",
+                       {"add_bos_token": True, "add_eos_token": False, "bos_token": "<bos>", "eos_token": "<eos>",
+                        "pad_token": "<pad>", "unk_token": "<unk>"}, ["<eos>", "<end_of_turn>"]),
 }
 
 

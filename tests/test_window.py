@@ -1,6 +1,7 @@
 """Sliding-window attention (`model.sliding_window`: each query sees its W latest keys, its own included):
 the dense and blockwise kernels and every context-parallel schedule against the textbook formula (values
-and gradients, float32), the tiles the blockwise kernel skips, the ring steps a contiguous ring leaves out,
+and gradients, float32; with Gemma 2's soft-capped scores too),
+the tiles the blockwise kernel skips, the ring steps a contiguous ring leaves out,
 cuDNN's `local_window_size` convention, and blockwise work linear in T at a fixed window (memory no more).
 A windowed model's loss and gradients on ring, GPipe and 1F1B layouts equal one device's; generation keeps
 a ring of the window's positions and gives the tokens of recomputing.
@@ -30,20 +31,24 @@ from test_attention import FAST_COMPILE, FUNCTIONS, heads_for, inputs, make_mesh
 WINDOWED = dataclasses.replace(MODEL, n_layers=4, sliding_window=11)
 
 
-def reference_window_attention(q_BTNH, k_BTKH, v_BTKH, window: int):
-    """softmax(q·kᵀ/√H + mask)·v where query t sees keys s with 0 <= t − s < window: the textbook formula."""
+def reference_window_attention(q_BTNH, k_BTKH, v_BTKH, window: int, softcap: float | None = None):
+    """softmax(q·kᵀ/√H + mask)·v where query t sees keys s with 0 <= t − s < window: the textbook formula;
+    with `softcap` c, the scores c·tanh(s / c) before the mask (Gemma 2's)."""
     N, K, T = q_BTNH.shape[2], k_BTKH.shape[2], q_BTNH.shape[1]
     k_BTNH, v_BTNH = (jnp.repeat(x, N // K, axis=2) for x in (k_BTKH, v_BTKH))
     scores_BNTS = jnp.einsum("btnh,bsnh->bnts", q_BTNH, k_BTNH) / np.sqrt(q_BTNH.shape[-1])
+    if softcap is not None:
+        scores_BNTS = softcap * jnp.tanh(scores_BNTS / softcap)
     delta_TS = np.arange(T)[:, None] - np.arange(T)[None, :]
     scores_BNTS = jnp.where((delta_TS >= 0) & (delta_TS < window), scores_BNTS, -jnp.inf)
     return jnp.einsum("bnts,bsnh->btnh", jax.nn.softmax(scores_BNTS, axis=-1), v_BTNH)
 
 
 @functools.lru_cache(maxsize=None)
-def reference(N: int, K: int, T: int, window: int):
+def reference(N: int, K: int, T: int, window: int, softcap: float | None = None):
     q, k, v, ct = inputs(N, K, t=T)
-    out, grads = run_fast(value_and_grads(functools.partial(reference_window_attention, window=window)), q, k, v, ct)
+    f = functools.partial(reference_window_attention, window=window, softcap=softcap)
+    out, grads = run_fast(value_and_grads(f), q, k, v, ct)
     return [np.asarray(x) for x in (out, *grads)]
 
 
@@ -52,15 +57,16 @@ def assert_matches(results, want, rtol=1e-5):
         assert relative_error(got, expected) < rtol, f"{name}: relative error {relative_error(got, expected):.2e}"
 
 
-@pytest.mark.parametrize("window", [2, 40, 200])
+@pytest.mark.parametrize("window,softcap", [(2, None), (40, None), (200, None), (40, 0.5), (400, 0.5)])
 @pytest.mark.parametrize("kernel", ["dense", "blockwise"])
-def test_one_device_kernels_match_the_formula(kernel, window):
-    """T = 384: three 128-tiles per side, so the blockwise kernel skips, masks and fully computes tiles."""
+def test_one_device_kernels_match_the_formula(kernel, window, softcap):
+    """T = 384: three 128-tiles per side, so the blockwise kernel skips, masks and fully computes tiles; with
+    soft-capped scores (a cap of 0.5 bends most of them) too, windowed and not."""
     T = 384
     q, k, v, ct = inputs(8, 2, t=T)
-    f = functools.partial(kernels.causal_attention, kernel=kernel, window=window)
+    f = functools.partial(kernels.causal_attention, kernel=kernel, window=window, softcap=softcap)
     out, grads = run_fast(value_and_grads(f), q, k, v, ct)
-    assert_matches([np.asarray(x) for x in (out, *grads)], reference(8, 2, T, window))
+    assert_matches([np.asarray(x) for x in (out, *grads)], reference(8, 2, T, window, softcap))
 
 
 def test_the_block_pattern_skips_the_tiles_beyond_the_window():
@@ -80,11 +86,12 @@ def test_the_block_pattern_skips_the_tiles_beyond_the_window():
 CP_CASES = [("ring", False), ("ring", True), ("allgather", True), ("ulysses", True)]
 
 
+@pytest.mark.parametrize("softcap", [None, 0.5], ids=["plain", "soft-capped"])
 @pytest.mark.parametrize("kernel", ["dense", "blockwise"])
 @pytest.mark.parametrize("mode,balanced", CP_CASES, ids=[f"{m}-{'zigzag' if b else 'contiguous'}" for m, b in CP_CASES])
-def test_context_parallel_schedules_match_the_formula(mode, balanced, kernel):
+def test_context_parallel_schedules_match_the_formula(mode, balanced, kernel, softcap):
     """sequence=4, T = 32 (8 positions per device, zigzag chunks of 4); a window of 11 reaches into the
-    block before a device's own, not the one before that."""
+    block before a device's own, not the one before that; the scores soft-capped or not."""
     n, T, window = 4, 32, 11
     N, K = heads_for(mode, n)
     mesh = make_mesh(f"sequence={n}")
@@ -92,10 +99,11 @@ def test_context_parallel_schedules_match_the_formula(mode, balanced, kernel):
     if balanced:
         args = [zigzag.zigzag(x, n) for x in args]
     args = [jax.device_put(x, NamedSharding(mesh, P(None, "sequence"))) for x in args]
-    f = functools.partial(FUNCTIONS[mode], mesh=mesh, load_balanced=balanced, kernel=kernel, window=window)
+    f = functools.partial(FUNCTIONS[mode], mesh=mesh, load_balanced=balanced, kernel=kernel, window=window,
+                          softcap=softcap)
     out, grads = run_fast(value_and_grads(f), *args)
     results = [zigzag.unzigzag(x, n) if balanced else x for x in (out, *grads)]
-    assert_matches([np.asarray(x) for x in results], reference(N, K, T, window))
+    assert_matches([np.asarray(x) for x in results], reference(N, K, T, window, softcap))
 
 
 def ring_permutes(window):

@@ -75,12 +75,13 @@ def block_pattern(q_positions: Sequence[np.ndarray] | np.ndarray, k_positions: n
 
 
 def attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, q_pos_T: jax.Array, k_pos_S: jax.Array,
-              pattern: np.ndarray, window: int | None = None,
-              segments: tuple[jax.Array, jax.Array] | None = None) -> tuple[jax.Array, jax.Array]:
+              pattern: np.ndarray, window: int | None = None, segments: tuple[jax.Array, jax.Array] | None = None,
+              softcap: float | None = None) -> tuple[jax.Array, jax.Array]:
     """Causal GQA attention over the pairs `pattern` (from `block_pattern`) allows: (out f32 [B, T, N, H],
     lse f32 [B, T, N]). Query t sees key s iff 0 <= q_pos_T[t] − k_pos_S[s] < window (None: no bound) and,
     with `segments` (document ids of queries [B, T] and keys [B, S]), both are of one document; block
-    sizes are T and S over the pattern's shape. A query row that sees no key gets out 0 and lse −inf."""
+    sizes are T and S over the pattern's shape; with `softcap` c, scores are c·tanh(s / c) (`soft_cap`). A
+    query row that sees no key gets out 0 and lse −inf."""
     T, S = q_BTNH.shape[1], k_BSKH.shape[1]
     nq, nk = pattern.shape
     if T % nq or S % nk:
@@ -91,7 +92,12 @@ def attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, q_pos_T: 
         return jnp.zeros((B, T, N, H), jnp.float32), jnp.full((B, T, N), -jnp.inf, jnp.float32)
     segments = None if segments is None else tuple(ids.astype(jnp.int32) for ids in segments)
     return _flash(q_BTNH, k_BSKH, v_BSKH, q_pos_T.astype(jnp.int32), k_pos_S.astype(jnp.int32), segments,
-                  pairs, T // nq, S // nk, window)
+                  pairs, T // nq, S // nk, window, softcap)
+
+
+def soft_cap(s: jax.Array, softcap: float | None) -> jax.Array:
+    """c·tanh(s / c): scores bounded to (−c, c) and nearly unchanged where |s| ≪ c (None: s as it is)."""
+    return s if softcap is None else softcap * jnp.tanh(s / softcap)
 
 
 def visible(q_pos_T: jax.Array, k_pos_S: jax.Array, window: int | None,
@@ -124,10 +130,12 @@ def _grouped(q_BTNH: jax.Array, K: int) -> jax.Array:
     return q_BTNH.reshape(B, T, K, N // K, H)
 
 
-def _scores(q_BtKGH, k_BsKH, qpos_t, kpos_s, segments_ts, full, window):
-    """Scaled, masked f32 scores [B, K, G, t, s] of one block pair (`segments_ts`: the pair's ids or None)."""
+def _scores(q_BtKGH, k_BsKH, qpos_t, kpos_s, segments_ts, full, window, softcap):
+    """Scaled, soft-capped, masked f32 scores [B, K, G, t, s] of one block pair (`segments_ts`: the pair's ids
+    or None)."""
     H = q_BtKGH.shape[-1]
-    s = jnp.einsum("btkgh,bskh->bkgts", q_BtKGH, k_BsKH, preferred_element_type=jnp.float32) / math.sqrt(H)
+    s = soft_cap(jnp.einsum("btkgh,bskh->bkgts", q_BtKGH, k_BsKH, preferred_element_type=jnp.float32) / math.sqrt(H),
+                 softcap)
     seen_ts = visible(qpos_t, kpos_s, window) | full
     if segments_ts is not None:
         seen_ts = (seen_ts & same_document(*segments_ts))[:, None, None]
@@ -157,7 +165,7 @@ def _over_pairs(body, init, pairs, live_P=None):
     return lax.scan(maybe, init, (live_P, i_P, j_P, full_P))[0]
 
 
-def _forward(q_BTNH, k_BSKH, v_BSKH, q_pos_T, k_pos_S, segments, pairs, bt, bs, window):
+def _forward(q_BTNH, k_BSKH, v_BSKH, q_pos_T, k_pos_S, segments, pairs, bt, bs, window, softcap):
     # One barrier over every input: when an enclosing loop is linearised, JAX hoists what depends only on
     # that loop's constants (a ring's queries, the positions) out of it, and here that would be every
     # pair's query block and mask, stacked per pair: memory quadratic in T. Behind the barrier nothing
@@ -171,7 +179,7 @@ def _forward(q_BTNH, k_BSKH, v_BSKH, q_pos_T, k_pos_S, segments, pairs, bt, bs, 
         o_BTKGH, m_BKGT, l_BKGT = carry
         qs, ks = i * bt, j * bs
         s_BKGts = _scores(_slice(q_BTKGH, qs, bt, 1), _slice(k_BSKH, ks, bs, 1), _slice(q_pos_T, qs, bt, 0),
-                          _slice(k_pos_S, ks, bs, 0), _pair_segments(segments, qs, ks, bt, bs), full, window)
+                          _slice(k_pos_S, ks, bs, 0), _pair_segments(segments, qs, ks, bt, bs), full, window, softcap)
         m_old, l_old = _slice(m_BKGT, qs, bt, 3), _slice(l_BKGT, qs, bt, 3)
         m_new = jnp.maximum(m_old, s_BKGts.max(axis=-1))
         m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # a row with nothing visible yet: exp(−inf) = 0
@@ -197,17 +205,17 @@ def _forward(q_BTNH, k_BSKH, v_BSKH, q_pos_T, k_pos_S, segments, pairs, bt, bs, 
     return out_BTKGH.reshape(B, T, N, H), jnp.moveaxis(lse_BKGT, -1, 1).reshape(B, T, N)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9))
-def _flash(q_BTNH, k_BSKH, v_BSKH, q_pos_T, k_pos_S, segments, pairs, bt, bs, window):
-    return _forward(q_BTNH, k_BSKH, v_BSKH, q_pos_T, k_pos_S, segments, pairs, bt, bs, window)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
+def _flash(q_BTNH, k_BSKH, v_BSKH, q_pos_T, k_pos_S, segments, pairs, bt, bs, window, softcap):
+    return _forward(q_BTNH, k_BSKH, v_BSKH, q_pos_T, k_pos_S, segments, pairs, bt, bs, window, softcap)
 
 
-def _flash_fwd(q_BTNH, k_BSKH, v_BSKH, q_pos_T, k_pos_S, segments, pairs, bt, bs, window):
-    out_BTNH, lse_BTN = _forward(q_BTNH, k_BSKH, v_BSKH, q_pos_T, k_pos_S, segments, pairs, bt, bs, window)
+def _flash_fwd(q_BTNH, k_BSKH, v_BSKH, q_pos_T, k_pos_S, segments, pairs, bt, bs, window, softcap):
+    out_BTNH, lse_BTN = _forward(q_BTNH, k_BSKH, v_BSKH, q_pos_T, k_pos_S, segments, pairs, bt, bs, window, softcap)
     return (out_BTNH, lse_BTN), (q_BTNH, k_BSKH, v_BSKH, q_pos_T, k_pos_S, segments, out_BTNH, lse_BTN)
 
 
-def _flash_bwd(pairs, bt, bs, window, residuals, cotangents):
+def _flash_bwd(pairs, bt, bs, window, softcap, residuals, cotangents):
     q_BTNH, k_BSKH, v_BSKH, q_pos_T, k_pos_S, segments, out_BTNH, lse_BTN = residuals
     dout_BTNH, dlse_BTN = cotangents
     (B, T, N, H), K = q_BTNH.shape, k_BSKH.shape[2]
@@ -226,12 +234,15 @@ def _flash_bwd(pairs, bt, bs, window, residuals, cotangents):
         q_BtKGH, k_BsKH, v_BsKH = _slice(q_BTKGH, qs, bt, 1), _slice(k_BSKH, ks, bs, 1), _slice(v_BSKH, ks, bs, 1)
         do_BtKGH = _slice(do_BTKGH, qs, bt, 1)
         s_BKGts = _scores(q_BtKGH, k_BsKH, _slice(q_pos_T, qs, bt, 0), _slice(k_pos_S, ks, bs, 0),
-                          _pair_segments(segments, qs, ks, bt, bs), full, window)
+                          _pair_segments(segments, qs, ks, bt, bs), full, window, softcap)
         p_BKGts = jnp.exp(s_BKGts - _slice(lse_BKGT, qs, bt, 3)[..., None])
         dv_BsKH = jnp.einsum("bkgts,btkgh->bskh", p_BKGts.astype(v_BSKH.dtype), do_BtKGH,
                              preferred_element_type=jnp.float32)
         dp_BKGts = jnp.einsum("btkgh,bskh->bkgts", do_BtKGH, v_BsKH, preferred_element_type=jnp.float32)
-        ds_BKGts = (p_BKGts * (dp_BKGts - _slice(delta_BKGT, qs, bt, 3)[..., None]) * scale).astype(q_BTNH.dtype)
+        ds_BKGts = p_BKGts * (dp_BKGts - _slice(delta_BKGT, qs, bt, 3)[..., None]) * scale
+        if softcap is not None:  # d(c·tanh(x / c))/dx = 1 − tanh², tanh = the capped score / c (masked: p = 0)
+            ds_BKGts = ds_BKGts * (1 - jnp.square(jnp.where(p_BKGts > 0, s_BKGts, 0.0) / softcap))
+        ds_BKGts = ds_BKGts.astype(q_BTNH.dtype)
         dq_BtKGH = jnp.einsum("bkgts,bskh->btkgh", ds_BKGts, k_BsKH, preferred_element_type=jnp.float32)
         dk_BsKH = jnp.einsum("bkgts,btkgh->bskh", ds_BKGts, q_BtKGH, preferred_element_type=jnp.float32)
         add = lambda acc, x, start: lax.dynamic_update_slice_in_dim(

@@ -89,11 +89,11 @@ def cudnn_unsupported(dtype, head_dim: int | None) -> str | None:
 
 
 def resolve_kernel(kernel: str, S: int, platform: str, dtype=jnp.float32, head_dim: int | None = None,
-                   needs_lse: bool = False) -> str:
+                   needs_lse: bool = False, softcap: float | None = None) -> str:
     """The kernel `block_attention` runs for S keys of `dtype`: `auto` becomes `cudnn` on GPUs where it
     can run, else `dense` up to the platform's measured length (`DENSE_MAX_T`) and `blockwise` above.
     `cudnn` is refused off GPUs and for inputs it cannot take; it falls back to `blockwise` where the
-    caller needs the log-sum-exp's gradient (`needs_lse`)."""
+    caller needs the log-sum-exp's gradient (`needs_lse`) or soft-caps the scores (JAX's call has no cap)."""
     if kernel not in KERNELS:
         raise InputError(f"attention kernel '{kernel}' is not one of {', '.join(KERNELS)}")
     if kernel == "cudnn":
@@ -105,32 +105,33 @@ def resolve_kernel(kernel: str, S: int, platform: str, dtype=jnp.float32, head_d
     if kernel == "auto" and platform == "gpu" and cudnn_unsupported(dtype, head_dim) is None:
         kernel = "cudnn"
     if kernel == "cudnn":
-        return "blockwise" if needs_lse else "cudnn"
+        return "blockwise" if needs_lse or softcap else "cudnn"
     if kernel == "auto":
         return "dense" if S <= DENSE_MAX_T.get(platform, 0) else "blockwise"
     return kernel
 
 
 def block_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, causal: Causal | None, *,
-                    kernel: str = "auto", platform: str | None = None,
-                    needs_lse: bool = False) -> tuple[jax.Array, jax.Array | None]:
+                    kernel: str = "auto", platform: str | None = None, needs_lse: bool = False,
+                    softcap: float | None = None) -> tuple[jax.Array, jax.Array | None]:
     """GQA attention of T queries over S keys: (out f32 [B, T, N, H], log-sum-exp f32 [B, T, N]).
 
     The log-sum-exp is None from the cuDNN kernel, which runs only where the caller does not need it
     (`needs_lse` False) and the mask is plain causal, without documents, or none (`is_plain_causal`);
     elsewhere `cudnn` runs `blockwise`.
 
-    `causal` None: every key is visible to every query (a ring's off-diagonal block). The log-sum-exp
+    `softcap` c: each scaled score s becomes c·tanh(s / c) before the mask (Gemma 2's attention logit
+    soft-capping). `causal` None: every key is visible to every query (a ring's off-diagonal block). The log-sum-exp
     lets partial results over disjoint key sets combine exactly (the ring's accumulator). A row with no
     visible key has out 0 and lse −inf (blockwise) — the schedules never produce one.
     """
     T, S = q_BTNH.shape[1], k_BSKH.shape[1]
     platform = platform or jax.default_backend()
-    kernel = resolve_kernel(kernel, S, platform, q_BTNH.dtype, q_BTNH.shape[3], needs_lse)
+    kernel = resolve_kernel(kernel, S, platform, q_BTNH.dtype, q_BTNH.shape[3], needs_lse, softcap)
     if kernel == "cudnn" and (causal is None or causal.segments is None and is_plain_causal(causal, T, S)):
         return cudnn_attention(q_BTNH, k_BSKH, v_BSKH, causal), None
     if kernel == "dense":
-        return _dense(q_BTNH, k_BSKH, v_BSKH, causal)
+        return _dense(q_BTNH, k_BSKH, v_BSKH, causal, softcap)
     bt = largest_divisor(T, BLOCK.get(platform, DEFAULT_BLOCK))
     bs = largest_divisor(S, BLOCK.get(platform, DEFAULT_BLOCK))
     if causal is None:
@@ -141,7 +142,7 @@ def block_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, cau
                                       causal.window)
         q_T, k_S = causal.q_T, causal.k_S
     window, segments = (None, None) if causal is None else (causal.window, causal.segments)
-    return flash.attention(q_BTNH, k_BSKH, v_BSKH, q_T, k_S, pattern, window, segments)
+    return flash.attention(q_BTNH, k_BSKH, v_BSKH, q_T, k_S, pattern, window, segments, softcap)
 
 
 def cudnn_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, causal: Causal | None,
@@ -166,12 +167,13 @@ def is_plain_causal(causal: Causal, T: int, S: int) -> bool:
     return T == S and all(np.array_equal(q, k) and np.array_equal(np.diff(q), np.ones(T - 1)) for q, k in causal.layouts)
 
 
-def _dense(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, causal: Causal | None):
+def _dense(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, causal: Causal | None,
+           softcap: float | None = None):
     B, T, N, H = q_BTNH.shape
     K = k_BSKH.shape[2]
     q_BTKGH = q_BTNH.reshape(B, T, K, N // K, H)
-    scores_BKGTS = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BSKH,
-                              preferred_element_type=jnp.float32) / jnp.sqrt(H).astype(jnp.float32)
+    scores_BKGTS = flash.soft_cap(jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BSKH, preferred_element_type=jnp.float32)
+                                  / jnp.sqrt(H).astype(jnp.float32), softcap)
     if causal is not None:
         seen = causal.visible()
         scores_BKGTS = jnp.where(seen if seen.ndim == 2 else seen[:, None, None], scores_BKGTS, -jnp.inf)
@@ -191,24 +193,24 @@ def _dense(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, causal: Caus
 
 def causal_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, *, window: int | None = None,
                      segments_BT: jax.Array | None = None, kernel: str = "auto",
-                     platform: str | None = None) -> jax.Array:
+                     platform: str | None = None, softcap: float | None = None) -> jax.Array:
     """softmax(q kᵀ / √H + causal mask) v on one device, each group of G query heads sharing a kv head;
     with a sliding `window`, each query sees its `window` latest keys; with `segments_BT` (document ids
-    of the T = S positions), only keys of its own document."""
+    of the T = S positions), only keys of its own document; with `softcap`, scores soft-capped."""
     T, S = q_BTNH.shape[1], k_BSKH.shape[1]
     segments = None if segments_BT is None else (segments_BT, segments_BT)
     out_BTNH, _ = block_attention(q_BTNH, k_BSKH, v_BSKH,
                                   Causal.static(np.arange(T), np.arange(S), window, segments),
-                                  kernel=kernel, platform=platform)
+                                  kernel=kernel, platform=platform, softcap=softcap)
     return out_BTNH.astype(v_BSKH.dtype)
 
 
 def cached_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, q_pos_T: jax.Array,
-                     k_pos_S: jax.Array, window: int | None = None) -> jax.Array:
+                     k_pos_S: jax.Array, window: int | None = None, softcap: float | None = None) -> jax.Array:
     """Causal attention of T queries at positions `q_pos_T` over keys at positions `k_pos_S` (a KV cache's
     slots and the new keys), as generation runs it: keys after a query's position and, with a sliding
     `window`, keys `window` or more before it are masked. The dense kernel: after the prompt T = 1, so the
     scores are one row per head."""
     causal = Causal(q_pos_T.astype(jnp.int32), k_pos_S.astype(jnp.int32), layouts=(), window=window)
-    out_BTNH, _ = _dense(q_BTNH, k_BSKH, v_BSKH, causal)
+    out_BTNH, _ = _dense(q_BTNH, k_BSKH, v_BSKH, causal, softcap)
     return out_BTNH.astype(v_BSKH.dtype)

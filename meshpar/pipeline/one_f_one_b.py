@@ -584,7 +584,8 @@ def model_loss_and_grads(model: nnx.Module, batch: Batch | jax.Array, *, mesh: M
     def last(o: nnx.State, carry: Any, targets: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, Any]:
         piece = with_other(o)
         y_bTD, stats = carry if isinstance(carry, tuple) else (carry, None)
-        value = chunked_cross_entropy(piece.final_norm(y_bTD), piece.output_head(), targets[0], chunk, targets[1])
+        value = chunked_cross_entropy(piece.final_norm(y_bTD), piece.output_head(), targets[0], chunk, targets[1],
+                                      getattr(piece, "logit_softcap", None))
         if stats is None:
             return value, ()
         stats = stats.grouped(1)  # this lane's rows; the microbatch's are all its lanes' (no gradient: f, n)

@@ -6,12 +6,21 @@
 | mistral    | MistralForCausalLM  | as llama; `sliding_window` (every layer)       | –                              |
 | qwen2      | Qwen2ForCausalLM    | `qkv_bias` (always on); per-layer windows      | self_attn.{q,k,v}_proj.bias    |
 | qwen3      | Qwen3ForCausalLM    | `qk_norm` (always on), head_dim; per-layer windows | self_attn.{q,k}_norm.weight |
+| gemma2     | Gemma2ForCausalLM   | Gemma's layer, soft-capping; per-layer windows | pre/post_feedforward norms     |
+| gemma3_text | Gemma3ForCausalLM  | Gemma's layer, q/k norms; per-type RoPE        | as gemma2, q/k norms           |
 | mixtral    | MixtralForCausalLM  | as mistral; `n_experts` (every layer)          | block_sparse_moe.* for mlp.*   |
 | qwen3_moe  | Qwen3MoeForCausalLM | as qwen3; `n_experts`, dense layers, `norm_topk_prob` | mlp.gate, mlp.experts.* |
 | qwen2_moe  | Qwen2MoeForCausalLM | as qwen2 and qwen3_moe; a gated shared expert  | mlp.shared_expert{,_gate}.*    |
 
-Layers that differ (`layer_pattern`): qwen2 and qwen3 read `layer_types` (or, without it, transformers' rule:
-with `use_sliding_window`, the layers from `max_window_layers` on slide), each sliding layer with the one
+Gemma's layer (`Family.gemma`): GeGLU (`hidden_activation` gelu_pytorch_tanh), RMSNorms scaled by 1 + w around
+both sublayers (`norm_plus_one`, `sandwich_norms`: its `post_attention_layernorm` norms attention's output, and
+`pre_feedforward_layernorm` is the MLP's input norm), embeddings × √D, scores / √`query_pre_attn_scalar`
+(`query_scale`), and Gemma 2's `attn_logit_softcapping` and `final_logit_softcapping`. Gemma 3's sliding layers
+take `rope_parameters.sliding_attention` (4.x: `rope_local_base_freq`), its full ones the `full_attention` entry.
+
+Layers that differ (`layer_pattern`): qwen2, qwen3 and the Gemmas read `layer_types` (or, without it,
+transformers' rules: Qwen's layers from `max_window_layers` on slide where `use_sliding_window`, Gemma's all
+but every 2nd (Gemma 2) or `sliding_window_pattern`-th (Gemma 3, 6)), each sliding layer with the one
 `sliding_window`; qwen3_moe and qwen2_moe read which layers have experts from `decoder_sparse_step` and
 `mlp_only_layers` (the others are dense, `intermediate_size` wide). The per-layer kinds become the shortest
 period that repeats over the layers; with one kind, the model-wide options. A pattern's period j holds layer
@@ -137,6 +146,10 @@ QWEN3_MOE_EXPERTS = _experts("mlp", "gate_proj", "up_proj", "down_proj")
 QWEN2_MOE_EXPERTS = (*QWEN3_MOE_EXPERTS, *_swiglu(("blocks", "mlp", "shared"), "mlp.shared_expert"),
                      Tensor(("blocks", "mlp", "w_shared_gate_D1"), _LAYER + "mlp.shared_expert_gate.weight",
                             "transpose"))
+# Gemma's norms: of attention's input and output, and of the MLP's (`sandwich_norms`)
+SANDWICH = (Tensor(("blocks", "post_attn_norm", "scale"), _LAYER + "post_attention_layernorm.weight", "same"),
+            Tensor(("blocks", "mlp_norm", "scale"), _LAYER + "pre_feedforward_layernorm.weight", "same"),
+            Tensor(("blocks", "post_mlp_norm", "scale"), _LAYER + "post_feedforward_layernorm.weight", "same"))
 QKV_BIASES = tuple(Tensor(("blocks", "attn", f"{x}_bias_{X}H"), _LAYER + f"self_attn.{x}_proj.bias", "heads_bias")
                    for x, X in (("q", "N"), ("k", "K"), ("v", "K")))
 QK_NORMS = tuple(Tensor(("blocks", "attn", f"{x}_norm", "scale"), _LAYER + f"self_attn.{x}_norm.weight", "same")
@@ -168,6 +181,11 @@ class Family:
     fixed: tuple[tuple[str, object], ...] = ()
     experts: Experts | None = None  # a mixture of experts in place of the MLP
     dense_layers: bool = False  # `decoder_sparse_step` and `mlp_only_layers` leave some layers dense
+    # Gemma's layer: GeGLU, (1 + w) RMSNorms around both sublayers, √D embeddings, `query_pre_attn_scalar`,
+    # soft-capping; its sliding layers always slide (`sliding_window`)
+    gemma: bool = False
+    local_rope: bool = False  # its sliding layers have a rotary base (and scaling) of their own (Gemma 3)
+    full_every: int = 0  # without `layer_types`, every n-th layer is full, the others slide (Gemma's default)
 
 
 # Why meshpar needs a `fixed` key's value, where the key's name does not say it
@@ -179,6 +197,11 @@ FAMILIES = {family.model_type: family for family in (
     Family("mistral", "MistralForCausalLM", windowed=True),
     Family("qwen2", "Qwen2ForCausalLM", qkv_bias=True, layer_types=True),
     Family("qwen3", "Qwen3ForCausalLM", qk_norm=True, layer_types=True, fixed=(("attention_bias", False),)),
+    Family("gemma2", "Gemma2ForCausalLM", layer_types=True, gemma=True, full_every=2,
+           fixed=(("attention_bias", False), ("use_bidirectional_attention", False))),
+    Family("gemma3_text", "Gemma3ForCausalLM", qk_norm=True, layer_types=True, gemma=True, local_rope=True,
+           full_every=6,
+           fixed=(("attention_bias", False), ("use_bidirectional_attention", False))),
     Family("mixtral", "MixtralForCausalLM", windowed=True, fixed=(("router_jitter_noise", 0.0),),
            experts=Experts(("num_local_experts",), "intermediate_size", MIXTRAL_EXPERTS, renormalised=True)),
     # the Hub's checkpoints (and transformers 4) name the count num_experts, transformers 5 num_local_experts
@@ -201,7 +224,9 @@ def tensors(cfg: TransformerConfig, family: Family) -> list[Tensor]:
     rows = []
     for j, kind in enumerate(cfg.layer_pattern or (None,)):
         mlp = family.experts.tensors if cfg.n_experts and not (kind and kind.dense) else SWIGLU
-        for t in (*LLAMA, *mlp, *options):
+        norms = (*(t for t in LLAMA if t.path != ("blocks", "mlp_norm", "scale")), *SANDWICH) if cfg.sandwich_norms \
+            else LLAMA
+        for t in (*norms, *mlp, *options):
             if kind is not None and t.path[0] == "blocks":
                 t = dataclasses.replace(t, path=("blocks", f"layer{j}", *t.path[1:]),
                                         layers=(j, len(cfg.layer_pattern)))
@@ -227,7 +252,7 @@ def config_from_hf(d: dict) -> TransformerConfig:
                            "num_attention_heads") if k not in d]
     if missing:
         raise InputError(f"config.json lacks {', '.join(missing)}")
-    theta, scaling = _rope(d)
+    theta, scaling = _rope(_global_rope(d) if family.gemma else d)
     heads, hidden = d["num_attention_heads"], d["hidden_size"]
     # Defaults are transformers' config classes', for keys an older config.json leaves out.
     return TransformerConfig(
@@ -236,7 +261,47 @@ def config_from_hf(d: dict) -> TransformerConfig:
         max_seq_len=d.get("max_position_embeddings", 2048), tie_embeddings=bool(d.get("tie_word_embeddings", False)),
         rope_theta=float(theta), rope_scaling=scaling, norm_eps=float(d.get("rms_norm_eps", 1e-6)),
         head_dim=0 if d.get("head_dim") in (None, hidden // heads) else d["head_dim"],
-        qkv_bias=family.qkv_bias, qk_norm=family.qk_norm, **_layers_from_hf(d, family), **_experts_from_hf(d, family))
+        qkv_bias=family.qkv_bias, qk_norm=family.qk_norm, mlp_activation=_activation(d),
+        **(_gemma_from_hf(d) if family.gemma else {}), **_layers_from_hf(d, family), **_experts_from_hf(d, family))
+
+
+# Hugging Face's names of the gated MLP's activations (`TransformerConfig.mlp_activation`)
+HF_ACTIVATIONS = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}
+
+
+def _activation(d: dict) -> str:
+    name = d.get("hidden_activation") or d.get("hidden_act") or "silu"
+    ours = {hf_name: name for name, hf_name in HF_ACTIVATIONS.items()}
+    if name not in ours:
+        raise InputError(f"config.json: hidden_act = {name!r} is not implemented: meshpar's gated MLP takes "
+                         f"{', '.join(ours)}")
+    return ours[name]
+
+
+def _gemma_from_hf(d: dict) -> dict:
+    """Gemma's layer (`Family.gemma`) as TransformerConfig fields."""
+    head_size = d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]
+    scalar = d.get("query_pre_attn_scalar") or head_size
+    return {"norm_plus_one": True, "sandwich_norms": True, "embed_scale": True,
+            "query_scale": 0.0 if scalar == head_size else float(scalar),
+            "attn_softcap": float(d.get("attn_logit_softcapping") or 0.0),
+            "logit_softcap": float(d.get("final_logit_softcapping") or 0.0)}
+
+
+def _global_rope(d: dict) -> dict:
+    """The config.json of Gemma's full-attention layers' rotary positions, in the keys `_rope` reads:
+    transformers ≥ 5's `rope_parameters` per layer type, or 4.x's `rope_theta` and `rope_scaling`."""
+    per_type = d.get("rope_parameters") or {}
+    return {**d, "rope_parameters": per_type.get("full_attention")} if "full_attention" in per_type else d
+
+
+def _local_rope(d: dict) -> tuple[float, RopeScaling]:
+    """Gemma's sliding layers' rotary base and scaling: `rope_parameters.sliding_attention`, or 4.x's
+    `rope_local_base_freq` (unscaled)."""
+    per_type = d.get("rope_parameters") or {}
+    if "sliding_attention" in per_type:
+        return _rope({**d, "rope_parameters": per_type["sliding_attention"], "rope_scaling": None})
+    return float(d.get("rope_local_base_freq", 10_000.0)), RopeScaling()
 
 
 def _layers_from_hf(d: dict, family: Family) -> dict:
@@ -245,20 +310,31 @@ def _layers_from_hf(d: dict, family: Family) -> dict:
     n = d["num_hidden_layers"]
     if family.windowed:
         return {"sliding_window": d.get("sliding_window") or 0}
-    window = (d.get("sliding_window") or 0) if d.get("use_sliding_window") else 0  # transformers' rule
-    types = d.get("layer_types") or ["sliding_attention" if window and i >= d.get("max_window_layers", n)
-                                     else "full_attention" for i in range(n)]
+    window = (d.get("sliding_window") or 0) if family.gemma or d.get("use_sliding_window") else 0
+    types = d.get("layer_types") or _default_layer_types(d, family, window)
     if len(types) != n or not set(types) <= {"full_attention", "sliding_attention"}:
         raise InputError(f"config.json: layer_types = {json.dumps(types)} is not implemented: meshpar reads one of "
                          f"full_attention or sliding_attention per layer, {n} in all")
     only = set(d.get("mlp_only_layers") or ())
     step = d.get("decoder_sparse_step") or 1
-    kinds = [LayerKind(window=window if kind == "sliding_attention" else 0,
+    local = dict(zip(("rope_theta", "rope_scaling"), _local_rope(d))) if family.local_rope else {}
+    kinds = [LayerKind(**({"window": window, **local} if kind == "sliding_attention" else {}),
                        dense=family.dense_layers and (i in only or (i + 1) % step != 0)) for i, kind in enumerate(types)]
     period = next(p for p in range(1, n + 1) if n % p == 0 and all(kinds[i] == kinds[i % p] for i in range(n)))
-    if period == 1 and not kinds[0].dense:
+    if period == 1 and kinds[0] == LayerKind(window=kinds[0].window):
         return {"sliding_window": kinds[0].window}
     return {"layer_pattern": tuple(kinds[:period])}
+
+
+def _default_layer_types(d: dict, family: Family, window: int) -> list[str]:
+    """transformers' layer types where config.json lists none: Gemma's every n-th layer full, the others
+    sliding (Gemma 3's n: `sliding_window_pattern`); Qwen's layers from `max_window_layers` on sliding."""
+    n = d["num_hidden_layers"]
+    if family.full_every:
+        every = d.get("sliding_window_pattern") or family.full_every
+        return ["full_attention" if (i + 1) % every == 0 else "sliding_attention" for i in range(n)]
+    return ["sliding_attention" if window and i >= d.get("max_window_layers", n) else "full_attention"
+            for i in range(n)]
 
 
 def _experts_from_hf(d: dict, family: Family) -> dict:
@@ -293,9 +369,10 @@ def _shared_from_hf(d: dict, experts: Experts) -> dict:
 
 
 def _refuse_what_is_not_implemented(d: dict, family: Family) -> None:
-    if d.get("hidden_act", "silu") != "silu":
-        raise InputError(f"config.json: hidden_act = {d['hidden_act']!r} is not implemented: meshpar's MLP is "
-                         f"SwiGLU (silu)")
+    wanted = "gelu_tanh" if family.gemma else "silu"
+    if _activation(d) != wanted:
+        raise InputError(f"config.json: hidden_act = {HF_ACTIVATIONS[_activation(d)]!r} is not implemented for "
+                         f"{family.model_type}: meshpar converts it with {HF_ACTIVATIONS[wanted]!r}")
     for key, value in family.fixed:
         if d.get(key) is not None and d[key] != value:  # null: transformers' default, which is `value`
             why = f" ({_WHY_FIXED[key]})" if key in _WHY_FIXED else ""
@@ -350,8 +427,9 @@ def family_of(cfg: TransformerConfig, model_type: str | None = None) -> Family:
     if model_type is None and cfg.n_experts:
         model_type = "qwen3_moe" if cfg.qk_norm else "qwen2_moe" if cfg.n_shared_experts else "mixtral"
     elif model_type is None:
-        model_type = ("qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias else "mistral" if cfg.sliding_window
-                      else "llama")
+        gemma = "gemma3_text" if cfg.qk_norm else "gemma2"
+        model_type = (gemma if cfg.sandwich_norms else "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias
+                      else "mistral" if cfg.sliding_window else "llama")
     family = FAMILIES.get(model_type)
     if family is None:
         raise InputError(f"--family {model_type}: not one of {', '.join(FAMILIES)}")
@@ -366,17 +444,35 @@ def family_of(cfg: TransformerConfig, model_type: str | None = None) -> Family:
         raise InputError(f"model.sliding_window = {cfg.sliding_window}: a {model_type} checkpoint cannot hold it "
                          f"(of the families meshpar writes, those with windows: {windowed})")
     _refuse_a_pattern_it_cannot_hold(cfg, family)
+    _refuse_a_layer_it_cannot_hold(cfg, family)
     return family
+
+
+def _refuse_a_layer_it_cannot_hold(cfg: TransformerConfig, family: Family) -> None:
+    """Gemma's layer (`Family.gemma`) in a Gemma family, Llama's elsewhere."""
+    wanted = {"norm_plus_one": family.gemma, "sandwich_norms": family.gemma, "embed_scale": family.gemma,
+              "mlp_activation": "gelu_tanh" if family.gemma else "silu"}
+    for field, value in wanted.items():
+        if getattr(cfg, field) != value:
+            raise InputError(f"model.{field} = {json.dumps(getattr(cfg, field))}: a {family.model_type} checkpoint "
+                             f"cannot hold it ({family.architecture} has {field} = {json.dumps(value)})")
+    for field in ("query_scale", "attn_softcap", "logit_softcap"):
+        if getattr(cfg, field) and not family.gemma:
+            raise InputError(f"model.{field} = {getattr(cfg, field)}: a {family.model_type} checkpoint cannot hold it "
+                             f"(of the families meshpar writes, Gemma's have it)")
 
 
 def _refuse_a_pattern_it_cannot_hold(cfg: TransformerConfig, family: Family) -> None:
     kinds, name = cfg.layer_pattern, family.model_type
     windows = sorted({k.window for k in kinds if k.window})
+    # Gemma's sliding layers have a rotary base (and scaling) of their own, one for all of them
+    local = {(k.rope_theta, k.rope_scaling) for k in kinds if k.window} if family.local_rope else set()
     culprit = next((f"model.layer_pattern[{j}].{field}" for j, k in enumerate(kinds)
-                    for field in ("rope_theta", "rope_scaling") if getattr(k, field)), None)
+                    for field in ("rope_theta", "rope_scaling")
+                    if getattr(k, field) and not (k.window and len(local) == 1)), None)
     if culprit:
-        raise InputError(f"{culprit}: a {name} checkpoint cannot hold it (its rotary positions are the same in "
-                         f"every layer)")
+        held = "one for every sliding layer, the others the model's" if family.local_rope else "the same in every layer"
+        raise InputError(f"{culprit}: a {name} checkpoint cannot hold it (its rotary positions are {held})")
     if windows and not family.layer_types:
         raise InputError(f"model.layer_pattern has windowed layers: a {name} checkpoint cannot hold them (per-layer "
                          f"windows: {', '.join(f.model_type for f in FAMILIES.values() if f.layer_types)})")
@@ -409,28 +505,50 @@ def config_to_hf(cfg: TransformerConfig, model_type: str | None = None) -> dict:
     """A `config.json` that transformers loads as `family_of(cfg, model_type)`, computing what meshpar's model
     computes."""
     family = family_of(cfg, model_type)
-    s = cfg.rope_scaling
-    scaling = {"linear": {"factor": s.factor},
-               "llama3": {"factor": s.factor, "original_max_position_embeddings": s.original_max_seq_len,
-                          "low_freq_factor": s.low_freq_factor, "high_freq_factor": s.high_freq_factor},
-               "yarn": {"factor": s.factor, "original_max_position_embeddings": s.original_max_seq_len,
-                        "beta_fast": s.beta_fast, "beta_slow": s.beta_slow,
-                        **({"attention_factor": s.attention_factor} if s.attention_factor else {})}}.get(s.kind)
-    rope_type = "default" if scaling is None else s.kind
+    rope = _rope_to_hf(cfg.rope_theta, cfg.rope_scaling)
+    scaling = {k: v for k, v in rope.items() if k not in ("rope_type", "rope_theta")}
     return {
         "architectures": [family.architecture], "model_type": family.model_type,
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff,
         "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_size,
-        "max_position_embeddings": cfg.max_seq_len, "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps,
+        "max_position_embeddings": cfg.max_seq_len, "hidden_act": HF_ACTIVATIONS[cfg.mlp_activation],
+        "rms_norm_eps": cfg.norm_eps,
         "tie_word_embeddings": cfg.tie_embeddings, **dict(family.fixed),
         **({"sliding_window": cfg.sliding_window or None} if family.windowed else {}),
         **(_layer_types_to_hf(cfg) if family.layer_types else {}), **_experts_to_hf(cfg, family),
         # transformers ≥ 5 reads rope_parameters and dtype; 4.x reads rope_theta, rope_scaling and torch_dtype
-        "rope_parameters": {"rope_type": rope_type, "rope_theta": cfg.rope_theta, **(scaling or {})},
-        "rope_theta": cfg.rope_theta, "rope_scaling": scaling and {"rope_type": rope_type, **scaling},
-        "dtype": "float32", "torch_dtype": "float32",
+        "rope_parameters": rope, "rope_theta": cfg.rope_theta,
+        "rope_scaling": {"rope_type": rope["rope_type"], **scaling} if scaling else None,
+        "dtype": "float32", "torch_dtype": "float32", **(_gemma_to_hf(cfg, family) if family.gemma else {}),
     }
+
+
+def _rope_to_hf(theta: float, s: RopeScaling) -> dict:
+    """`rope_parameters` of a rotary base and scaling, as transformers ≥ 5 reads them."""
+    fields = {"linear": {"factor": s.factor},
+              "llama3": {"factor": s.factor, "original_max_position_embeddings": s.original_max_seq_len,
+                         "low_freq_factor": s.low_freq_factor, "high_freq_factor": s.high_freq_factor},
+              "yarn": {"factor": s.factor, "original_max_position_embeddings": s.original_max_seq_len,
+                       "beta_fast": s.beta_fast, "beta_slow": s.beta_slow,
+                       **({"attention_factor": s.attention_factor} if s.attention_factor else {})}}.get(s.kind, {})
+    return {"rope_type": "default" if s.kind == "none" else s.kind, "rope_theta": theta, **fields}
+
+
+def _gemma_to_hf(cfg: TransformerConfig, family: Family) -> dict:
+    """The config.json keys of Gemma's layer: its scores' scalar, soft-capping and (Gemma 3) a rotary base per
+    layer type."""
+    scalar = cfg.query_scale or cfg.head_size
+    out = {"hidden_activation": HF_ACTIVATIONS[cfg.mlp_activation],
+           "query_pre_attn_scalar": int(scalar) if scalar == int(scalar) else scalar,  # transformers wants an int
+           "attn_logit_softcapping": cfg.attn_softcap or None, "final_logit_softcapping": cfg.logit_softcap or None}
+    if family.local_rope:
+        local = next((k for k in cfg.kinds if k.window), LayerKind())
+        local_theta, local_scaling = local.rope_theta or cfg.rope_theta, local.rope_scaling or cfg.rope_scaling
+        out |= {"rope_parameters": {"full_attention": _rope_to_hf(cfg.rope_theta, cfg.rope_scaling),
+                                    "sliding_attention": _rope_to_hf(local_theta, local_scaling)},
+                "rope_local_base_freq": local_theta}
+    return out
 
 
 def _layer_types_to_hf(cfg: TransformerConfig) -> dict:
