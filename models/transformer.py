@@ -51,7 +51,7 @@ class LayerKind:
     window: int = 0  # each query sees its W latest keys, its own included; 0: all (full causal attention)
     rope_theta: float = 0.0  # its own RoPE base (Gemma 3's local layers); 0: the model's
     rope_scaling: rope.RopeScaling | None = None  # its own scaling; None: the model's
-    dense: bool = False  # a dense SwiGLU of width d_ff where the model has experts (Qwen3-MoE's mlp_only_layers)
+    dense: bool = False  # a dense MLP of width d_ff where the model has experts (Qwen3-MoE's mlp_only_layers)
 
     @classmethod
     def from_dict(cls, fields: dict) -> LayerKind:

@@ -88,9 +88,13 @@ def family(request, tmp_path_factory):
     return request.param, directory, hf_logits(directory)
 
 
-@pytest.mark.parametrize(("spec", "kernel"), [("", "auto"), ("", "blockwise"), ("model=2", "auto"), ("fsdp=4", "auto"),
-                                            ("sequence=2", "auto")],
-                         ids=["one-device", "blockwise-kernel", "tp", "fsdp", "ring-cp"])
+SLOW = pytest.mark.slow  # `make test-slow`: kept out of `make test`'s time (generation and export run on a mesh there)
+
+
+@pytest.mark.parametrize(("spec", "kernel"), [
+    pytest.param("", "auto", id="one-device"), pytest.param("", "blockwise", id="blockwise-kernel", marks=SLOW),
+    pytest.param("model=2", "auto", id="tp", marks=SLOW), pytest.param("fsdp=4", "auto", id="fsdp", marks=SLOW),
+    pytest.param("sequence=2", "auto", id="ring-cp", marks=SLOW)])
 def test_imported_logits_match_transformers(family, spec, kernel):
     model_type, directory, reference = family
     mesh = build_mesh(spec)

@@ -221,11 +221,11 @@ def tensors(cfg: TransformerConfig, family: Family) -> list[Tensor]:
     if cfg.n_experts and family.experts is None:
         raise InputError(f"model.n_experts = {cfg.n_experts}: a {family.model_type} checkpoint holds no experts")
     options = [*(QKV_BIASES if cfg.qkv_bias else ()), *(QK_NORMS if cfg.qk_norm else ())]
+    norms = LLAMA if not cfg.sandwich_norms else (*(t for t in LLAMA if t.path != ("blocks", "mlp_norm", "scale")),
+                                                  *SANDWICH)
     rows = []
     for j, kind in enumerate(cfg.layer_pattern or (None,)):
         mlp = family.experts.tensors if cfg.n_experts and not (kind and kind.dense) else SWIGLU
-        norms = (*(t for t in LLAMA if t.path != ("blocks", "mlp_norm", "scale")), *SANDWICH) if cfg.sandwich_norms \
-            else LLAMA
         for t in (*norms, *mlp, *options):
             if kind is not None and t.path[0] == "blocks":
                 t = dataclasses.replace(t, path=("blocks", f"layer{j}", *t.path[1:]),
