@@ -1,6 +1,7 @@
 """meshpar trains step for step as transformers does: the small random model of each family in
 `hf_reference.FAMILIES` (Llama 3.1's RoPE scaling; Mistral's own head dim and sliding window; Qwen 2's q/k/v biases, tied
-embeddings and YaRN; Qwen 3's q/k norms), trained by a plain PyTorch AdamW loop (`hf_reference.train_losses`)
+embeddings and YaRN; Qwen 3's q/k norms; Gemma 2's and Gemma 3's layers, alternating windows, soft-capping and
+per-type rotary bases), trained by a plain PyTorch AdamW loop (`hf_reference.train_losses`)
 and by meshpar from the same imported weights (fresh optimizer state) on the same batches, gives the same
 loss at every one of STEPS steps (relative 1e-5) on four meshes that between them run tensor, fully sharded
 data, ring context, 1F1B and zero-bubble pipeline parallelism.
