@@ -155,7 +155,7 @@ def _allgather_local(q_BtNH, k_BtKH, v_BtKH, seg_Bt, *, axis: str, n: int, balan
 def allgather_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, *, mesh: Mesh,
                         axis: str = "sequence", load_balanced: bool = False, kernel: str = "auto",
                         window: int | None = None, segments_BT: jax.Array | None = None,
-                   softcap: float | None = None) -> jax.Array:
+                        softcap: float | None = None) -> jax.Array:
     """Causal GQA attention with T split over `axis` (size n): queries stay, K and V are all-gathered.
 
     Sharded: q, k, v and the output along T ([B, t, ·, H] per device, t = T/n); other mesh axes are
@@ -378,7 +378,7 @@ def _ulysses_local(q_BtNH, k_BtKH, v_BtKH, seg_Bt, *, axis: str, n: int, balance
 def ulysses_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, *, mesh: Mesh,
                       axis: str = "sequence", load_balanced: bool = False, kernel: str = "auto",
                       window: int | None = None, segments_BT: jax.Array | None = None,
-                   softcap: float | None = None) -> jax.Array:
+                      softcap: float | None = None) -> jax.Array:
     """Causal GQA attention with T split over `axis` (size n), computed head-parallel (DeepSpeed Ulysses).
 
     Sharded: q, k, v and the output along T outside; inside, an all-to-all turns [B, t, N, H] into
