@@ -133,6 +133,10 @@ def attention_kernel(cfg: configs.Config, cudnn_calls: int) -> str:
         return f"{asked}: asked for"
     if reason := kernels.cudnn_unsupported(jnp.dtype(cfg.train.compute_dtype), cfg.model.head_dim):
         return f"blockwise: cuDNN cannot run it ({reason})"
+    if cfg.model.attn_sinks:
+        return "blockwise: attention sinks need the log-sum-exp's gradient, which JAX's cuDNN call does not give"
+    if cfg.model.attn_softcap:
+        return "blockwise: JAX's cuDNN call has no soft-capping"
     if cfg.mesh.sequence > 1:
         return ("blockwise: context parallelism calls attention inside a partly manual shard_map, where cuDNN's "
                 "custom partitioner fails to compile")

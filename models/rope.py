@@ -8,7 +8,7 @@ scaling changes those frequencies once, at trace time, as the model family's con
   blend the two smoothly;
 - `yarn` (Qwen 2.5 long context, DeepSeek): per pair, a ramp between the interpolated frequency (/ factor)
   and the original one, set by how many turns the pair makes within original_max_seq_len (beta_fast and
-  beta_slow bound the ramp); cosines and sines are multiplied by an attention factor (0.1·ln(factor) + 1
+  beta_slow bound the ramp, its ends rounded out to whole pairs unless `truncate` is off); cosines and sines are multiplied by an attention factor (0.1·ln(factor) + 1
   unless given), which scales every attention score by its square.
 """
 
@@ -37,6 +37,7 @@ class RopeScaling:
     beta_fast: float = 32.0  # yarn: pairs turning more often than this within the original context keep their frequency
     beta_slow: float = 1.0  # yarn: pairs turning less often than this are interpolated in full
     attention_factor: float = 0.0  # yarn: what cosines and sines are multiplied by; 0: 0.1·ln(factor) + 1
+    truncate: bool = True  # yarn: the ramp's ends rounded out to whole pairs (gpt-oss: false, as they fall)
 
     def __post_init__(self):
         if self.kind not in SCALINGS:
@@ -68,7 +69,10 @@ def frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> tuple[tupl
         def pair(turns: float) -> float:
             return head_dim * math.log(s.original_max_seq_len / (turns * 2 * math.pi)) / (2 * math.log(theta))
 
-        low, high = max(math.floor(pair(s.beta_fast)), 0), min(math.ceil(pair(s.beta_slow)), head_dim - 1)
+        low, high = pair(s.beta_fast), pair(s.beta_slow)
+        if s.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, head_dim - 1)
         ramp_h = np.clip((np.arange(head_dim // 2) - low) / max(high - low, 1e-3), 0.0, 1.0)  # 1: interpolate
         inv_freq_h = inv_freq_h / s.factor * ramp_h + inv_freq_h * (1 - ramp_h)
         scale = s.attention_factor or (0.1 * math.log(s.factor) + 1.0 if s.factor > 1 else 1.0)

@@ -6,7 +6,8 @@ the open families are config fields, not other models: biases on q, k and v (Qwe
 query and key head before the rotation (Qwen 3), a head dim of its own (Qwen 3), scaled rotary positions
 (Llama 3.1: `models/rope.py`), tied embeddings, each family's RoPE base and norm epsilon, Gemma's layer (GeGLU,
 RMSNorms scaled by 1 + w around both sublayers, embeddings × √D, its query scalar, Gemma 2's soft-capped
-attention scores and logits), and a mixture of
+attention scores and logits), gpt-oss's (biases on q, k, v and o, a sink logit per head in every softmax,
+a router and experts with biases, the clamped SwiGLU), and a mixture of
 experts in place of every MLP (Mixtral, Qwen3-MoE: `MoE`, routed by `meshpar.moe`), with shared experts every
 token passes, their output gated per token or not (Qwen2-MoE, DeepSeek). The blocks are
 stacked along a leading `layers` axis and run with `lax.scan`, so compile time does not grow with depth
@@ -75,12 +76,16 @@ class TransformerConfig:
     norm_plus_one: bool = False  # RMSNorms scale by 1 + w, their weights starting at 0 (Gemma)
     sandwich_norms: bool = False  # RMSNorms of attention's and the MLP's outputs too, before the adds (Gemma 2, 3)
     embed_scale: bool = False  # the embeddings multiplied by √d_model (Gemma)
-    mlp_activation: str = "silu"  # the gated MLP's: silu (SwiGLU) or gelu_tanh (GeGLU: Gemma)
+    mlp_activation: str = "silu"  # the gated MLP's: silu (SwiGLU), gelu_tanh (GeGLU: Gemma) or clamped_swiglu
+    swiglu_alpha: float = 1.702  # clamped_swiglu (gpt-oss): the gate's sigmoid gain …
+    swiglu_limit: float = 7.0  # … and the clamp of gate (above) and up (both sides)
     query_scale: float = 0.0  # scores are q·k / √query_scale (Gemma's query_pre_attn_scalar); 0: / √head size
     attn_softcap: float = 0.0  # attention scores soft-capped to c·tanh(s / c) (Gemma 2: 50); 0: none
     logit_softcap: float = 0.0  # the output logits soft-capped the same way (Gemma 2: 30); 0: none
     head_dim: int = 0  # 0: d_model / n_heads (the size used is `head_size`)
     qkv_bias: bool = False  # biases on the q, k and v projections (Qwen 2)
+    o_bias: bool = False  # a bias on attention's output projection (gpt-oss)
+    attn_sinks: bool = False  # a learned logit per query head in every attention softmax's denominator (gpt-oss)
     qk_norm: bool = False  # an RMSNorm of each query and key head before the rotation (Qwen 3)
     sliding_window: int = 0  # each query sees its W latest keys, its own included, in every layer (Mistral); 0: all
     # A mixture of experts in every layer in place of the MLP (Mixtral, Qwen3-MoE); 0: dense
@@ -90,6 +95,7 @@ class TransformerConfig:
     n_shared_experts: int = 0  # experts every token passes (DeepSeek): one SwiGLU of n_shared_experts · d_expert
     shared_expert_gate: bool = False  # weigh the shared experts' output per token by sigmoid(x · w) (Qwen2-MoE)
     norm_topk_prob: bool = True  # weigh the k chosen experts by their probabilities renormalised over the k
+    moe_bias: bool = False  # biases on the router's logits and on every expert's gate, up and down (gpt-oss)
     # Layers that differ: layer i is of kind layer_pattern[i % len]. The stack scans over periods of the
     # pattern (`Period`), so each kind compiles once. (): every layer alike (`sliding_window`, experts or not).
     layer_pattern: tuple[LayerKind, ...] = ()
@@ -112,6 +118,10 @@ class TransformerConfig:
             raise InputError(f"head dim {self.head_size} must be even for rotary positions")
         if self.mlp_activation not in ACTIVATIONS:
             raise InputError(f"model.mlp_activation = '{self.mlp_activation}' is not one of {', '.join(ACTIVATIONS)}")
+        if self.mlp_activation == "clamped_swiglu" and not self.swiglu_limit > 0:
+            raise InputError(f"model.swiglu_limit = {self.swiglu_limit} must be > 0 (mlp_activation clamped_swiglu)")
+        if self.moe_bias and not self.n_experts:
+            raise InputError("model.moe_bias = true biases the router and the experts: it needs model.n_experts > 0")
         if self.query_scale < 0:
             raise InputError(f"model.query_scale = {self.query_scale} must be >= 0 (0: the head size)")
         for name in ("attn_softcap", "logit_softcap"):
@@ -171,8 +181,25 @@ class TransformerConfig:
                       "layer_pattern": tuple(LayerKind.from_dict(k) for k in fields.get("layer_pattern", ()))})
 
 
-# The gated MLP's activations: SwiGLU's and GeGLU's (GELU's tanh approximation, PyTorch's gelu_pytorch_tanh)
-ACTIVATIONS = {"silu": jax.nn.silu, "gelu_tanh": functools.partial(jax.nn.gelu, approximate=True)}
+def _clamped_swiglu(gate, up, alpha: float, limit: float):
+    """gpt-oss's: the gate clamped to ≤ limit times σ(α · it), times the up projection clamped to ±limit, + 1."""
+    gate, up = jnp.minimum(gate, limit), jnp.clip(up, -limit, limit)
+    return gate * jax.nn.sigmoid(alpha * gate) * (up + 1)
+
+
+# The gated MLP's units, (gate, up) → hidden: SwiGLU's, GeGLU's (GELU's tanh approximation, PyTorch's
+# gelu_pytorch_tanh), gpt-oss's clamped SwiGLU (`gated_unit` gives it its config)
+ACTIVATIONS = {"silu": lambda gate, up: jax.nn.silu(gate) * up,
+               "gelu_tanh": lambda gate, up: jax.nn.gelu(gate, approximate=True) * up,
+               "clamped_swiglu": _clamped_swiglu}
+
+
+def gated_unit(cfg: TransformerConfig) -> Callable[[jax.Array, jax.Array], jax.Array]:
+    """The MLP's and the experts' (gate, up) → hidden, as `mlp_activation` names it."""
+    if cfg.mlp_activation == "clamped_swiglu":
+        return functools.partial(_clamped_swiglu, alpha=cfg.swiglu_alpha, limit=cfg.swiglu_limit)
+    return ACTIVATIONS[cfg.mlp_activation]
+
 
 # The residual stream: its sequence dimension is `resid_seq`, which Megatron SP splits over `model` too.
 RESIDUAL = ("batch", "resid_seq", "embed")
@@ -216,6 +243,10 @@ class Attention(nnx.Module):
         if cfg.qkv_bias:
             zeros = lambda X, heads: nnx.Param(jnp.zeros((X, H), jnp.float32), out_sharding=(heads, "head_dim"))
             self.q_bias_NH, self.k_bias_KH, self.v_bias_KH = zeros(N, "heads"), zeros(K, "kv_heads"), zeros(K, "kv_heads")
+        if cfg.o_bias:
+            self.o_bias_D = nnx.Param(jnp.zeros((D,), jnp.float32), out_sharding=("embed",))
+        if cfg.attn_sinks:  # a sink logit of 0 takes as much of a row as a key scoring 0
+            self.sinks_N = nnx.Param(jnp.zeros((N,), jnp.float32), out_sharding=("heads",))
         if cfg.qk_norm:
             self.q_norm, self.k_norm = RMSNorm(cfg, dtype, "head_dim"), RMSNorm(cfg, dtype, "head_dim")
         self.cfg, self.dtype = cfg, dtype
@@ -225,7 +256,7 @@ class Attention(nnx.Module):
     def __call__(self, x_BTD: jax.Array, positions: jax.Array, segments_BT: jax.Array | None = None) -> jax.Array:
         q_BTNH, k_BTKH, v_BTKH = self._project(x_BTD, positions)
         return self._output(attend(q_BTNH, k_BTKH, v_BTKH, window=self.window, segments_BT=segments_BT,
-                                   softcap=self.softcap))
+                                   softcap=self.softcap, sinks_N=self._sinks()))
 
     def cached(self, x_BTD: jax.Array, positions_T: jax.Array, k_BSKH: jax.Array,
                v_BSKH: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -242,7 +273,7 @@ class Attention(nnx.Module):
         keys_BSKH, values_BSKH = jnp.concatenate([k_BSKH, k_BTKH], 1), jnp.concatenate([v_BSKH, v_BTKH], 1)
         out_BTNH = cached_attention(q_BTNH, keys_BSKH, values_BSKH, positions_T,
                                     jnp.concatenate([slot_pos_S, positions_T]), window=self.window,
-                                    softcap=self.softcap)
+                                    softcap=self.softcap, sinks_N=self._sinks())
         kept = min(T, S)
         slots = positions_T[T - kept:] % S
         k_BSKH = constrain(k_BSKH.at[:, slots].set(k_BTKH[:, T - kept:]), CACHE)
@@ -267,32 +298,38 @@ class Attention(nnx.Module):
             q_BTNH = q_BTNH * jnp.asarray(math.sqrt(cfg.head_size / cfg.query_scale), q_BTNH.dtype)
         return q_BTNH, rotate(k_BTKH), v_BTKH
 
+    def _sinks(self) -> jax.Array | None:
+        """Each query head's sink logit, float32 as the softmax statistics (None: no sinks)."""
+        return gathered(self.sinks_N, jnp.float32) if self.cfg.attn_sinks else None
+
     def _output(self, out_BTNH: jax.Array) -> jax.Array:
-        return jnp.einsum("btnh,nhd->btd", out_BTNH, gathered(self.wo_NHD, self.dtype))
+        out_BTD = jnp.einsum("btnh,nhd->btd", out_BTNH, gathered(self.wo_NHD, self.dtype))
+        return out_BTD + gathered(self.o_bias_D, self.dtype) if self.cfg.o_bias else out_BTD
 
 
 class MLP(nnx.Module):
-    """SwiGLU: down(silu(x · gate) ⊙ (x · up)), of width `d_ff` (or `width`); GeGLU with `mlp_activation`."""
+    """SwiGLU: down(silu(x · gate) ⊙ (x · up)), of width `d_ff` (or `width`); another gated unit with
+    `mlp_activation`."""
 
     def __init__(self, cfg: TransformerConfig, dtype: jnp.dtype, rngs: nnx.Rngs, width: int = 0):
         D, F = cfg.d_model, width or cfg.d_ff
         self.w_gate_DF = _param(rngs, (D, F), ("embed", "mlp"), D**-0.5)
         self.w_up_DF = _param(rngs, (D, F), ("embed", "mlp"), D**-0.5)
         self.w_down_FD = _param(rngs, (F, D), ("mlp", "embed"), F**-0.5 / math.sqrt(2 * cfg.n_layers))
-        self.dtype, self.activation = dtype, ACTIVATIONS[cfg.mlp_activation]
+        self.dtype, self.gated = dtype, gated_unit(cfg)
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
         cast = lambda w: gathered(w, self.dtype)
         x_BTD = relayout(x_BTD, RESIDUAL, REGION_INPUT)
         gate_BTF, up_BTF = project(x_BTD, [cast(self.w_gate_DF), cast(self.w_up_DF)], [("batch", "seq", "mlp")] * 2)
-        return (self.activation(gate_BTF) * up_BTF) @ cast(self.w_down_FD)
+        return self.gated(gate_BTF, up_BTF) @ cast(self.w_down_FD)
 
 
 class MoE(nnx.Module):
     """A mixture of SwiGLU experts: a router sends each token to its top-k experts (`meshpar.moe.routing`),
     which run where the mesh keeps them (`meshpar.moe.dispatch`); shared experts, if any, see every token, their
-    output weighed per token by sigmoid(x · w_shared_gate) with `shared_expert_gate`. Returns the output and
-    this layer's router statistics."""
+    output weighed per token by sigmoid(x · w_shared_gate) with `shared_expert_gate`; with `moe_bias`, biases on
+    the router's logits and in the experts. Returns the output and this layer's router statistics."""
 
     def __init__(self, cfg: TransformerConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
         D, E, F = cfg.d_model, cfg.n_experts, cfg.expert_width
@@ -300,6 +337,11 @@ class MoE(nnx.Module):
         self.w_gate_EDF = _param(rngs, (E, D, F), moe.GATE_UP, D**-0.5)
         self.w_up_EDF = _param(rngs, (E, D, F), moe.GATE_UP, D**-0.5)
         self.w_down_EFD = _param(rngs, (E, F, D), moe.DOWN, F**-0.5 / math.sqrt(2 * cfg.n_layers))
+        if cfg.moe_bias:
+            zeros = lambda shape, logical: nnx.Param(jnp.zeros(shape, jnp.float32), out_sharding=logical)
+            self.router_bias_E = zeros((E,), (None,))
+            self.gate_bias_EF, self.up_bias_EF = zeros((E, F), moe.GATE_UP_BIAS), zeros((E, F), moe.GATE_UP_BIAS)
+            self.down_bias_ED = zeros((E, D), moe.DOWN_BIAS)
         if cfg.n_shared_experts:
             self.shared = MLP(cfg, dtype, rngs, width=cfg.n_shared_experts * F)
         if cfg.shared_expert_gate:  # [D, 1]: one logit per token
@@ -310,9 +352,14 @@ class MoE(nnx.Module):
         cast = lambda w: gathered(w, self.dtype)
         x_BTD = relayout(x_BTD, RESIDUAL, REGION_INPUT)
         logits_BTE = jnp.einsum("btd,de->bte", x_BTD, cast(self.w_router_DE), preferred_element_type=jnp.float32)
+        biases = None
+        if self.cfg.moe_bias:
+            logits_BTE = logits_BTE + gathered(self.router_bias_E, jnp.float32)
+            biases = (cast(self.gate_bias_EF), cast(self.up_bias_EF), cast(self.down_bias_ED))
         routes = moe.route(logits_BTE, self.cfg.experts_per_token, self.cfg.norm_topk_prob)
         y_BTD, dropped_B = moe.experts_ffn(x_BTD, routes.experts_BTk, routes.weights_BTk, cast(self.w_gate_EDF),
-                                           cast(self.w_up_EDF), cast(self.w_down_EFD), moe.capacity())
+                                           cast(self.w_up_EDF), cast(self.w_down_EFD), moe.capacity(),
+                                           biases=biases, gated=gated_unit(self.cfg))
         if self.cfg.n_shared_experts:
             shared_BTD = self.shared(x_BTD)
             if self.cfg.shared_expert_gate:

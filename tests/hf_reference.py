@@ -54,7 +54,9 @@ FAMILIES = {
 # The mixtures of experts: 4 experts (expert=2 and expert=4 divide them), each token routed to 2 of width 64
 # (model=2 divides it). Mixtral with a sliding window; Qwen3-MoE with q/k norms, its own head dim, and its
 # top-2 probabilities renormalised (the tests also run it without: transformers' default); Qwen2-MoE with q/k/v
-# biases, its top-2 as they are (its default) and a shared expert two experts wide, gated per token.
+# biases, its top-2 as they are (its default) and a shared expert two experts wide, gated per token; gpt-oss
+# with its layer (q/k/v/o biases, attention sinks, biased router and experts), four layers alternating a window of
+# 4 with full attention, YaRN unrounded (truncate false), and its SwiGLU clamped at 1, which the gates reach.
 MOE_FAMILIES = {
     "mixtral": {**SMALL, "num_local_experts": 4, "num_experts_per_tok": 2, "intermediate_size": 64,
                 "sliding_window": 8},
@@ -62,6 +64,10 @@ MOE_FAMILIES = {
                   "norm_topk_prob": True},
     "qwen2_moe": {**SMALL, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 64,
                   "shared_expert_intermediate_size": 128},
+    "gpt_oss": {**SMALL, "num_hidden_layers": 4, "num_local_experts": 4, "num_experts_per_tok": 2,
+                "intermediate_size": 64, "head_dim": 32, "sliding_window": 4, "swiglu_limit": 1.0,
+                "rope_parameters": {"rope_type": "yarn", "rope_theta": 5000.0, "factor": 4.0, "beta_fast": 32.0,
+                                    "beta_slow": 1.0, "truncate": False, "original_max_position_embeddings": 16}},
 }
 
 
@@ -217,8 +223,43 @@ def save_gradients(directory: str, tokens: list, aux_coef: float | None, out_dir
     return loss.item()
 
 
+def save_mxfp4(directory: str, packed_dir: str, dequantized_dir: str, seed: int) -> None:
+    """The gpt-oss checkpoint in `directory` with random MXFP4 experts, as the Hub's hold them: in `packed_dir`
+    each `mlp.experts.{gate_up,down}_proj` as `_blocks` (uint8 [E, out, in / 32, 16]) and `_scales` (uint8
+    [E, out, in / 32], exponents 2^-6 … 2^-4: weights of the others' size) with config.json's
+    `quantization_config`; in `dequantized_dir` the same weights as transformers' own
+    `convert_moe_packed_tensors` dequantises them, float32."""
+    import shutil
+
+    import torch
+    from safetensors.numpy import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    rng = np.random.default_rng(seed)
+    tensors = load_file(f"{directory}/model.safetensors")
+    packed, dequantized = dict(tensors), dict(tensors)
+    for name, w in tensors.items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            E, inputs, outputs = w.shape
+            blocks = rng.integers(0, 256, (E, outputs, inputs // 32, 16), dtype=np.uint8)
+            scales = rng.integers(121, 124, (E, outputs, inputs // 32), dtype=np.uint8)
+            del packed[name]
+            packed |= {name + "_blocks": blocks, name + "_scales": scales}
+            dequantized[name] = convert_moe_packed_tensors(torch.tensor(blocks), torch.tensor(scales),
+                                                           dtype=torch.float32).numpy()
+    config = json.loads(open(f"{directory}/config.json").read())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    for out, weights in ((packed_dir, packed), (dequantized_dir, dequantized)):
+        os.makedirs(out, exist_ok=True)
+        save_file(weights, f"{out}/model.safetensors", metadata={"format": "pt"})
+        shutil.copy(f"{directory}/config.json", f"{out}/config.json")
+    with open(f"{packed_dir}/config.json", "w") as f:
+        json.dump(config, f, indent=2)
+
+
 FUNCTIONS = {f.__name__: f for f in (hf_config, save_random, train_losses, save_gradients, logits, greedy,
-                                     describe)}
+                                     describe, save_mxfp4)}
 
 
 @contextlib.contextmanager

@@ -162,6 +162,8 @@ def formula_param_count(cfg: TransformerConfig) -> int:
     per_layer = D * N * H + 2 * D * K * H + N * H * D + mlp + 2 * D
     per_layer += (N + 2 * K) * H * cfg.qkv_bias + 2 * H * cfg.qk_norm  # Qwen 2's biases, Qwen 3's q/k norm scales
     per_layer += 2 * D * cfg.sandwich_norms  # Gemma's norms of the sublayers' outputs
+    per_layer += D * cfg.o_bias + N * cfg.attn_sinks  # gpt-oss's o bias and sinks …
+    per_layer += cfg.n_experts * (1 + 2 * cfg.expert_width + D) * cfg.moe_bias  # … and its router's and experts' biases
     return V * D * (1 if cfg.tie_embeddings else 2) + L * per_layer + D
 
 
@@ -179,6 +181,7 @@ def test_param_count_matches_the_formula(name):
     # the open families' published sizes, their biases and q/k norms included
     ("llama3_8b", 8.03e9, 0.001), ("qwen2_5_7b", 7.62e9, 0.001), ("qwen3_8b", 8.19e9, 0.001), ("mistral_7b", 7.25e9, 0.001),
     ("mixtral_8x7b", 46.70e9, 0.001), ("qwen3_30b_a3b", 30.53e9, 0.001),  # mixtures of experts: every expert counted
+    ("gpt_oss_20b", 20.91e9, 0.001),  # gpt-oss's model card: 20.91B, its biases and sinks included
 ])
 def test_param_count_of_the_named_shapes(name, expected, rel):
     assert abstract_param_count(configs.load(name).model) == pytest.approx(expected, rel=rel)

@@ -1,6 +1,7 @@
 """Hugging Face mixtures of experts ↔ meshpar: Mixtral (with a sliding window), Qwen3-MoE (q/k norms, its
-own head dim; its top-k probabilities renormalised or not) and Qwen2-MoE (q/k/v biases, a shared expert gated
-per token), `hf_reference.MOE_FAMILIES`. Imported weights give transformers' logits on one device and on an
+own head dim; its top-k probabilities renormalised or not), Qwen2-MoE (q/k/v biases, a shared expert gated
+per token) and gpt-oss (its layer: q/k/v/o biases, attention sinks, a biased router and experts, the clamped
+SwiGLU; alternating windows, YaRN; MXFP4 experts dequantised on import), `hf_reference.MOE_FAMILIES`. Imported weights give transformers' logits on one device and on an
 expert-parallel mesh (float32, relative 1e-5), greedy generation gives transformers' tokens, the checkpoint
 meshpar writes holds the tensors it read (the Hub's per-expert layout, which transformers' save_pretrained also
 writes) and loads into transformers as the same family; what meshpar's MoE cannot compute is refused by name.
@@ -8,8 +9,9 @@ One step's loss and every gradient, the shared expert's and its gate's among the
 relative 1e-5). Training step for step against PyTorch, the load-balancing loss included: test_hf_training.py.
 
 Measured here (max |meshpar − transformers| / max |transformers|), one device / expert=2,fsdp=2,model=2:
-mixtral 1.6e-6 / 1.9e-6, qwen3_moe 9.6e-7 / 8.4e-7, unnormalised 8.5e-7 / 8.9e-7, qwen2_moe 1.4e-6 / 1.1e-6;
-exports give transformers' logits exactly (0.0). Qwen2-MoE's gradients (expert=2,fsdp=2,model=2), tensor by
+mixtral 1.6e-6 / 1.9e-6, qwen3_moe 9.6e-7 / 8.4e-7, unnormalised 8.5e-7 / 8.9e-7, qwen2_moe 1.4e-6 / 1.1e-6,
+gpt_oss 2.1e-6 / 1.9e-6 (1.8e-6 on ring CP with TP; with MXFP4 experts 1.1e-6 on the expert mesh, its weights
+exactly transformers' dequantised ones); exports give transformers' logits exactly (0.0). Qwen2-MoE's gradients (expert=2,fsdp=2,model=2), tensor by
 tensor: at most 6.5e-6 (an expert's), 2.8e-6 of the shared expert and its gate; the loss within 2e-7."""
 
 import dataclasses
@@ -35,9 +37,10 @@ from test_hf import RULES, TOKENS_BT, build_mesh, hf_logits, meshpar_logits, rel
 
 EXPERT_MESH = "expert=2,fsdp=2,model=2"
 ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                 "qwen2_moe": "Qwen2MoeForCausalLM"}
+                 "qwen2_moe": "Qwen2MoeForCausalLM", "gpt_oss": "GptOssForCausalLM"}
 CASES = {"mixtral": ("mixtral", {}), "qwen3_moe": ("qwen3_moe", {}),
-         "qwen3_moe-unnormalised": ("qwen3_moe", {"norm_topk_prob": False}), "qwen2_moe": ("qwen2_moe", {})}
+         "qwen3_moe-unnormalised": ("qwen3_moe", {"norm_topk_prob": False}), "qwen2_moe": ("qwen2_moe", {}),
+         "gpt_oss": ("gpt_oss", {})}
 
 
 @functools.cache
@@ -64,12 +67,16 @@ def test_imported_logits_match_transformers(moe, spec):
     assert (cfg.n_experts, cfg.experts_per_token, cfg.expert_width) == (4, 2, 64)
     assert cfg.norm_topk_prob == written.get("norm_topk_prob", True)  # Mixtral's have no key: always renormalised
     assert cfg.sliding_window == (8 if model_type == "mixtral" else 0) and cfg.qk_norm == (model_type == "qwen3_moe")
-    shared = model_type == "qwen2_moe"  # a shared expert 128 wide: two experts' width, gated; q/k/v biases
-    assert (cfg.n_shared_experts, cfg.shared_expert_gate, cfg.qkv_bias) == ((2, True, True) if shared
-                                                                            else (0, False, False))
+    shared = model_type == "qwen2_moe"  # a shared expert 128 wide: two experts' width, gated
+    assert (cfg.n_shared_experts, cfg.shared_expert_gate) == ((2, True) if shared else (0, False))
+    assert cfg.qkv_bias == (model_type in ("qwen2_moe", "gpt_oss"))
+    oss = model_type == "gpt_oss"  # its layer, and windows of 4 on every other layer
+    assert (cfg.o_bias, cfg.attn_sinks, cfg.moe_bias, cfg.mlp_activation == "clamped_swiglu") == (oss,) * 4
+    assert [k.window for k in cfg.kinds] == ([4, 0] if oss else [cfg.sliding_window])
     params = hf.import_params(directory, cfg, mesh, RULES)
     shardings = sharding.state_shardings(Transformer.abstract(cfg)[1], mesh, RULES)
-    assert params["blocks"]["mlp"]["w_gate_EDF"][...].sharding == shardings["blocks"]["mlp"]["w_gate_EDF"].get_value()
+    stack = lambda state: state["blocks"]["layer0"] if cfg.layer_pattern else state["blocks"]
+    assert stack(params)["mlp"]["w_gate_EDF"][...].sharding == stack(shardings)["mlp"]["w_gate_EDF"].get_value()
     error = relative_error(meshpar_logits(params, cfg, mesh), reference)
     print(f"{model_type} (norm_topk_prob {cfg.norm_topk_prob}) on {spec or 'one device'}: max relative logits "
           f"difference {error:.2e}")
@@ -81,6 +88,26 @@ def test_imported_logits_match_transformers(moe, spec):
         gate = params["blocks"]["mlp"]["w_shared_gate_D1"]
         params["blocks"]["mlp"]["w_shared_gate_D1"] = gate.replace(jnp.zeros_like(gate[...]))
         assert relative_error(meshpar_logits(params, cfg, mesh), reference) > 1e-3
+    if not spec and oss:  # and gpt-oss's clamp (the gates reach 1), its sinks, its router's and experts' biases
+        assert relative_error(meshpar_logits(params, dataclasses.replace(cfg, swiglu_limit=100.0), mesh),
+                              reference) > 1e-3
+        for layer in ("layer0", "layer1"):
+            for path in (("attn", "sinks_N"), ("mlp", "router_bias_E"), ("mlp", "down_bias_ED")):
+                variable = params["blocks"][layer][path[0]][path[1]]
+                saved = variable[...]
+                variable.set_value(jnp.zeros_like(saved) - (100.0 if path[1] == "sinks_N" else 0.0))
+                assert relative_error(meshpar_logits(params, cfg, mesh), reference) > 1e-3, (layer, path)
+                variable.set_value(saved)
+
+
+def test_gpt_oss_logits_under_ring_attention_with_tensor_parallelism(tmp_path):
+    """gpt-oss's sinks in ring context parallelism (zigzag, its diagonal block), its heads and sinks split over
+    `model`: transformers' logits within 1e-5."""
+    call("save_random", str(tmp_path), "gpt_oss", MOE_FAMILIES["gpt_oss"], 0)
+    mesh, cfg = build_mesh("sequence=2,model=2"), hf.load_config(tmp_path)
+    error = relative_error(meshpar_logits(hf.import_params(tmp_path, cfg, mesh, RULES), cfg, mesh), hf_logits(tmp_path))
+    print(f"gpt_oss on sequence=2,model=2 (ring): max relative logits difference {error:.2e}")
+    assert error < 1e-5
 
 
 def test_greedy_generation_matches_transformers(moe):
@@ -119,13 +146,41 @@ def test_export_writes_the_tensors_it_read(moe, tmp_path):
     assert error == 0.0
 
 
-def test_one_step_gradients_match_pytorch(tmp_path):
-    """One forward and backward pass of Qwen2-MoE on an expert-parallel mesh gives PyTorch's loss (the
-    cross-entropy plus 0.02 × the load-balancing loss) and its gradient: every tensor of the checkpoint, the
-    shared expert's and its gate's, the router's and each expert's among them, as each side writes it."""
+def test_mxfp4_experts_are_dequantised_on_import(tmp_path):
+    """A gpt-oss checkpoint whose experts are MXFP4 blocks and scales, as the Hub's are: imported on an expert
+    mesh, meshpar's weights are those transformers' own dequantiser gives (exactly) and its logits are
+    transformers' on them; export writes them unquantised, as one float32 tensor each."""
+    require_devices(8)
+    fields = MOE_FAMILIES["gpt_oss"]
+    call("save_random", str(tmp_path / "float"), "gpt_oss", fields, 0)
+    packed, dequantized = tmp_path / "mxfp4", tmp_path / "dequantized"
+    call("save_mxfp4", str(tmp_path / "float"), str(packed), str(dequantized), 1)
+    assert "model.layers.0.mlp.experts.gate_up_proj_blocks" in load_file(packed / hf.SINGLE_FILE)
+    mesh, cfg = build_mesh(EXPERT_MESH), hf.load_config(packed)
+    params = hf.import_params(packed, cfg, mesh, RULES)
+    hf.export(params, cfg, tmp_path / "out")
+    ours, theirs = (load_file(d / hf.SINGLE_FILE) for d in (tmp_path / "out", dequantized))
+    assert sorted(ours) == sorted(theirs) and all(np.array_equal(ours[name], theirs[name]) for name in theirs)
+    assert not np.array_equal(theirs["model.layers.0.mlp.experts.down_proj"],
+                              load_file(tmp_path / "float" / hf.SINGLE_FILE)["model.layers.0.mlp.experts.down_proj"])
+    error = relative_error(meshpar_logits(params, cfg, mesh), hf_logits(dequantized))
+    print(f"gpt_oss with MXFP4 experts on {EXPERT_MESH}: max relative logits difference {error:.2e}")
+    assert error < 1e-5
+
+
+# Per family, the tensors whose gradients the test names: Qwen2-MoE's shared expert and its gate; gpt-oss's sinks,
+# biases and experts (its clamped SwiGLU, at a bound of 1 the gates reach)
+OWN_TENSORS = {"qwen2_moe": ("shared_expert",), "gpt_oss": ("sinks", "bias", "experts")}
+
+
+@pytest.mark.parametrize("model_type", list(OWN_TENSORS))
+def test_one_step_gradients_match_pytorch(tmp_path, model_type):
+    """One forward and backward pass on an expert-parallel mesh gives PyTorch's loss (the cross-entropy plus
+    0.02 × the load-balancing loss) and its gradient: every tensor of the checkpoint, the router's and each
+    expert's among them and the family's own (`OWN_TENSORS`), as each side writes it."""
     require_devices(8)
     directory, coef = str(tmp_path / "hf"), 0.02
-    call("save_random", directory, "qwen2_moe", MOE_FAMILIES["qwen2_moe"], 0)
+    call("save_random", directory, model_type, MOE_FAMILIES[model_type], 0)
     tokens_BT = np.random.default_rng(1).integers(0, SMALL["vocab_size"], (8, 17)).astype(np.int32)
     reference = call("save_gradients", directory, tokens_BT.tolist(), coef, str(tmp_path / "torch"))
     mesh, cfg = build_mesh(EXPERT_MESH), hf.load_config(directory)
@@ -140,9 +195,9 @@ def test_one_step_gradients_match_pytorch(tmp_path):
     assert sorted(ours) == sorted(theirs)
     errors = {name: relative_error(ours[name], theirs[name]) for name in theirs}
     worst = max(errors, key=errors.get)
-    shared = max(e for name, e in errors.items() if "shared_expert" in name)
-    print(f"qwen2_moe one step: loss {float(loss):.6f} / {reference:.6f}; max relative gradient difference "
-          f"{errors[worst]:.2e} ({worst}), of the shared expert and its gate {shared:.2e}")
+    own = max(e for name, e in errors.items() if any(word in name for word in OWN_TENSORS[model_type]))
+    print(f"{model_type} one step: loss {float(loss):.6f} / {reference:.6f}; max relative gradient difference "
+          f"{errors[worst]:.2e} ({worst}), of its own tensors ({', '.join(OWN_TENSORS[model_type])}) {own:.2e}")
     assert abs(float(loss) - reference) < 1e-5 * reference
     assert errors[worst] < 1e-5
 
@@ -172,6 +227,9 @@ def test_convert_cli_round_trip_and_router_hint(tmp_path, capsys):
     ("qwen2_moe", {"shared_expert_intermediate_size": None}, "lacks shared_expert_intermediate_size"),
     ("qwen2_moe", {"qkv_bias": False}, "qkv_bias = false is not implemented"),
     ("qwen2_moe", {"use_sliding_window": True}, "use_sliding_window = true is not implemented"),
+    ("gpt_oss", {"attention_bias": False}, "attention_bias = false is not implemented"),
+    ("gpt_oss", {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16,
+                                     "mscale": 2.0}}, r"rope_parameters.mscale is not implemented"),
 ])
 def test_unsupported_configs_are_refused(model_type, change, culprit):
     with pytest.raises(InputError, match=culprit):
@@ -195,9 +253,9 @@ def test_config_round_trip(model_type):
 
 
 def test_a_family_that_cannot_hold_the_experts_is_refused():
-    mixtral, qwen3_moe, qwen2_moe = (hf.config_from_hf(family_config(t)) for t in MOE_FAMILIES)
+    mixtral, qwen3_moe, qwen2_moe, gpt_oss = (hf.config_from_hf(family_config(t)) for t in MOE_FAMILIES)
     dense = hf.config_from_hf(call("hf_config", "llama", SMALL))
-    assert [hf.family_of(cfg).model_type for cfg in (mixtral, qwen3_moe, qwen2_moe)] == list(MOE_FAMILIES)
+    assert [hf.family_of(cfg).model_type for cfg in (mixtral, qwen3_moe, qwen2_moe, gpt_oss)] == list(MOE_FAMILIES)
     with pytest.raises(InputError, match=r"model.n_experts = 4: a llama checkpoint cannot hold it \(LlamaForCausalLM "
                                          r"has no experts\)"):
         hf.config_to_hf(mixtral, "llama")
@@ -219,3 +277,10 @@ def test_a_family_that_cannot_hold_the_experts_is_refused():
         hf.config_to_hf(dataclasses.replace(qwen2_moe, shared_expert_gate=False))
     with pytest.raises(InputError, match="model.qkv_bias = false: a qwen2_moe checkpoint cannot hold it"):
         hf.config_to_hf(dataclasses.replace(qwen2_moe, qkv_bias=False))
+    for field in ("o_bias", "attn_sinks", "moe_bias"):  # gpt-oss's layer, all of it, and only in gpt_oss
+        with pytest.raises(InputError, match=f"model.{field} = false: a gpt_oss checkpoint cannot hold it"):
+            hf.config_to_hf(dataclasses.replace(gpt_oss, **{field: False}), "gpt_oss")
+        with pytest.raises(InputError, match=f"model.{field} = true: a mixtral checkpoint cannot hold it"):
+            hf.config_to_hf(dataclasses.replace(mixtral, **{field: True}), "mixtral")
+    with pytest.raises(InputError, match='model.mlp_activation = "silu": a gpt_oss checkpoint cannot hold it'):
+        hf.config_to_hf(dataclasses.replace(gpt_oss, mlp_activation="silu"))

@@ -36,11 +36,13 @@ def sequence_order(T: int) -> tuple[Reorder, jax.Array, Reorder]:
 
 
 def attend(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, window: int | None = None,
-           segments_BT: jax.Array | None = None, softcap: float | None = None) -> jax.Array:
+           segments_BT: jax.Array | None = None, softcap: float | None = None,
+           sinks_N: jax.Array | None = None) -> jax.Array:
     """Causal GQA attention of q [B, T, N, H] over k, v [B, T, K, H], with T maybe split over `sequence`;
     with a sliding `window`, each query sees its `window` latest keys; with `segments_BT` (the document id
     of every position, in the activations' order: `meshpar.batch`), only keys of its own document
-    (`kernels.Causal`); with `softcap` c, scores soft-capped to c·tanh(s / c) (Gemma 2). Under context
+    (`kernels.Causal`); with `softcap` c, scores soft-capped to c·tanh(s / c) (Gemma 2); with `sinks_N`, each
+    head's sink logit in its softmax's denominator (gpt-oss: `kernels.add_sinks`). Under context
     parallelism the ids travel with their keys.
 
     Reads the active `meshpar.context.Compute`: its `attention_kernel` is the block kernel (`auto` with
@@ -63,11 +65,12 @@ def attend(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, window: int 
     compute = context.active()
     axis = "sequence"
     if compute is None:
-        return causal_attention(q_BTNH, k_BTKH, v_BTKH, window=window, segments_BT=segments_BT, softcap=softcap)
+        return causal_attention(q_BTNH, k_BTKH, v_BTKH, window=window, segments_BT=segments_BT, softcap=softcap,
+                                sinks_N=sinks_N)
     kernel = compute.attention_kernel
     if compute.mesh.shape.get(axis, 1) == 1:
         return causal_attention(q_BTNH, k_BTKH, v_BTKH, window=window, segments_BT=segments_BT, kernel=kernel,
-                                platform=platform_of(compute.mesh), softcap=softcap)
+                                platform=platform_of(compute.mesh), softcap=softcap, sinks_N=sinks_N)
     parallel, mesh, table = compute.rules.parallel, compute.mesh, compute.rules.table("activations")
     q_spec = sharding.spec_for(("batch", "seq", "heads", None), q_BTNH.shape, table, mesh.shape,
                                "attention q [B, T, N, H]")
@@ -78,4 +81,5 @@ def attend(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, window: int 
                          f"'{axis}' alone; it gives {q_spec[1]!r}")
     return context_attention(parallel.context_attention, q_BTNH, k_BTKH, v_BTKH, mesh=mesh, axis=axis,
                              load_balanced=parallel.load_balance, kernel=kernel, q_spec=q_spec, kv_spec=kv_spec,
-                             vmapped=compute.vmapped, window=window, segments_BT=segments_BT, softcap=softcap)
+                             vmapped=compute.vmapped, window=window, segments_BT=segments_BT, softcap=softcap,
+                             sinks_N=sinks_N)

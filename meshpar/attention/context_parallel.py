@@ -80,9 +80,11 @@ def check(mode: str, T: int, heads: tuple[int, int], n: int, *, balanced: bool, 
 def context_attention(mode: str, q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, *, mesh: Mesh,
                       axis: str, load_balanced: bool, kernel: str, q_spec: P | None = None, kv_spec: P | None = None,
                       vmapped: tuple[str, ...] = (), window: int | None = None,
-                      segments_BT: jax.Array | None = None, softcap: float | None = None) -> jax.Array:
+                      segments_BT: jax.Array | None = None, softcap: float | None = None,
+                      sinks_N: jax.Array | None = None) -> jax.Array:
     """Run one schedule in a shard_map over `axis` and the other axes that `q_spec` / `kv_spec` name.
     `segments_BT`: the document ids of the positions (laid out as q's first two dimensions), or None.
+    `sinks_N`: each query head's sink logit (laid out as q's heads), or None (`kernels.add_sinks`).
 
     Default specs: P(None, axis, None, None), manual over `axis` alone (partial-manual: the other mesh
     axes stay with the compiler). `vmapped`: mesh axes that an enclosing `vmap(spmd_axis_name=...)` owns
@@ -112,8 +114,10 @@ def context_attention(mode: str, q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: j
                              platform=platform_of(mesh), window=window, softcap=softcap)
     names = set(sharding.spec_axes(q_spec)) | set(sharding.spec_axes(kv_spec)) | set(vmapped)
     segments_spec = None if segments_BT is None else P(*q_spec[:2])
-    return jax.shard_map(body, mesh=mesh, axis_names=names, in_specs=(q_spec, kv_spec, kv_spec, segments_spec),
-                         out_specs=q_spec, check_vma=not vmapped)(q_BTNH, k_BTKH, v_BTKH, segments_BT)
+    sinks_spec = None if sinks_N is None else P(q_spec[2])
+    return jax.shard_map(body, mesh=mesh, axis_names=names,
+                         in_specs=(q_spec, kv_spec, kv_spec, segments_spec, sinks_spec),
+                         out_specs=q_spec, check_vma=not vmapped)(q_BTNH, k_BTKH, v_BTKH, segments_BT, sinks_N)
 
 
 # --- all-gather K/V ---------------------------------------------------------------------------------------
@@ -137,7 +141,7 @@ def _gather_sequence_bwd(axis, _, g_BTKH):
 _gather_sequence.defvjp(_gather_sequence_fwd, _gather_sequence_bwd)
 
 
-def _allgather_local(q_BtNH, k_BtKH, v_BtKH, seg_Bt, *, axis: str, n: int, balanced: bool, kernel: str,
+def _allgather_local(q_BtNH, k_BtKH, v_BtKH, seg_Bt, sinks_N, *, axis: str, n: int, balanced: bool, kernel: str,
                      platform: str, window: int | None, softcap: float | None):
     t = q_BtNH.shape[1]
     k_BTKH, v_BTKH = _gather_sequence(k_BtKH, axis), _gather_sequence(v_BtKH, axis)
@@ -148,14 +152,15 @@ def _allgather_local(q_BtNH, k_BtKH, v_BtKH, seg_Bt, *, axis: str, n: int, balan
     layouts = tuple((zigzag.local_positions(d, t, n, balanced, np), pos_T) for d in range(n))
     causal = Causal(zigzag.local_positions(lax.axis_index(axis), t, n, balanced), jnp.asarray(pos_T), layouts, window,
                     segments)
-    out_BtNH, _ = block_attention(q_BtNH, k_BTKH, v_BTKH, causal, kernel=kernel, platform=platform, softcap=softcap)
+    out_BtNH, _ = block_attention(q_BtNH, k_BTKH, v_BTKH, causal, kernel=kernel, platform=platform, softcap=softcap,
+                                  sinks_N=sinks_N)
     return out_BtNH.astype(v_BtKH.dtype)
 
 
 def allgather_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, *, mesh: Mesh,
                         axis: str = "sequence", load_balanced: bool = False, kernel: str = "auto",
                         window: int | None = None, segments_BT: jax.Array | None = None,
-                        softcap: float | None = None) -> jax.Array:
+                        softcap: float | None = None, sinks_N: jax.Array | None = None) -> jax.Array:
     """Causal GQA attention with T split over `axis` (size n): queries stay, K and V are all-gathered.
 
     Sharded: q, k, v and the output along T ([B, t, ·, H] per device, t = T/n); other mesh axes are
@@ -172,7 +177,7 @@ def allgather_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array,
     `load_balanced=True` tells it that q, k, v (and the output) are in zigzag order.
     """
     return context_attention("allgather", q_BTNH, k_BTKH, v_BTKH, mesh=mesh, axis=axis, load_balanced=load_balanced,
-                              kernel=kernel, window=window, segments_BT=segments_BT, softcap=softcap)
+                              kernel=kernel, window=window, segments_BT=segments_BT, softcap=softcap, sinks_N=sinks_N)
 
 
 # --- ring -------------------------------------------------------------------------------------------------
@@ -204,17 +209,18 @@ def _finish(acc) -> jax.Array:
     return o_BtNH / l_BtN[..., None]
 
 
-def _ring_local(q_BtNH, k_BtKH, v_BtKH, seg_Bt, *, axis: str, n: int, balanced: bool, kernel: str, platform: str,
+def _ring_local(q_BtNH, k_BtKH, v_BtKH, seg_Bt, sinks_N, *, axis: str, n: int, balanced: bool, kernel: str, platform: str,
                 window: int | None, softcap: float | None):
     t = q_BtNH.shape[1]
     i = lax.axis_index(axis)
     attend = functools.partial(block_attention, kernel=kernel, platform=platform, needs_lse=True, softcap=softcap)
     positions = lambda d, xp=jnp: zigzag.local_positions(d, t, n, balanced, xp)
     # Step 0: the local (diagonal) block; every query sees itself, so the log-sum-exp starts finite. Its tile
-    # pattern holds for every device's positions (`Causal.layouts`).
+    # pattern holds for every device's positions (`Causal.layouts`). The sinks join this block only.
     own = tuple((positions(d, np),) * 2 for d in range(n))
     diagonal = Causal(positions(i), positions(i), own, window, None if seg_Bt is None else (seg_Bt, seg_Bt))
-    acc = _start(jax.checkpoint(lambda q, k, v: attend(q, k, v, diagonal))(q_BtNH, k_BtKH, v_BtKH))
+    acc = _start(jax.checkpoint(lambda q, k, v, sinks: attend(q, k, v, diagonal, sinks_N=sinks))(
+        q_BtNH, k_BtKH, v_BtKH, sinks_N))
     if balanced:  # the zigzag steps add blocks per chunk: o [2, B, c, N, H], m and l [2, B, c, N]
         acc = tuple(_halves(a) for a in acc)
     # With a sliding window and the contiguous order, the block from i − s has every key at least
@@ -336,7 +342,7 @@ def _at(x, j):
 def ring_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, *, mesh: Mesh,
                    axis: str = "sequence", load_balanced: bool = False, kernel: str = "auto",
                    window: int | None = None, segments_BT: jax.Array | None = None,
-                   softcap: float | None = None) -> jax.Array:
+                   softcap: float | None = None, sinks_N: jax.Array | None = None) -> jax.Array:
     """Causal GQA attention with T split over `axis` (size n): K/V blocks travel around a ring.
 
     Sharded: q, k, v and the output along T ([B, t, ·, H] per device, t = T/n); other mesh axes are
@@ -357,28 +363,31 @@ def ring_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, *, m
     with zigzag (half that contiguous, but there the busiest device does every block).
     """
     return context_attention("ring", q_BTNH, k_BTKH, v_BTKH, mesh=mesh, axis=axis, load_balanced=load_balanced,
-                              kernel=kernel, window=window, segments_BT=segments_BT, softcap=softcap)
+                              kernel=kernel, window=window, segments_BT=segments_BT, softcap=softcap, sinks_N=sinks_N)
 
 
 # --- Ulysses (all-to-all: sequence-sharded → head-sharded) -----------------------------------------------
 
 
-def _ulysses_local(q_BtNH, k_BtKH, v_BtKH, seg_Bt, *, axis: str, n: int, balanced: bool, kernel: str,
+def _ulysses_local(q_BtNH, k_BtKH, v_BtKH, seg_Bt, sinks_N, *, axis: str, n: int, balanced: bool, kernel: str,
                    platform: str, window: int | None, softcap: float | None):
     to_heads = lambda x: lax.all_to_all(x, axis, split_axis=2, concat_axis=1, tiled=True)  # [B, T, ·/n, H]
     q_BTnH, k_BTkH, v_BTkH = to_heads(q_BtNH), to_heads(k_BtKH), to_heads(v_BtKH)
     pos_T = zigzag.global_positions(q_BTnH.shape[1], n, balanced)
     seg_BT = None if seg_Bt is None else lax.all_gather(seg_Bt, axis, axis=1, tiled=True)  # every position's
     segments = None if seg_BT is None else (seg_BT, seg_BT)
+    if sinks_N is not None:  # this device's heads: block i of its N heads, as the all-to-all split them
+        heads = q_BTnH.shape[2]
+        sinks_N = lax.dynamic_slice_in_dim(sinks_N, lax.axis_index(axis) * heads, heads)
     out_BTnH, _ = block_attention(q_BTnH, k_BTkH, v_BTkH, Causal.static(pos_T, pos_T, window, segments),
-                                  kernel=kernel, platform=platform, softcap=softcap)
+                                  kernel=kernel, platform=platform, softcap=softcap, sinks_N=sinks_N)
     return lax.all_to_all(out_BTnH.astype(v_BtKH.dtype), axis, split_axis=1, concat_axis=2, tiled=True)
 
 
 def ulysses_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, *, mesh: Mesh,
                       axis: str = "sequence", load_balanced: bool = False, kernel: str = "auto",
                       window: int | None = None, segments_BT: jax.Array | None = None,
-                      softcap: float | None = None) -> jax.Array:
+                      softcap: float | None = None, sinks_N: jax.Array | None = None) -> jax.Array:
     """Causal GQA attention with T split over `axis` (size n), computed head-parallel (DeepSpeed Ulysses).
 
     Sharded: q, k, v and the output along T outside; inside, an all-to-all turns [B, t, N, H] into
@@ -396,4 +405,4 @@ def ulysses_attention(q_BTNH: jax.Array, k_BTKH: jax.Array, v_BTKH: jax.Array, *
     avoids that.
     """
     return context_attention("ulysses", q_BTNH, k_BTKH, v_BTKH, mesh=mesh, axis=axis, load_balanced=load_balanced,
-                              kernel=kernel, window=window, segments_BT=segments_BT, softcap=softcap)
+                              kernel=kernel, window=window, segments_BT=segments_BT, softcap=softcap, sinks_N=sinks_N)

@@ -19,6 +19,11 @@ needs), with `kernel`:
   compute dtype) — that attention runs `blockwise`;
 - `auto`: the fastest for the platform and shape (`resolve_kernel`): on GPUs `cudnn` where it can run,
   else `blockwise`; elsewhere `dense` for short sequences, `blockwise` above.
+
+Attention sinks (gpt-oss: a learned logit per head in every softmax's denominator) are one more key per
+query, of logit `sinks_N` and value 0, which the block that holds them adds to its output and log-sum-exp
+(`add_sinks`): any kernel that gives the log-sum-exp with its gradient serves, and a schedule that merges
+blocks by their log-sum-exp (the ring) gives the sinks to one block only.
 """
 
 from __future__ import annotations
@@ -93,7 +98,8 @@ def resolve_kernel(kernel: str, S: int, platform: str, dtype=jnp.float32, head_d
     """The kernel `block_attention` runs for S keys of `dtype`: `auto` becomes `cudnn` on GPUs where it
     can run, else `dense` up to the platform's measured length (`DENSE_MAX_T`) and `blockwise` above.
     `cudnn` is refused off GPUs and for inputs it cannot take; it falls back to `blockwise` where the
-    caller needs the log-sum-exp's gradient (`needs_lse`) or soft-caps the scores (JAX's call has no cap)."""
+    caller needs the log-sum-exp's gradient (`needs_lse`: the ring's merge, attention sinks) or soft-caps the
+    scores (JAX's call has neither)."""
     if kernel not in KERNELS:
         raise InputError(f"attention kernel '{kernel}' is not one of {', '.join(KERNELS)}")
     if kernel == "cudnn":
@@ -113,18 +119,23 @@ def resolve_kernel(kernel: str, S: int, platform: str, dtype=jnp.float32, head_d
 
 def block_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, causal: Causal | None, *,
                     kernel: str = "auto", platform: str | None = None, needs_lse: bool = False,
-                    softcap: float | None = None) -> tuple[jax.Array, jax.Array | None]:
+                    softcap: float | None = None, sinks_N: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None]:
     """GQA attention of T queries over S keys: (out f32 [B, T, N, H], log-sum-exp f32 [B, T, N]).
 
     The log-sum-exp is None from the cuDNN kernel, which runs only where the caller does not need it
-    (`needs_lse` False) and the mask is plain causal, without documents, or none (`is_plain_causal`);
-    elsewhere `cudnn` runs `blockwise`.
+    (`needs_lse` False, no sinks) and the mask is plain causal, without documents, or none
+    (`is_plain_causal`); elsewhere `cudnn` runs `blockwise`.
 
     `softcap` c: each scaled score s becomes c·tanh(s / c) before the mask (Gemma 2's attention logit
-    soft-capping). `causal` None: every key is visible to every query (a ring's off-diagonal block). The log-sum-exp
-    lets partial results over disjoint key sets combine exactly (the ring's accumulator). A row with no
-    visible key has out 0 and lse −inf (blockwise) — the schedules never produce one.
+    soft-capping). `sinks_N`: each head's sink logit, added to this block (`add_sinks`). `causal` None: every
+    key is visible to every query (a ring's off-diagonal block). The log-sum-exp lets partial results over
+    disjoint key sets combine exactly (the ring's accumulator). A row with no visible key has out 0 and lse
+    −inf (blockwise) — the schedules never produce one.
     """
+    if sinks_N is not None:
+        out_BTNH, lse_BTN = block_attention(q_BTNH, k_BSKH, v_BSKH, causal, kernel=kernel, platform=platform,
+                                            needs_lse=True, softcap=softcap)
+        return add_sinks(out_BTNH, lse_BTN, sinks_N)
     T, S = q_BTNH.shape[1], k_BSKH.shape[1]
     platform = platform or jax.default_backend()
     kernel = resolve_kernel(kernel, S, platform, q_BTNH.dtype, q_BTNH.shape[3], needs_lse, softcap)
@@ -143,6 +154,13 @@ def block_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, cau
         q_T, k_S = causal.q_T, causal.k_S
     window, segments = (None, None) if causal is None else (causal.window, causal.segments)
     return flash.attention(q_BTNH, k_BSKH, v_BSKH, q_T, k_S, pattern, window, segments, softcap)
+
+
+def add_sinks(out_BTNH: jax.Array, lse_BTN: jax.Array, sinks_N: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """A block's (out, lse) with one more key per query, of logit sinks_N[n] and value 0, in every softmax's
+    denominator: out · e^lse / (e^lse + e^sink), and lse ⊕ sink."""
+    with_sink_BTN = jnp.logaddexp(lse_BTN, sinks_N.astype(jnp.float32))
+    return out_BTNH * jnp.exp(lse_BTN - with_sink_BTN)[..., None], with_sink_BTN
 
 
 def cudnn_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, causal: Causal | None,
@@ -192,25 +210,29 @@ def _dense(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, causal: Caus
 
 
 def causal_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, *, window: int | None = None,
-                     segments_BT: jax.Array | None = None, kernel: str = "auto",
-                     platform: str | None = None, softcap: float | None = None) -> jax.Array:
+                     segments_BT: jax.Array | None = None, kernel: str = "auto", platform: str | None = None,
+                     softcap: float | None = None, sinks_N: jax.Array | None = None) -> jax.Array:
     """softmax(q kᵀ / √H + causal mask) v on one device, each group of G query heads sharing a kv head;
     with a sliding `window`, each query sees its `window` latest keys; with `segments_BT` (document ids
-    of the T = S positions), only keys of its own document; with `softcap`, scores soft-capped."""
+    of the T = S positions), only keys of its own document; with `softcap`, scores soft-capped; with
+    `sinks_N`, each head's sink logit in the denominator."""
     T, S = q_BTNH.shape[1], k_BSKH.shape[1]
     segments = None if segments_BT is None else (segments_BT, segments_BT)
     out_BTNH, _ = block_attention(q_BTNH, k_BSKH, v_BSKH,
                                   Causal.static(np.arange(T), np.arange(S), window, segments),
-                                  kernel=kernel, platform=platform, softcap=softcap)
+                                  kernel=kernel, platform=platform, softcap=softcap, sinks_N=sinks_N)
     return out_BTNH.astype(v_BSKH.dtype)
 
 
 def cached_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, q_pos_T: jax.Array,
-                     k_pos_S: jax.Array, window: int | None = None, softcap: float | None = None) -> jax.Array:
+                     k_pos_S: jax.Array, window: int | None = None, softcap: float | None = None,
+                     sinks_N: jax.Array | None = None) -> jax.Array:
     """Causal attention of T queries at positions `q_pos_T` over keys at positions `k_pos_S` (a KV cache's
     slots and the new keys), as generation runs it: keys after a query's position and, with a sliding
     `window`, keys `window` or more before it are masked. The dense kernel: after the prompt T = 1, so the
     scores are one row per head."""
     causal = Causal(q_pos_T.astype(jnp.int32), k_pos_S.astype(jnp.int32), layouts=(), window=window)
-    out_BTNH, _ = _dense(q_BTNH, k_BSKH, v_BSKH, causal, softcap)
+    out_BTNH, lse_BTN = _dense(q_BTNH, k_BSKH, v_BSKH, causal, softcap)
+    if sinks_N is not None:
+        out_BTNH, _ = add_sinks(out_BTNH, lse_BTN, sinks_N)
     return out_BTNH.astype(v_BSKH.dtype)

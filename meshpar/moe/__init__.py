@@ -1,7 +1,9 @@
 """Mixtures of experts: routing (top-k, the router's losses and statistics) and the dispatch of tokens to
 their experts over the `expert` mesh axis (all-to-all, grouped matmuls or capacity buffers)."""
 
-from meshpar.moe.dispatch import DOWN, GATE_UP, capacity, experts_ffn, rows_per_shard
+from meshpar.moe.dispatch import (DOWN, DOWN_BIAS, GATE_UP, GATE_UP_BIAS, capacity, experts_ffn, rows_per_shard,
+                                  swiglu)
 from meshpar.moe.routing import RouterStats, Routes, metrics, route
 
-__all__ = ["DOWN", "GATE_UP", "RouterStats", "Routes", "capacity", "experts_ffn", "metrics", "route", "rows_per_shard"]
+__all__ = ["DOWN", "DOWN_BIAS", "GATE_UP", "GATE_UP_BIAS", "RouterStats", "Routes", "capacity", "experts_ffn", "metrics",
+           "route", "rows_per_shard", "swiglu"]

@@ -48,6 +48,7 @@ from __future__ import annotations
 import fractions
 import functools
 import math
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -55,10 +56,16 @@ from jax.sharding import PartitionSpec as P
 
 from meshpar import context, sharding
 
-# The logical axes of the experts' weights and of the tokens the dispatch reads.
+# The logical axes of the experts' weights, their biases (gpt-oss), and of the tokens the dispatch reads.
 GATE_UP = ("experts", "embed", "expert_mlp")
 DOWN = ("experts", "expert_mlp", "embed")
+GATE_UP_BIAS = ("experts", "expert_mlp")
+DOWN_BIAS = ("experts", "embed")
 TOKENS = ("batch", "seq", "embed")
+
+
+def swiglu(gate: jax.Array, up: jax.Array) -> jax.Array:
+    return jax.nn.silu(gate) * up
 
 
 def capacity() -> float:
@@ -82,22 +89,28 @@ def expert_capacity(n: int, k: int, experts: int, capacity: float) -> int:
 
 
 def experts_ffn(x_BTD: jax.Array, experts_BTk: jax.Array, weights_BTk: jax.Array, w_gate_EDF: jax.Array,
-                w_up_EDF: jax.Array, w_down_EFD: jax.Array, capacity: float = 0.0) -> tuple[jax.Array, jax.Array]:
-    """Σ over each token's k experts of weight · SwiGLU_e(x), and the assignments dropped per row [B].
+                w_up_EDF: jax.Array, w_down_EFD: jax.Array, capacity: float = 0.0, *,
+                biases: tuple[jax.Array, jax.Array, jax.Array] | None = None,
+                gated: Callable[[jax.Array, jax.Array], jax.Array] = swiglu) -> tuple[jax.Array, jax.Array]:
+    """Σ over each token's k experts of weight · down_e(gated(gate_e(x), up_e(x))), and the assignments
+    dropped per row [B]. `biases`: (gate [E, F], up [E, F], down [E, D]) added to each expert's projections
+    (gpt-oss), or None; `gated`: the unit between them (SwiGLU's, or the model's `gated_unit`).
 
     The weights come in their compute layout (`sharding.gathered`). Outside a step, on one device, or
     with no mesh axis splitting the tokens, experts or F, it runs as one device would."""
     compute = context.active()
-    local = functools.partial(_local, capacity=capacity, experts=w_gate_EDF.shape[0])
+    local = functools.partial(_local, capacity=capacity, experts=w_gate_EDF.shape[0], gated=gated)
+    weights = (w_gate_EDF, w_up_EDF, w_down_EFD, biases)
     if compute is None:
-        return local(x_BTD, experts_BTk, weights_BTk, w_gate_EDF, w_up_EDF, w_down_EFD, expert_axis=None, model=())
+        return local(x_BTD, experts_BTk, weights_BTk, *weights, expert_axis=None, model=())
     mesh, table = compute.mesh, compute.rules.table("activations")
     spec = lambda logical, x: sharding.spec_for(logical, x.shape, table, mesh.shape, f"MoE input {logical}")
     tokens, gate_up, down = spec(TOKENS, x_BTD), spec(GATE_UP, w_gate_EDF), spec(DOWN, w_down_EFD)
+    bias_specs = None if biases is None else (P(gate_up[0], gate_up[2]),) * 2 + (P(down[0], down[2]),)
     routes, rows = P(*tokens[:2], None), P(tokens[0])
     names = set(sharding.spec_axes(tokens) + sharding.spec_axes(gate_up) + compute.vmapped)
     if not names:
-        return local(x_BTD, experts_BTk, weights_BTk, w_gate_EDF, w_up_EDF, w_down_EFD, expert_axis=None, model=())
+        return local(x_BTD, experts_BTk, weights_BTk, *weights, expert_axis=None, model=())
     expert_axis = "expert" if "expert" in sharding.spec_axes(gate_up) else None
     model = tuple(a for a in sharding.spec_axes(gate_up[2:]))
     body = functools.partial(local, expert_axis=expert_axis, model=model, positions=sharding.spec_axes(tokens[1:2]),
@@ -105,9 +118,10 @@ def experts_ffn(x_BTD: jax.Array, experts_BTk: jax.Array, weights_BTk: jax.Array
     # Manual over the size-1 axes too: in a partly manual region jax pins the psums' reducers with sharding
     # constraints, which XLA:CPU's widening of bfloat16 all-reduces cannot clone (a crash at compile time).
     names |= {axis for axis, size in mesh.shape.items() if size == 1}
-    return jax.shard_map(body, mesh=mesh, axis_names=names, in_specs=(tokens, routes, routes, gate_up, gate_up, down),
-                         out_specs=(tokens, rows), check_vma=not compute.vmapped)(
-        x_BTD, experts_BTk, weights_BTk, w_gate_EDF, w_up_EDF, w_down_EFD)
+    return jax.shard_map(body, mesh=mesh, axis_names=names,
+                         in_specs=(tokens, routes, routes, gate_up, gate_up, down, bias_specs),
+                         out_specs=(tokens, rows), check_vma=not compute.vmapped)(x_BTD, experts_BTk, weights_BTk,
+                                                                                  *weights)
 
 
 def grouped_matmul(x_ID: jax.Array, w_EDF: jax.Array, sizes_E: jax.Array, vmapped: bool) -> jax.Array:
@@ -132,8 +146,8 @@ def grouped_matmul(x_ID: jax.Array, w_EDF: jax.Array, sizes_E: jax.Array, vmappe
     return jax.lax.scan(one_expert, y_IF, (jnp.arange(w_EDF.shape[0]), w_EDF))[0]
 
 
-def _local(x_btD, experts_btk, weights_btk, w_gate_EDF, w_up_EDF, w_down_EFD, *, capacity: float, experts: int,
-           expert_axis: str | None, model: tuple[str, ...], positions: tuple[str, ...] = (),
+def _local(x_btD, experts_btk, weights_btk, w_gate_EDF, w_up_EDF, w_down_EFD, biases, *, capacity: float,
+           experts: int, gated, expert_axis: str | None, model: tuple[str, ...], positions: tuple[str, ...] = (),
            vmapped: bool = False) -> tuple[jax.Array, jax.Array]:
     """One device's dispatch (module docstring): its El experts' weights, E / El = ep expert shards; the
     mesh axes in `positions` split the rows' positions (context parallelism), and their drops are summed."""
@@ -160,10 +174,16 @@ def _local(x_btD, experts_btk, weights_btk, w_gate_EDF, w_up_EDF, w_down_EFD, *,
     send_xrD = jnp.zeros((ep, r, D), x_btD.dtype).at[shard_Q, row_Q].set(x_nD[token_Q], mode="drop")
     swap = (lambda a: jax.lax.all_to_all(a, expert_axis, 0, 0)) if expert_axis else (lambda a: a)
     recv_xrD = swap(send_xrD)
+    gate_bias_EF, up_bias_EF, down_bias_ED = biases or (None, None, None)
+    if model and biases:  # the model shards' outputs are summed: one of them adds the down bias
+        down_bias_ED = jnp.where(jax.lax.axis_index(model) == 0, down_bias_ED, 0)
     if capacity:  # [ep, El, U, D] → [El, ep·U, D]: one batched matmul per expert
         x_EUD = recv_xrD.reshape(ep, El, U, D).swapaxes(0, 1).reshape(El, ep * U, D)
         gate, up = (jnp.einsum("eud,edf->euf", x_EUD, w) for w in (w_gate_EDF, w_up_EDF))
-        y_EUD = jnp.einsum("euf,efd->eud", jax.nn.silu(gate) * up, w_down_EFD)
+        if biases:
+            gate, up = gate + gate_bias_EF[:, None], up + up_bias_EF[:, None]
+        y_EUD = jnp.einsum("euf,efd->eud", gated(gate, up), w_down_EFD)
+        y_EUD = y_EUD + down_bias_ED[:, None] if biases else y_EUD
         y_xrD = y_EUD.reshape(El, ep, U, D).swapaxes(0, 1).reshape(ep, r, D)
     else:  # rows from every device, sorted by local expert (unfilled rows: El, last), grouped matmuls
         local_xr = swap(jnp.full((ep, r), El, jnp.int32).at[shard_Q, row_Q].set(local_Q, mode="drop"))
@@ -172,7 +192,13 @@ def _local(x_btD, experts_btk, weights_btk, w_gate_EDF, w_up_EDF, w_down_EFD, *,
         sizes_E = jnp.zeros((El + 1,), jnp.int32).at[local_I].add(1)[:El]
         x_ID = recv_xrD.reshape(ep * r, D)[arrival_I]
         gate, up = (grouped_matmul(x_ID, w, sizes_E, vmapped) for w in (w_gate_EDF, w_up_EDF))
-        y_ID = grouped_matmul(jax.nn.silu(gate) * up, w_down_EFD, sizes_E, vmapped)
+        # each row's expert (the unfilled rows past the groups take the last one: never read back)
+        row_expert = lambda b_EX: b_EX[jnp.minimum(jnp.searchsorted(jnp.cumsum(sizes_E), jnp.arange(ep * r),
+                                                                    side="right"), El - 1)]
+        if biases:
+            gate, up = gate + row_expert(gate_bias_EF), up + row_expert(up_bias_EF)
+        y_ID = grouped_matmul(gated(gate, up), w_down_EFD, sizes_E, vmapped)
+        y_ID = y_ID + row_expert(down_bias_ED) if biases else y_ID
         y_xrD = jnp.zeros_like(y_ID).at[arrival_I].set(y_ID).reshape(ep, r, D)
     back_xrD = swap(y_xrD)
     y_QD = back_xrD.at[shard_Q, row_Q].get(mode="fill", fill_value=0)

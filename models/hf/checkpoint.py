@@ -30,13 +30,16 @@ from safetensors.numpy import save_file
 from meshpar.errors import InputError
 from meshpar.rules import Rules
 from meshpar.sharding import state_shardings
+from models.hf import mxfp4
 from models.hf.families import FAMILIES, STACKED, Family, Tensor, config_from_hf, config_to_hf, family_of, tensors
 from models.transformer import Transformer, TransformerConfig
 
 SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
 # Export shards: transformers' own default is larger; 2 GB keeps one shard's host buffer small.
 MAX_SHARD_BYTES = 2 * 10**9
-_READABLE_DTYPES = ("F32", "F16", "BF16", "F64")
+_READABLE_DTYPES = ("F32", "F16", "BF16", "F64", "MXFP4")  # MXFP4: `mxfp4.Packed`, from two uint8 tensors
+# Two meshpar parameters interleaved column by column in one Hugging Face tensor (gpt-oss's gate_up_proj)
+FUSED = ("even", "odd")
 # Old Llama checkpoints store the rotary frequencies as a buffer; they follow from the config.
 _DERIVED_SUFFIX = ".rotary_emb.inv_freq"
 
@@ -82,6 +85,8 @@ def _hf_shape(kind: str, shape: tuple[int, ...]) -> tuple[int, ...]:
     if kind == "heads_bias":
         X, H = shape
         return (X * H,)
+    if kind in FUSED:
+        return *shape[:-1], 2 * shape[-1]
     N, H, D = shape
     return D, N * H
 
@@ -102,6 +107,9 @@ def _from_hf(kind: str, part, box: list[tuple[int, int]], shape: tuple[int, ...]
         (x0, x1), _ = box
         H = shape[1]
         out = part[x0 * H:x1 * H].reshape(x1 - x0, H)[:, s[1]]
+    elif kind in FUSED:  # columns 2f (even) or 2f + 1 (odd) of [..., 2F]
+        f0, f1 = box[-1]
+        out = part[(*s[:-1], slice(2 * f0, 2 * f1))][..., FUSED.index(kind)::2]
     else:  # heads_out: columns n·H + h of W [D, N·H]
         (n0, n1), _, (d0, d1) = box
         H = shape[1]
@@ -110,8 +118,8 @@ def _from_hf(kind: str, part, box: list[tuple[int, int]], shape: tuple[int, ...]
 
 
 def _to_hf(kind: str, w: np.ndarray) -> np.ndarray:
-    """One layer of a meshpar parameter in the Hugging Face layout."""
-    if kind == "same":
+    """One layer of a meshpar parameter in the Hugging Face layout (of a FUSED kind: its half, as it is)."""
+    if kind in ("same", *FUSED):
         return w
     if kind == "transpose":
         return np.ascontiguousarray(w.T)
@@ -122,6 +130,15 @@ def _to_hf(kind: str, w: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(w.reshape(-1, w.shape[-1]).T)  # heads_out: [N, H, D] → [D, N·H]
 
 
+def _interleaved(halves: list[tuple[str, np.ndarray]]) -> np.ndarray:
+    """One Hugging Face tensor [..., 2F] of two FUSED parts [..., F]: the even part in columns 2f, the odd in 2f + 1."""
+    shape = halves[0][1].shape
+    out = np.empty((*shape[:-1], 2 * shape[-1]), np.float32)
+    for kind, w in halves:
+        out[..., FUSED.index(kind)::2] = w
+    return out
+
+
 # ---------------------------------------------------------------------------------------------- import
 
 def _open(path: Path):
@@ -130,6 +147,21 @@ def _open(path: Path):
         return safe_open(path, framework="np")
     except (SafetensorError, OSError) as err:
         raise InputError(f"cannot read {path} as safetensors: {err}") from None
+
+
+def _part(files: dict, weight_map: dict[str, Path], name: str):
+    """A tensor of the checkpoint as a lazy slice: safetensors', or, where it is stored as MXFP4 blocks and
+    scales, `mxfp4.Packed`'s."""
+    if name in weight_map:
+        return files[weight_map[name]].get_slice(name)
+    blocks, scales = (name + suffix for suffix in mxfp4.SUFFIXES)
+    return mxfp4.Packed(name, files[weight_map[blocks]].get_slice(blocks), files[weight_map[scales]].get_slice(scales))
+
+
+def _tensor_names(weight_map: dict[str, Path]) -> set[str]:
+    """The checkpoint's tensors: an MXFP4 one (`mxfp4.packed_names`) by its own name, not its two parts'."""
+    packed = mxfp4.packed_names(weight_map)
+    return (set(weight_map) - {name + suffix for name in packed for suffix in mxfp4.SUFFIXES}) | packed
 
 
 def _weight_map(hf_dir: Path) -> dict[str, Path]:
@@ -167,7 +199,8 @@ def _names_of(tensor: Tensor, ranges: dict[str, range]) -> list[tuple[str, tuple
 def import_params(hf_dir: str | Path, cfg: TransformerConfig, mesh: Mesh, rules: Rules) -> nnx.State:
     """The parameters of a Hugging Face checkpoint of the model `cfg`, laid out on `mesh` by `rules`, in float32.
 
-    Each device reads only its own block of each tensor (float32, bfloat16 and float16 files alike).
+    Each device reads only its own block of each tensor (float32, bfloat16 and float16 files alike, and MXFP4
+    experts, dequantised: `mxfp4`).
     Missing or unexpected tensors and wrong shapes are refused, naming the tensor.
     """
     hf_dir = Path(hf_dir)
@@ -177,9 +210,10 @@ def import_params(hf_dir: str | Path, cfg: TransformerConfig, mesh: Mesh, rules:
     rows = tensors(cfg, _family(hf_dir))
     everything = _every(cfg)
     expected = {name for t in rows for name, _ in _names_of(t, everything)}
-    missing = sorted(expected - set(weight_map))
+    present = _tensor_names(weight_map)
+    missing = sorted(expected - present)
     ignored = {"lm_head.weight"} if cfg.tie_embeddings else set()  # tied: the embedding is the head
-    unexpected = sorted(n for n in set(weight_map) - expected - ignored if not n.endswith(_DERIVED_SUFFIX))
+    unexpected = sorted(n for n in present - expected - ignored if not n.endswith(_DERIVED_SUFFIX))
     if missing:
         raise InputError(f"{hf_dir}: tensor {missing[0]} is missing ({len(missing)} missing in all"
                          f"{': ' + ', '.join(missing[1:4]) + ' …' if len(missing) > 1 else ''}); is config.json "
@@ -193,7 +227,7 @@ def import_params(hf_dir: str | Path, cfg: TransformerConfig, mesh: Mesh, rules:
         for t in rows:
             layer_shape = flat[t.path].shape[len(t.stacked):]
             for name, _ in _names_of(t, everything):
-                part = files[weight_map[name]].get_slice(name)
+                part = _part(files, weight_map, name)
                 if tuple(part.get_shape()) != _hf_shape(t.kind, layer_shape):
                     raise InputError(f"{hf_dir}: tensor {name} has shape {tuple(part.get_shape())}, the model "
                                      f"of config.json needs {_hf_shape(t.kind, layer_shape)}")
@@ -215,8 +249,7 @@ def _read_block(files: dict, weight_map: dict[str, Path], t: Tensor, shape: tupl
     box = [s.indices(n)[:2] for s, n in zip(index, shape)]
     n = len(t.stacked)
     ranges = {p: range(*bounds) for p, bounds in zip(t.stacked, box[:n])}
-    blocks = [_from_hf(t.kind, files[weight_map[name]].get_slice(name), box[n:], shape[n:])
-              for name, _ in _names_of(t, ranges)]
+    blocks = [_from_hf(t.kind, _part(files, weight_map, name), box[n:], shape[n:]) for name, _ in _names_of(t, ranges)]
     return np.stack(blocks).reshape(*(len(r) for r in ranges.values()), *blocks[0].shape) if n else blocks[0]
 
 
@@ -252,15 +285,18 @@ def export(params: nnx.State, cfg: TransformerConfig, out_dir: str | Path, max_s
     per_layer = [(name, t, index) for l in range(cfg.n_layers) for t in rows
                  if t.stacked and (i := t.index_of(l)) is not None
                  for name, index in _names_of(t, {**_every(cfg), "l": range(i, i + 1)})]
-    entries = whole[:1] + per_layer + whole[1:]  # transformers' order: embedding, layer by layer, norm, head
-    sizes = {name: 4 * math.prod(flat[t.path].shape[len(t.stacked):]) for name, t, _ in entries}
+    parts = {}  # Hugging Face tensor → its meshpar parts (two for a FUSED one), in transformers' order:
+    for name, t, index in whole[:1] + per_layer + whole[1:]:  # embedding, layer by layer, norm, head
+        parts.setdefault(name, []).append((t, index))
+    sizes = {name: sum(4 * math.prod(flat[t.path].shape[len(t.stacked):]) for t, _ in tensor)
+             for name, tensor in parts.items()}
     shards, room = [], 0
-    for entry in entries:
-        if not shards or sizes[entry[0]] > room:
+    for name in parts:
+        if not shards or sizes[name] > room:
             shards.append([])
             room = max_shard_bytes
-        shards[-1].append(entry)
-        room -= sizes[entry[0]]
+        shards[-1].append(name)
+        room -= sizes[name]
     files = [SINGLE_FILE] if len(shards) == 1 else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
                                                     for i in range(len(shards))]
     writer = jax.process_index() == 0
@@ -269,16 +305,16 @@ def export(params: nnx.State, cfg: TransformerConfig, out_dir: str | Path, max_s
         (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2) + "\n")
     for file, shard in zip(files, shards):
         host = {}  # one shard's tensors: at most max_shard_bytes
-        for name, t, index in shard:
-            w = _on_host(flat[t.path], index)
+        for name in shard:
+            layers = [(t.kind, _on_host(flat[t.path], index)) for t, index in parts[name]]
             if writer:
-                host[name] = _to_hf(t.kind, w)
+                host[name] = _to_hf(*layers[0]) if len(layers) == 1 else _interleaved(layers)
         if writer:
             save_file(host, out_dir / file, metadata={"format": "pt"})  # transformers checks the format
     if len(files) > 1:
         files.append(INDEX_FILE)
         if writer:
             index = {"metadata": {"total_size": sum(sizes.values())},
-                     "weight_map": {name: file for file, shard in zip(files, shards) for name, _, _ in shard}}
+                     "weight_map": {name: file for file, shard in zip(files, shards) for name in shard}}
             (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
     return [out_dir / f for f in ("config.json", *files)]

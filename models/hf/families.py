@@ -11,6 +11,7 @@
 | mixtral    | MixtralForCausalLM  | as mistral; `n_experts` (every layer)          | block_sparse_moe.* for mlp.*   |
 | qwen3_moe  | Qwen3MoeForCausalLM | as qwen3; `n_experts`, dense layers, `norm_topk_prob` | mlp.gate, mlp.experts.* |
 | qwen2_moe  | Qwen2MoeForCausalLM | as qwen2 and qwen3_moe; a gated shared expert  | mlp.shared_expert{,_gate}.*    |
+| gpt_oss    | GptOssForCausalLM   | gpt-oss's layer; YaRN; per-layer windows       | biases, sinks, fused experts   |
 
 Gemma's layer (`Family.gemma`): GeGLU (`hidden_activation` gelu_pytorch_tanh), RMSNorms scaled by 1 + w around
 both sublayers (`norm_plus_one`, `sandwich_norms`: its `post_attention_layernorm` norms attention's output, and
@@ -18,9 +19,16 @@ both sublayers (`norm_plus_one`, `sandwich_norms`: its `post_attention_layernorm
 (`query_scale`), and Gemma 2's `attn_logit_softcapping` and `final_logit_softcapping`. Gemma 3's sliding layers
 take `rope_parameters.sliding_attention` (4.x: `rope_local_base_freq`), its full ones the `full_attention` entry.
 
-Layers that differ (`layer_pattern`): qwen2, qwen3 and the Gemmas read `layer_types` (or, without it,
-transformers' rules: Qwen's layers from `max_window_layers` on slide where `use_sliding_window`, Gemma's all
-but every 2nd (Gemma 2) or `sliding_window_pattern`-th (Gemma 3, 6)), each sliding layer with the one
+gpt-oss's layer (`Family.gpt_oss`): biases on q, k, v and o (`qkv_bias`, `o_bias`), a sink logit per head
+(`attn_sinks`, `self_attn.sinks`), a router and experts with biases (`moe_bias`), the experts' clamped SwiGLU
+(`mlp_activation` clamped_swiglu, `swiglu_alpha`, `swiglu_limit`), YaRN (`truncate` false). Its experts are
+fused tensors [E, in, out], the gate and up projections interleaved column by column in `gate_up_proj`
+(kinds `even` and `odd`); the Hub's checkpoints store `gate_up_proj` and `down_proj` as MXFP4 (`_blocks` and
+`_scales`: `models.hf.mxfp4`), which import dequantises; export writes them unquantised.
+
+Layers that differ (`layer_pattern`): qwen2, qwen3, the Gemmas and gpt-oss read `layer_types` (or, without it,
+transformers' rules: Qwen's layers from `max_window_layers` on slide where `use_sliding_window`, Gemma's and
+gpt-oss's all but every 2nd (Gemma 2, gpt-oss) or `sliding_window_pattern`-th (Gemma 3, 6)), each sliding layer with the one
 `sliding_window`; qwen3_moe and qwen2_moe read which layers have experts from `decoder_sparse_step` and
 `mlp_only_layers` (the others are dense, `intermediate_size` wide). The per-layer kinds become the shortest
 period that repeats over the layers; with one kind, the model-wide options. A pattern's period j holds layer
@@ -61,6 +69,13 @@ the layers stacked on a leading L axis:
 | self_attn.q_proj.bias [N·H] (qwen2)     | blocks.attn.q_bias_NH [L, N, H]    | heads_bias: b.reshape(N, H)      |
 | self_attn.k_proj, v_proj.bias [K·H]     | blocks.attn.k_bias_KH, v_bias_KH   | heads_bias: b.reshape(K, H)      |
 | self_attn.q_norm, k_norm.weight [H]     | blocks.attn.q_norm.scale, k_norm…  | same, stacked (qwen3)            |
+| self_attn.o_proj.bias [D] (gpt_oss)     | blocks.attn.o_bias_D [L, D]        | same, stacked                    |
+| self_attn.sinks [N] (gpt_oss)           | blocks.attn.sinks_N [L, N]         | same, stacked                    |
+| mlp.router.weight, bias [E, D], [E]     | blocks.mlp.w_router_DE, router_bias_E | transpose; same               |
+| mlp.experts.gate_up_proj [E, D, 2F]     | blocks.mlp.w_gate_EDF, w_up_EDF    | even, odd: columns 2f, 2f + 1    |
+| mlp.experts.gate_up_proj_bias [E, 2F]   | blocks.mlp.gate_bias_EF, up_bias_EF | even, odd                       |
+| mlp.experts.down_proj [E, F, D]         | blocks.mlp.w_down_EFD              | same, stacked                    |
+| mlp.experts.down_proj_bias [E, D]       | blocks.mlp.down_bias_ED            | same, stacked                    |
 
 Mixtral names its experts `block_sparse_moe.gate` and `block_sparse_moe.experts.{e}.w1` (gate), `w3` (up),
 `w2` (down). These per-expert tensors are what the Hub's checkpoints hold and what transformers 5
@@ -88,7 +103,7 @@ class Tensor:
 
     path: tuple[str, ...]
     name: str
-    kind: str  # same, transpose, heads_in, heads_out, heads_bias
+    kind: str  # same, transpose, heads_in, heads_out, heads_bias, even, odd
     layers: tuple[int, int] = (0, 1)  # (j, p): index i of the stacked L axis is the checkpoint's layer j + p·i
 
     def layer(self, i: int) -> int:
@@ -154,6 +169,19 @@ QKV_BIASES = tuple(Tensor(("blocks", "attn", f"{x}_bias_{X}H"), _LAYER + f"self_
                    for x, X in (("q", "N"), ("k", "K"), ("v", "K")))
 QK_NORMS = tuple(Tensor(("blocks", "attn", f"{x}_norm", "scale"), _LAYER + f"self_attn.{x}_norm.weight", "same")
                  for x in ("q", "k"))
+O_BIAS = (Tensor(("blocks", "attn", "o_bias_D"), _LAYER + "self_attn.o_proj.bias", "same"),)
+SINKS = (Tensor(("blocks", "attn", "sinks_N"), _LAYER + "self_attn.sinks", "same"),)
+# gpt-oss's: a router with a bias; fused experts [E, in, out], gate and up interleaved column by column
+GPT_OSS_EXPERTS = (
+    Tensor(("blocks", "mlp", "w_router_DE"), _LAYER + "mlp.router.weight", "transpose"),
+    Tensor(("blocks", "mlp", "router_bias_E"), _LAYER + "mlp.router.bias", "same"),
+    Tensor(("blocks", "mlp", "w_gate_EDF"), _LAYER + "mlp.experts.gate_up_proj", "even"),
+    Tensor(("blocks", "mlp", "w_up_EDF"), _LAYER + "mlp.experts.gate_up_proj", "odd"),
+    Tensor(("blocks", "mlp", "gate_bias_EF"), _LAYER + "mlp.experts.gate_up_proj_bias", "even"),
+    Tensor(("blocks", "mlp", "up_bias_EF"), _LAYER + "mlp.experts.gate_up_proj_bias", "odd"),
+    Tensor(("blocks", "mlp", "w_down_EFD"), _LAYER + "mlp.experts.down_proj", "same"),
+    Tensor(("blocks", "mlp", "down_bias_ED"), _LAYER + "mlp.experts.down_proj_bias", "same"),
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -185,6 +213,9 @@ class Family:
     # soft-capping; its sliding layers always slide (`sliding_window`)
     gemma: bool = False
     local_rope: bool = False  # its sliding layers have a rotary base (and scaling) of their own (Gemma 3)
+    # gpt-oss's layer: o biases, attention sinks, router and expert biases, the clamped SwiGLU; its sliding
+    # layers always slide
+    gpt_oss: bool = False
     full_every: int = 0  # without `layer_types`, every n-th layer is full, the others slide (Gemma's default)
 
 
@@ -212,6 +243,9 @@ FAMILIES = {family.model_type: family for family in (
            fixed=(("qkv_bias", True), ("use_sliding_window", False)), dense_layers=True,
            experts=Experts(("num_experts",), "moe_intermediate_size", QWEN2_MOE_EXPERTS,
                            shared_width_key="shared_expert_intermediate_size")),
+    Family("gpt_oss", "GptOssForCausalLM", qkv_bias=True, layer_types=True, gpt_oss=True, full_every=2,
+           fixed=(("attention_bias", True),),
+           experts=Experts(("num_local_experts",), "intermediate_size", GPT_OSS_EXPERTS, renormalised=True)),
 )}
 
 
@@ -220,7 +254,8 @@ def tensors(cfg: TransformerConfig, family: Family) -> list[Tensor]:
     rows of the options it has on; with a `layer_pattern`, each layer row once per kind of its period."""
     if cfg.n_experts and family.experts is None:
         raise InputError(f"model.n_experts = {cfg.n_experts}: a {family.model_type} checkpoint holds no experts")
-    options = [*(QKV_BIASES if cfg.qkv_bias else ()), *(QK_NORMS if cfg.qk_norm else ())]
+    options = [*(QKV_BIASES if cfg.qkv_bias else ()), *(QK_NORMS if cfg.qk_norm else ()),
+               *(O_BIAS if cfg.o_bias else ()), *(SINKS if cfg.attn_sinks else ())]
     norms = LLAMA if not cfg.sandwich_norms else (*(t for t in LLAMA if t.path != ("blocks", "mlp_norm", "scale")),
                                                   *SANDWICH)
     rows = []
@@ -261,15 +296,19 @@ def config_from_hf(d: dict) -> TransformerConfig:
         max_seq_len=d.get("max_position_embeddings", 2048), tie_embeddings=bool(d.get("tie_word_embeddings", False)),
         rope_theta=float(theta), rope_scaling=scaling, norm_eps=float(d.get("rms_norm_eps", 1e-6)),
         head_dim=0 if d.get("head_dim") in (None, hidden // heads) else d["head_dim"],
-        qkv_bias=family.qkv_bias, qk_norm=family.qk_norm, mlp_activation=_activation(d),
-        **(_gemma_from_hf(d) if family.gemma else {}), **_layers_from_hf(d, family), **_experts_from_hf(d, family))
+        qkv_bias=family.qkv_bias, qk_norm=family.qk_norm, mlp_activation=_activation(d, family),
+        **(_gemma_from_hf(d) if family.gemma else {}), **(_gpt_oss_from_hf(d) if family.gpt_oss else {}),
+        **_layers_from_hf(d, family), **_experts_from_hf(d, family))
 
 
 # Hugging Face's names of the gated MLP's activations (`TransformerConfig.mlp_activation`)
 HF_ACTIVATIONS = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}
 
 
-def _activation(d: dict) -> str:
+def _activation(d: dict, family: Family | None = None) -> str:
+    """The gated unit: gpt-oss's clamped SwiGLU (its `hidden_act` is not read), else `hidden_act`'s."""
+    if family is not None and family.gpt_oss:
+        return "clamped_swiglu"
     name = d.get("hidden_activation") or d.get("hidden_act") or "silu"
     ours = {hf_name: name for name, hf_name in HF_ACTIVATIONS.items()}
     if name not in ours:
@@ -286,6 +325,12 @@ def _gemma_from_hf(d: dict) -> dict:
             "query_scale": 0.0 if scalar == head_size else float(scalar),
             "attn_softcap": float(d.get("attn_logit_softcapping") or 0.0),
             "logit_softcap": float(d.get("final_logit_softcapping") or 0.0)}
+
+
+def _gpt_oss_from_hf(d: dict) -> dict:
+    """gpt-oss's layer (`Family.gpt_oss`) as TransformerConfig fields; the SwiGLU's defaults are transformers'."""
+    return {"o_bias": True, "attn_sinks": True, "moe_bias": True,
+            "swiglu_alpha": float(d.get("swiglu_alpha", 1.702)), "swiglu_limit": float(d.get("swiglu_limit", 7.0))}
 
 
 def _global_rope(d: dict) -> dict:
@@ -310,7 +355,7 @@ def _layers_from_hf(d: dict, family: Family) -> dict:
     n = d["num_hidden_layers"]
     if family.windowed:
         return {"sliding_window": d.get("sliding_window") or 0}
-    window = (d.get("sliding_window") or 0) if family.gemma or d.get("use_sliding_window") else 0
+    window = (d.get("sliding_window") or 0) if family.gemma or family.gpt_oss or d.get("use_sliding_window") else 0
     types = d.get("layer_types") or _default_layer_types(d, family, window)
     if len(types) != n or not set(types) <= {"full_attention", "sliding_attention"}:
         raise InputError(f"config.json: layer_types = {json.dumps(types)} is not implemented: meshpar reads one of "
@@ -370,7 +415,7 @@ def _shared_from_hf(d: dict, experts: Experts) -> dict:
 
 def _refuse_what_is_not_implemented(d: dict, family: Family) -> None:
     wanted = "gelu_tanh" if family.gemma else "silu"
-    if _activation(d) != wanted:
+    if not family.gpt_oss and _activation(d) != wanted:  # gpt-oss's experts do not read hidden_act
         raise InputError(f"config.json: hidden_act = {HF_ACTIVATIONS[_activation(d)]!r} is not implemented for "
                          f"{family.model_type}: meshpar converts it with {HF_ACTIVATIONS[wanted]!r}")
     for key, value in family.fixed:
@@ -405,9 +450,8 @@ def _rope(d: dict) -> tuple[float, RopeScaling]:
         raise InputError(f"config.json: {key} = {json.dumps(d[key])}: rope_type '{kind}' is not implemented (meshpar "
                          f"scales rotary positions by {', '.join(_ROPE_KEYS)})")
     unknown = sorted(k for k, v in rope.items() if k not in _ROPE_KEYS[kind] and v is not None)
-    if unknown or rope.get("truncate", True) is not True or d.get("partial_rotary_factor", 1.0) != 1.0:
-        culprit = f"{key}.{unknown[0]}" if unknown else (f"{key}.truncate" if "truncate" in rope
-                                                         else "partial_rotary_factor")
+    if unknown or d.get("partial_rotary_factor", 1.0) != 1.0:
+        culprit = f"{key}.{unknown[0]}" if unknown else "partial_rotary_factor"
         raise InputError(f"config.json: {culprit} is not implemented for rope_type '{kind}'")
     original = rope.get("original_max_position_embeddings") or 0
     if kind == "default":
@@ -415,17 +459,19 @@ def _rope(d: dict) -> tuple[float, RopeScaling]:
     factor = rope.get("factor") or d.get("max_position_embeddings", 0) / max(original, 1)  # yarn may leave it out
     return theta, RopeScaling(kind, float(factor), int(original), float(rope.get("low_freq_factor", 1.0)),
                               float(rope.get("high_freq_factor", 4.0)), float(rope.get("beta_fast") or 32.0),
-                              float(rope.get("beta_slow") or 1.0), float(rope.get("attention_factor") or 0.0))
+                              float(rope.get("beta_slow") or 1.0), float(rope.get("attention_factor") or 0.0),
+                              rope.get("truncate", True) is not False)
 
 
 # ---------------------------------------------------------------------------------------------- writing
 
 def family_of(cfg: TransformerConfig, model_type: str | None = None) -> Family:
     """The family a checkpoint of `cfg` is written as: `model_type` if given, else the one its options
-    name (with experts: qk_norm qwen3_moe, shared experts qwen2_moe, else mixtral; without: qkv_bias qwen2,
+    name (with experts: sinks gpt_oss, qk_norm qwen3_moe, shared experts qwen2_moe, else mixtral; without: qkv_bias qwen2,
     qk_norm qwen3, sliding_window mistral, none llama); refused where the family cannot hold them."""
     if model_type is None and cfg.n_experts:
-        model_type = "qwen3_moe" if cfg.qk_norm else "qwen2_moe" if cfg.n_shared_experts else "mixtral"
+        model_type = ("gpt_oss" if cfg.attn_sinks else "qwen3_moe" if cfg.qk_norm else
+                      "qwen2_moe" if cfg.n_shared_experts else "mixtral")
     elif model_type is None:
         gemma = "gemma3_text" if cfg.qk_norm else "gemma2"
         model_type = (gemma if cfg.sandwich_norms else "qwen3" if cfg.qk_norm else "qwen2" if cfg.qkv_bias
@@ -449,9 +495,11 @@ def family_of(cfg: TransformerConfig, model_type: str | None = None) -> Family:
 
 
 def _refuse_a_layer_it_cannot_hold(cfg: TransformerConfig, family: Family) -> None:
-    """Gemma's layer (`Family.gemma`) in a Gemma family, Llama's elsewhere."""
+    """Gemma's layer (`Family.gemma`) in a Gemma family, gpt-oss's in gpt_oss, Llama's elsewhere."""
+    activation = "gelu_tanh" if family.gemma else "clamped_swiglu" if family.gpt_oss else "silu"
     wanted = {"norm_plus_one": family.gemma, "sandwich_norms": family.gemma, "embed_scale": family.gemma,
-              "mlp_activation": "gelu_tanh" if family.gemma else "silu"}
+              "mlp_activation": activation, "o_bias": family.gpt_oss, "attn_sinks": family.gpt_oss,
+              "moe_bias": family.gpt_oss}
     for field, value in wanted.items():
         if getattr(cfg, field) != value:
             raise InputError(f"model.{field} = {json.dumps(getattr(cfg, field))}: a {family.model_type} checkpoint "
@@ -512,7 +560,9 @@ def config_to_hf(cfg: TransformerConfig, model_type: str | None = None) -> dict:
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.d_model, "intermediate_size": cfg.d_ff,
         "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.head_size,
-        "max_position_embeddings": cfg.max_seq_len, "hidden_act": HF_ACTIVATIONS[cfg.mlp_activation],
+        "max_position_embeddings": cfg.max_seq_len,
+        # gpt-oss's config carries transformers' default, which its clamped SwiGLU does not read
+        "hidden_act": "silu" if family.gpt_oss else HF_ACTIVATIONS[cfg.mlp_activation],
         "rms_norm_eps": cfg.norm_eps,
         "tie_word_embeddings": cfg.tie_embeddings, **dict(family.fixed),
         **({"sliding_window": cfg.sliding_window or None} if family.windowed else {}),
@@ -521,6 +571,7 @@ def config_to_hf(cfg: TransformerConfig, model_type: str | None = None) -> dict:
         "rope_parameters": rope, "rope_theta": cfg.rope_theta,
         "rope_scaling": {"rope_type": rope["rope_type"], **scaling} if scaling else None,
         "dtype": "float32", "torch_dtype": "float32", **(_gemma_to_hf(cfg, family) if family.gemma else {}),
+        **({"swiglu_alpha": cfg.swiglu_alpha, "swiglu_limit": cfg.swiglu_limit} if family.gpt_oss else {}),
     }
 
 
@@ -531,7 +582,8 @@ def _rope_to_hf(theta: float, s: RopeScaling) -> dict:
                          "low_freq_factor": s.low_freq_factor, "high_freq_factor": s.high_freq_factor},
               "yarn": {"factor": s.factor, "original_max_position_embeddings": s.original_max_seq_len,
                        "beta_fast": s.beta_fast, "beta_slow": s.beta_slow,
-                       **({"attention_factor": s.attention_factor} if s.attention_factor else {})}}.get(s.kind, {})
+                       **({"attention_factor": s.attention_factor} if s.attention_factor else {}),
+                       **({} if s.truncate else {"truncate": False})}}.get(s.kind, {})
     return {"rope_type": "default" if s.kind == "none" else s.kind, "rope_theta": theta, **fields}
 
 
