@@ -7,7 +7,7 @@
         --set model.n_layers=8
 
 Each layout trains the same config for `--steps` steps (the first step is left out of the medians) and
-reports the median step time and tokens/s, the per-device argument bytes (parameters + optimizer
+reports the step's compile time, the median step time and tokens/s, the per-device argument bytes (parameters + optimizer
 state + batch) and temp bytes from XLA's `memory_analysis()`, and the collectives of one step
 (count × bytes per device, loop bodies counted once per iteration). On a machine with GPUs the
 layouts run on them (those that fit the GPU count); otherwise on fake CPU devices.
@@ -66,11 +66,11 @@ def _mb(n: int) -> str:
 
 
 def table(rows: list[dict]) -> str:
-    head = ["layout", "mesh", "step ms", "tokens/s", "args MiB", "temp MiB", "collectives (count×MiB)"]
+    head = ["layout", "mesh", "compile s", "step ms", "tokens/s", "args MiB", "temp MiB", "collectives (count×MiB)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
     for r in rows:
         coll = ", ".join(f"{SHORT[k]} {v['count']}×{_mb(v['bytes'])}" for k, v in r["collectives"].items()) or "–"
-        lines.append(f"| {r['layout']} | {r['mesh']} | {r['step_time_s_median'] * 1e3:.0f} | "
+        lines.append(f"| {r['layout']} | {r['mesh']} | {r['compile_s']:.1f} | {r['step_time_s_median'] * 1e3:.0f} | "
                      f"{r['tokens_per_s_median']:,.0f} | {_mb(r['memory_per_device']['arguments_bytes'])} | "
                      f"{_mb(r['memory_per_device']['temp_bytes'])} | {coll} |")
     return "\n".join(lines)

@@ -44,8 +44,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     to_hf.add_argument("--checkpoint", required=True, help="a parameters directory or a training checkpoint directory")
     to_hf.add_argument("--out", required=True, help="the Hugging Face directory to write")
     to_hf.add_argument("--family", help="the model_type to write: llama, mistral, qwen2, qwen3, gemma2, gemma3_text, "
-                                        "mixtral, qwen3_moe or qwen2_moe (default: the family imported from, else "
-                                        "the one the model's options name)")
+                                        "mixtral, qwen3_moe, qwen2_moe or gpt_oss (default: the family imported from, "
+                                        "else the one the model's options name)")
     for command in (from_hf, to_hf):
         command.add_argument("--mesh", help="axis sizes while converting, e.g. fsdp=2,model=4 (default: fsdp over "
                                             "all devices)")

@@ -1,12 +1,14 @@
 """Dotted overrides of nested frozen dataclasses: `apply(cfg, ["model.n_layers=4"])`.
 
-Values are parsed by the type of the field they replace (int, float, bool, str), so a typo fails at
-once with the field's name and the list of valid keys, not later inside a jitted step.
+Values are parsed by the type of the field they replace (int, float, bool, str; a JSON list for a tuple of
+records, `model.layer_pattern='[{"window": 4096}, {}]'`), so a typo fails at once with the field's name and
+the list of valid keys, not later inside a jitted step.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import typing
 from collections.abc import Iterable
 from typing import Any
@@ -38,6 +40,13 @@ def _parse(text: str, kind: type, key: str) -> Any:
             return kind(text)
         except ValueError:
             raise InputError(f"--set {key}={text}: expected {kind.__name__}") from None
+    record = typing.get_args(kind)[0] if typing.get_origin(kind) is tuple else None
+    if hasattr(record, "from_dict"):  # a tuple of records (model.layer_pattern's LayerKinds)
+        try:
+            return tuple(record.from_dict(fields) for fields in json.loads(text))
+        except (json.JSONDecodeError, TypeError, AttributeError) as err:
+            raise InputError(f"--set {key}={text}: expected a JSON list of {record.__name__} fields, e.g. "
+                             f"[{{\"window\": 4096}}, {{}}] ({err})") from None
     raise InputError(f"--set {key}: fields of type {kind} cannot be set from the command line")
 
 

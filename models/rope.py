@@ -8,8 +8,9 @@ scaling changes those frequencies once, at trace time, as the model family's con
   blend the two smoothly;
 - `yarn` (Qwen 2.5 long context, DeepSeek): per pair, a ramp between the interpolated frequency (/ factor)
   and the original one, set by how many turns the pair makes within original_max_seq_len (beta_fast and
-  beta_slow bound the ramp, its ends rounded out to whole pairs unless `truncate` is off); cosines and sines are multiplied by an attention factor (0.1·ln(factor) + 1
-  unless given), which scales every attention score by its square.
+  beta_slow bound the ramp, its ends rounded out to whole pairs unless `truncate` is off); cosines and sines
+  are multiplied by an attention factor (0.1·ln(factor) + 1 unless given), which scales every attention
+  score by its square.
 """
 
 from __future__ import annotations

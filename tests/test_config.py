@@ -11,7 +11,7 @@ from flax import nnx
 import configs
 from meshpar import config as config_lib
 from meshpar.mesh import MeshConfig
-from models.transformer import Transformer, TransformerConfig
+from models.transformer import LayerKind, Transformer, TransformerConfig
 
 PRESETS = ["llama_1b", "llama_70b", "llama_8b", "small", "tiny"]
 
@@ -106,6 +106,20 @@ def test_apply_wrong_type(tiny, item, message):
 def test_apply_surfaces_validation_errors(tiny, item, message):
     with pytest.raises(ValueError, match=message):
         config_lib.apply(tiny, [item])
+
+
+def test_a_layer_pattern_is_set_as_a_json_list(tiny):
+    """`--set model.layer_pattern=` takes a JSON list of LayerKind fields; a field it lacks is refused by name,
+    and the pattern is checked against the layers."""
+    cfg = config_lib.apply(tiny, ['model.layer_pattern=[{"window": 64}, {"rope_theta": 5e5}]'])
+    assert cfg.model.layer_pattern == (LayerKind(window=64), LayerKind(rope_theta=5e5))
+    assert config_lib.apply(cfg, ["model.layer_pattern=[]"]).model.layer_pattern == ()
+    with pytest.raises(ValueError, match=r"expected a JSON list of LayerKind fields.*unexpected keyword argument "
+                                         r"'windw'"):
+        config_lib.apply(tiny, ['model.layer_pattern=[{"windw": 64}]'])
+    with pytest.raises(ValueError, match=r"model.n_layers = 2 is not a whole number of model.layer_pattern's periods "
+                                         r"of 3 layers"):
+        config_lib.apply(tiny, ["model.layer_pattern=[{}, {}, {}]"])
 
 
 def test_apply_validates_the_overrides_together(tiny):

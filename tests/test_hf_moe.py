@@ -1,18 +1,21 @@
 """Hugging Face mixtures of experts ↔ meshpar: Mixtral (with a sliding window), Qwen3-MoE (q/k norms, its
 own head dim; its top-k probabilities renormalised or not), Qwen2-MoE (q/k/v biases, a shared expert gated
 per token) and gpt-oss (its layer: q/k/v/o biases, attention sinks, a biased router and experts, the clamped
-SwiGLU; alternating windows, YaRN; MXFP4 experts dequantised on import), `hf_reference.MOE_FAMILIES`. Imported weights give transformers' logits on one device and on an
-expert-parallel mesh (float32, relative 1e-5), greedy generation gives transformers' tokens, the checkpoint
-meshpar writes holds the tensors it read (the Hub's per-expert layout, which transformers' save_pretrained also
-writes) and loads into transformers as the same family; what meshpar's MoE cannot compute is refused by name.
-One step's loss and every gradient, the shared expert's and its gate's among them, are PyTorch's (Qwen2-MoE,
-relative 1e-5). Training step for step against PyTorch, the load-balancing loss included: test_hf_training.py.
+SwiGLU; alternating windows, YaRN; MXFP4 experts dequantised on import), `hf_reference.MOE_FAMILIES`.
+Imported weights give transformers' logits on one device and on an expert-parallel mesh (float32, relative
+1e-5), greedy generation gives transformers' tokens, the checkpoint meshpar writes holds the tensors it read
+(the Hub's per-expert layout, which transformers' save_pretrained also writes; gpt-oss's fused one) and loads
+into transformers as the same family; what meshpar's MoE cannot compute is refused by name. One step's loss
+and every gradient, the shared expert's and gpt-oss's sinks, biases and clamped experts among them, are
+PyTorch's (Qwen2-MoE, gpt-oss; relative 1e-5). Training step for step against PyTorch, the load-balancing
+loss included: test_hf_training.py.
 
 Measured here (max |meshpar − transformers| / max |transformers|), one device / expert=2,fsdp=2,model=2:
 mixtral 1.6e-6 / 1.9e-6, qwen3_moe 9.6e-7 / 8.4e-7, unnormalised 8.5e-7 / 8.9e-7, qwen2_moe 1.4e-6 / 1.1e-6,
-gpt_oss 2.1e-6 / 1.9e-6 (1.8e-6 on ring CP with TP; with MXFP4 experts 1.1e-6 on the expert mesh, its weights
-exactly transformers' dequantised ones); exports give transformers' logits exactly (0.0). Qwen2-MoE's gradients (expert=2,fsdp=2,model=2), tensor by
-tensor: at most 6.5e-6 (an expert's), 2.8e-6 of the shared expert and its gate; the loss within 2e-7."""
+gpt_oss 2.1e-6 / 1.9e-6 (1.8e-6 on ring CP with TP; with MXFP4 experts 1.1e-6 on the expert mesh, its
+weights exactly transformers' dequantised ones); exports give transformers' logits exactly (0.0). Gradients
+(expert=2,fsdp=2,model=2), tensor by tensor: Qwen2-MoE at most 6.5e-6 (an expert's), 2.7e-6 of the shared
+expert and its gate; gpt-oss at most 6.1e-6 (a layer's sinks); the losses within 2e-7."""
 
 import dataclasses
 import functools

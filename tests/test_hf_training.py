@@ -13,7 +13,8 @@ The mixtures of experts (`hf_reference.MOE_FAMILIES`: Mixtral, Qwen3-MoE, Qwen2-
 expert) train the same way with their load-balancing loss (router_aux_loss_coef 0.02 in all) on
 expert=2,fsdp=2,model=2, data=2,expert=4 and GPipe stage=2,expert=2: worst relative difference mixtral 2.2e-7 /
 1.9e-7 / 3.1e-7, qwen3_moe 2.3e-7 / 3.1e-7 / 3.5e-7, qwen2_moe 5.6e-7 / 2.6e-7 / 3.1e-7. Without the router loss's gradient (its value still added) the PyTorch loop is 3.6e-3
-(mixtral) and 5.2e-3 (qwen3_moe) away, so the comparison sees it.
+(mixtral) and 5.2e-3 (qwen3_moe) away, so the comparison sees it. gpt-oss (`GPT_OSS_SMOOTH`: why) on
+expert=2,fsdp=2,model=2 / sequence=2,expert=2 (ring) / stage=2,expert=2 (GPipe): 5.9e-7 / 7.3e-7 / 8.4e-7.
 
 Measured, worst relative difference over the 20 steps, on fsdp=2,model=2 / sequence=2 (ring) / stage=2
 (1F1B) / stage=2 (zero-bubble): llama 5.7e-7 / 2.8e-7 / 3.6e-7 / 3.7e-7, mistral 6.5e-7 / 4.4e-7 / 5.2e-7 /

@@ -403,6 +403,7 @@ def readme_table() -> dict[tuple[str, int], list[float]]:
     return rows
 
 
+@pytest.mark.slow  # 40 s of compiles: `make test-slow`
 def test_memory_is_flat_in_microbatches_and_the_bubble_is_the_formula():
     """P = 4 on stage=4,data=2, microbatches of ROWS rows (the batch grows with M), per device from the
     compiler: 1F1B's temp bytes, interleaved or not, within 15% from M = 8 to 32, where GPipe's and the

@@ -119,7 +119,8 @@ def resolve_kernel(kernel: str, S: int, platform: str, dtype=jnp.float32, head_d
 
 def block_attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, causal: Causal | None, *,
                     kernel: str = "auto", platform: str | None = None, needs_lse: bool = False,
-                    softcap: float | None = None, sinks_N: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None]:
+                    softcap: float | None = None,
+                    sinks_N: jax.Array | None = None) -> tuple[jax.Array, jax.Array | None]:
     """GQA attention of T queries over S keys: (out f32 [B, T, N, H], log-sum-exp f32 [B, T, N]).
 
     The log-sum-exp is None from the cuDNN kernel, which runs only where the caller does not need it

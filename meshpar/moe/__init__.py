@@ -5,5 +5,5 @@ from meshpar.moe.dispatch import (DOWN, DOWN_BIAS, GATE_UP, GATE_UP_BIAS, capaci
                                   swiglu)
 from meshpar.moe.routing import RouterStats, Routes, metrics, route
 
-__all__ = ["DOWN", "DOWN_BIAS", "GATE_UP", "GATE_UP_BIAS", "RouterStats", "Routes", "capacity", "experts_ffn", "metrics",
-           "route", "rows_per_shard", "swiglu"]
+__all__ = ["DOWN", "DOWN_BIAS", "GATE_UP", "GATE_UP_BIAS", "RouterStats", "Routes", "capacity", "experts_ffn",
+           "metrics", "route", "rows_per_shard", "swiglu"]

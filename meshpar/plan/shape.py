@@ -147,11 +147,11 @@ class Shape:
 
     def is_matmul(self, names: tuple[str | None, ...]) -> bool:
         """Whether a parameter with these logical axes takes part in a matmul: it maps `embed` to another
-        axis (a projection, the output head); not a norm scale, and not the embedding table unless it is
-        the output head too (tied)."""
+        axis (a projection, the output head); not a norm scale or a bias (an expert's [E, D] either), and not
+        the embedding table unless it is the output head too (tied)."""
         if names == ("vocab", "embed"):
             return not any(other == ("embed", "vocab") for *_, other in self.tensors)
-        return "embed" in names and len(names) - names.count("layers") > 1  # a router's [D, E] too
+        return "embed" in names and len([n for n in names if n not in ("layers", "experts")]) > 1  # a router's too
 
     @property
     def matmul_params(self) -> int:

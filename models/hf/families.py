@@ -28,7 +28,8 @@ fused tensors [E, in, out], the gate and up projections interleaved column by co
 
 Layers that differ (`layer_pattern`): qwen2, qwen3, the Gemmas and gpt-oss read `layer_types` (or, without it,
 transformers' rules: Qwen's layers from `max_window_layers` on slide where `use_sliding_window`, Gemma's and
-gpt-oss's all but every 2nd (Gemma 2, gpt-oss) or `sliding_window_pattern`-th (Gemma 3, 6)), each sliding layer with the one
+gpt-oss's all but every 2nd (Gemma 2, gpt-oss) or `sliding_window_pattern`-th (Gemma 3, 6)), each sliding layer
+with the one
 `sliding_window`; qwen3_moe and qwen2_moe read which layers have experts from `decoder_sparse_step` and
 `mlp_only_layers` (the others are dense, `intermediate_size` wide). The per-layer kinds become the shortest
 period that repeats over the layers; with one kind, the model-wide options. A pattern's period j holds layer
@@ -467,7 +468,8 @@ def _rope(d: dict) -> tuple[float, RopeScaling]:
 
 def family_of(cfg: TransformerConfig, model_type: str | None = None) -> Family:
     """The family a checkpoint of `cfg` is written as: `model_type` if given, else the one its options
-    name (with experts: sinks gpt_oss, qk_norm qwen3_moe, shared experts qwen2_moe, else mixtral; without: qkv_bias qwen2,
+    name (with experts: sinks gpt_oss, qk_norm qwen3_moe, shared experts qwen2_moe, else mixtral; without:
+    qkv_bias qwen2,
     qk_norm qwen3, sliding_window mistral, none llama); refused where the family cannot hold them."""
     if model_type is None and cfg.n_experts:
         model_type = ("gpt_oss" if cfg.attn_sinks else "qwen3_moe" if cfg.qk_norm else

@@ -13,7 +13,8 @@ import numpy as np
 from meshpar.errors import InputError
 
 # The 16 values of an E2M1 code: sign bit, 2 exponent bits, 1 mantissa bit
-FP4_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
+FP4_E2M1 = np.array([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
+                     -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0], np.float32)
 BLOCK = 32  # elements per scale
 SUFFIXES = ("_blocks", "_scales")
 
