@@ -103,6 +103,7 @@ def test_imported_logits_match_transformers(moe, spec):
                 variable.set_value(saved)
 
 
+@pytest.mark.slow  # the mesh logits beyond the expert mesh: `make test-slow`, as test_hf.py's
 def test_gpt_oss_logits_under_ring_attention_with_tensor_parallelism(tmp_path):
     """gpt-oss's sinks in ring context parallelism (zigzag, its diagonal block), its heads and sinks split over
     `model`: transformers' logits within 1e-5."""

@@ -47,7 +47,7 @@ def moments_and_weights(lay: MeshRun) -> tuple[float, float]:
     ("data=8", "optimizer"),
     ("data=2,fsdp=2,model=2", "optimizer"),
     ("fsdp=8", "optimizer+params"),
-    ("stage=2,fsdp=2,model=2", "optimizer+params"),
+    pytest.param("stage=2,fsdp=2,model=2", "optimizer+params", marks=pytest.mark.slow),  # 15 s: `make test-slow`
 ])
 def test_same_losses_and_the_offloaded_bytes_leave_the_devices(spec, offload):
     assert np.max(np.abs(np.subtract(losses(spec, offload), losses(spec)))) <= 1e-6

@@ -229,6 +229,7 @@ def test_stack_at_rest_holds_each_stage_groups_chunks():
         order.to_rest(c.state, c.mesh, 8)
 
 
+@pytest.mark.slow  # 18 s: `make test-slow`
 def test_checkpoints_hold_layer_order(tmp_path):
     """A run with R = 2 saves its layers in order: it resumes on one device and back again, with the losses
     of a run that was never interrupted (init, save and restore convert the order at rest)."""

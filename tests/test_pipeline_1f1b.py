@@ -348,6 +348,7 @@ def test_interleaved_in_bfloat16_holds_bfloat16_and_matches_one_device(kind):
     assert max_relative_error(grads, ref_grads) < 4e-2
 
 
+@pytest.mark.slow  # 35 s of compiles: `make test-slow`
 @pytest.mark.parametrize("kind", ["1f1b", "zero_bubble"])
 def test_interleaved_with_the_optimizer_in_host_memory_trains_as_on_the_devices(kind):
     """Interleaved 1F1B (R = 2), and zero-bubble, with `parallel.offload=optimizer`: the update streams the

@@ -85,6 +85,7 @@ def test_schedules_equal_one_device_pooling_each_microbatch(kind, R, M, spec, se
     assert max_relative_error(whole_grads, ref_grads) > 100 * TOLERANCE
 
 
+@pytest.mark.slow  # 20 s of compiles: `make test-slow`
 def test_training_step_with_accumulation_reports_the_pools():
     """Interleaved 1F1B through the training step, `router_loss_scope` left to `auto` (microbatch under 1F1B),
     two accumulation microbatches around it: the loss and gradients of the reference with its pools (the

@@ -26,7 +26,7 @@ def leaf_names(w, leaves) -> list[str]:
     return [paths[i].split("'")[1] for i in leaves]
 
 
-@pytest.mark.parametrize("cfg", [MODEL, MOE], ids=["dense", "moe"])
+@pytest.mark.parametrize("cfg", [MODEL, pytest.param(MOE, marks=pytest.mark.slow)], ids=["dense", "moe"])
 def test_the_three_parts_compute_the_vjp(cfg):
     with nnx.use_eager_sharding(False):
         graphdef, w = nnx.split(Block(cfg, jnp.float32, nnx.Rngs(0)))
