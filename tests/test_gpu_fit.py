@@ -169,7 +169,6 @@ HELD_OUT = {
     "qwen3-moe zero-bubble stage=4×expert=8×data=2, T=4k": ("qwen3_30b_a3b", 64, *MOE_PIPELINE,
                                                             "parallel.pipeline_schedule=zero_bubble"),
     "gemma3-12b fsdp=8, T=8k (a layer pattern)": GEMMA3,
-    "gpt-oss-20b fsdp=8, capacity 1.25, remat full, T=8k": (*GPT_OSS[:5], "train.remat=full"),
 }
 MISSES = {
     "8b ZeRO-2": (("llama_8b", 8, "fsdp=8", "train.global_batch=8", "parallel.zero_stage=2", "train.remat=full"), -0.139),
