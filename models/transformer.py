@@ -189,7 +189,7 @@ def _clamped_swiglu(gate, up, alpha: float, limit: float):
 
 # The gated MLP's units, (gate, up) → hidden: SwiGLU's, GeGLU's (GELU's tanh approximation, PyTorch's
 # gelu_pytorch_tanh), gpt-oss's clamped SwiGLU (`gated_unit` gives it its config)
-ACTIVATIONS = {"silu": lambda gate, up: jax.nn.silu(gate) * up,
+ACTIVATIONS = {"silu": moe.swiglu,
                "gelu_tanh": lambda gate, up: jax.nn.gelu(gate, approximate=True) * up,
                "clamped_swiglu": _clamped_swiglu}
 

@@ -192,13 +192,11 @@ def _local(x_btD, experts_btk, weights_btk, w_gate_EDF, w_up_EDF, w_down_EFD, bi
         sizes_E = jnp.zeros((El + 1,), jnp.int32).at[local_I].add(1)[:El]
         x_ID = recv_xrD.reshape(ep * r, D)[arrival_I]
         gate, up = (grouped_matmul(x_ID, w, sizes_E, vmapped) for w in (w_gate_EDF, w_up_EDF))
-        # each row's expert (the unfilled rows past the groups take the last one: never read back)
-        row_expert = lambda b_EX: b_EX[jnp.minimum(jnp.searchsorted(jnp.cumsum(sizes_E), jnp.arange(ep * r),
-                                                                    side="right"), El - 1)]
-        if biases:
-            gate, up = gate + row_expert(gate_bias_EF), up + row_expert(up_bias_EF)
+        if biases:  # each row's expert (the unfilled rows past the groups take the last one: never read back)
+            expert_I = jnp.minimum(jnp.searchsorted(jnp.cumsum(sizes_E), jnp.arange(ep * r), side="right"), El - 1)
+            gate, up = gate + gate_bias_EF[expert_I], up + up_bias_EF[expert_I]
         y_ID = grouped_matmul(gated(gate, up), w_down_EFD, sizes_E, vmapped)
-        y_ID = y_ID + row_expert(down_bias_ED) if biases else y_ID
+        y_ID = y_ID + down_bias_ED[expert_I] if biases else y_ID
         y_xrD = jnp.zeros_like(y_ID).at[arrival_I].set(y_ID).reshape(ep, r, D)
     back_xrD = swap(y_xrD)
     y_QD = back_xrD.at[shard_Q, row_Q].get(mode="fill", fill_value=0)

@@ -306,10 +306,15 @@ def config_from_hf(d: dict) -> TransformerConfig:
 HF_ACTIVATIONS = {"silu": "silu", "gelu_tanh": "gelu_pytorch_tanh"}
 
 
-def _activation(d: dict, family: Family | None = None) -> str:
-    """The gated unit: gpt-oss's clamped SwiGLU (its `hidden_act` is not read), else `hidden_act`'s."""
-    if family is not None and family.gpt_oss:
-        return "clamped_swiglu"
+def _gated_unit(family: Family) -> str:
+    """The gated unit (`TransformerConfig.mlp_activation`) a family's checkpoints compute."""
+    return "gelu_tanh" if family.gemma else "clamped_swiglu" if family.gpt_oss else "silu"
+
+
+def _activation(d: dict, family: Family) -> str:
+    """The gated unit of a config.json: gpt-oss's own (its `hidden_act` is not read), else `hidden_act`'s."""
+    if family.gpt_oss:
+        return _gated_unit(family)
     name = d.get("hidden_activation") or d.get("hidden_act") or "silu"
     ours = {hf_name: name for name, hf_name in HF_ACTIVATIONS.items()}
     if name not in ours:
@@ -415,9 +420,9 @@ def _shared_from_hf(d: dict, experts: Experts) -> dict:
 
 
 def _refuse_what_is_not_implemented(d: dict, family: Family) -> None:
-    wanted = "gelu_tanh" if family.gemma else "silu"
-    if not family.gpt_oss and _activation(d) != wanted:  # gpt-oss's experts do not read hidden_act
-        raise InputError(f"config.json: hidden_act = {HF_ACTIVATIONS[_activation(d)]!r} is not implemented for "
+    wanted = _gated_unit(family)
+    if (activation := _activation(d, family)) != wanted:
+        raise InputError(f"config.json: hidden_act = {HF_ACTIVATIONS[activation]!r} is not implemented for "
                          f"{family.model_type}: meshpar converts it with {HF_ACTIVATIONS[wanted]!r}")
     for key, value in family.fixed:
         if d.get(key) is not None and d[key] != value:  # null: transformers' default, which is `value`
@@ -498,9 +503,8 @@ def family_of(cfg: TransformerConfig, model_type: str | None = None) -> Family:
 
 def _refuse_a_layer_it_cannot_hold(cfg: TransformerConfig, family: Family) -> None:
     """Gemma's layer (`Family.gemma`) in a Gemma family, gpt-oss's in gpt_oss, Llama's elsewhere."""
-    activation = "gelu_tanh" if family.gemma else "clamped_swiglu" if family.gpt_oss else "silu"
     wanted = {"norm_plus_one": family.gemma, "sandwich_norms": family.gemma, "embed_scale": family.gemma,
-              "mlp_activation": activation, "o_bias": family.gpt_oss, "attn_sinks": family.gpt_oss,
+              "mlp_activation": _gated_unit(family), "o_bias": family.gpt_oss, "attn_sinks": family.gpt_oss,
               "moe_bias": family.gpt_oss}
     for field, value in wanted.items():
         if getattr(cfg, field) != value:
