@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 import configs
-from meshpar import config as config_lib, mesh as mesh_lib, plan, remat as remat_lib, rules as rules_lib
+from meshpar import config as config_lib, lora, mesh as mesh_lib, plan, remat as remat_lib, rules as rules_lib
 from meshpar.attention import kernels
 from meshpar.compiler import fit, gpu
 from meshpar.errors import InputError
@@ -37,11 +37,31 @@ def configure(name: str, mesh_text: str | None, overrides: list[str], hardware: 
 
         if changed := [o for o in overrides if o.startswith("model.")]:
             raise InputError(f"--init-from {init_from} sets the model; {', '.join(changed)} cannot change it")
-        cfg = dataclasses.replace(cfg, model=TransformerConfig.from_dict(weights.saved_config(init_from)[0]["model"]))
+        saved = weights.saved_config(init_from)[0]
+        cfg = dataclasses.replace(cfg, model=TransformerConfig.from_dict(saved["model"]))
+        cfg = _adapters_of(cfg, weights.train_config(saved).lora, init_from, overrides)
     if mesh_text == "auto":
         cfg = auto_layout(cfg, hardware, cluster=cluster)
     mesh = mesh_lib.build(cfg.mesh, gpu.devices(cluster) if cluster else None)
     return cfg, mesh, rules_lib.make(cfg.parallel), cfg.model_factory()
+
+
+def _adapters_of(cfg: configs.Config, source: lora.LoraConfig | None, init_from: str,
+                 overrides: list[str]) -> configs.Config:
+    """`cfg` training the LoRA adapters `init_from` holds (`source`): their settings, unless `--set` gives LoRA
+    settings of its own (train.lora_rank=0: the adapters merged in, every weight trained)."""
+    if source is None:
+        return cfg
+    if not any(o.startswith("train.lora_") for o in overrides):
+        return config_lib.apply(cfg, [f"train.lora_rank={source.rank}", f"train.lora_alpha={source.alpha}",
+                                      f"train.lora_targets={','.join(source.targets)}",
+                                      f"train.lora_rslora={source.rslora}"])
+    if cfg.train.lora not in (None, source):
+        raise InputError(f"--init-from {init_from} holds LoRA adapters of rank {source.rank} on "
+                         f"{','.join(source.targets)} (alpha {source.alpha}): train.lora_* cannot make them others; "
+                         f"leave them out to train these, or set train.lora_rank=0 to merge them and train every "
+                         f"weight")
+    return cfg
 
 
 def shape(cfg: configs.Config) -> plan.Shape:

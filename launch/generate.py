@@ -3,12 +3,14 @@
     python -m launch.generate --checkpoint runs/ckpt --prompt "def main(" --max-new-tokens 64
     python -m launch.generate --checkpoint runs/llama --tokenizer tokenizer.json --prompt "Once upon" \
         --temperature 0.8 --top-k 50 --top-p 0.95 --seed 1 --mesh fsdp=2,model=4 --cpu-devices 8 --json
+    python -m launch.generate --checkpoint runs/lora --prompt "def main(" --merge-lora
 
 Greedy unless --temperature > 0. Without --tokenizer, text is bytes (the built-in corpus's tokens: ids
 0..255 are the UTF-8 bytes). With --tokenizer (a model directory's tokenizer.json, `launch.tokenizer`), the
 prompt is encoded as transformers' tokenizer encodes it (with the family's BOS, if it has one), generation
 stops at the first EOS (an id of generation_config.json's eos_token_id, else the tokenizer's EOS:
-tokenizer_config.json's eos_token) and the text is printed without special tokens. `--json` prints
+tokenizer_config.json's eos_token) and the text is printed without special tokens. A LoRA run's checkpoint
+(or an adapters directory) runs with its adapters beside the base, or with `--merge-lora` folded into it. `--json` prints
 {"ids": [...], "text": ...}: the new tokens, the EOS included.
 """
 
@@ -39,6 +41,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                   "devices)")
     p.add_argument("--cpu-devices", type=int, help="run on this many fake CPU devices")
     p.add_argument("--json", action="store_true", help='print {"ids": [...], "text": ...}')
+    p.add_argument("--merge-lora", action="store_true", help="fold LoRA adapters into the weights first")
     return p.parse_args(argv)
 
 
@@ -81,8 +84,8 @@ def main(argv: list[str] | None = None) -> None:
         sampling = generate.Sampling(args.temperature, args.top_k, args.top_p, args.seed)
         mesh = mesh_lib.build(mesh_lib.parse(args.mesh) if args.mesh else mesh_lib.MeshConfig(fsdp=-1))
         rules = rules_lib.make()
-        cfg, params = weights.load(args.checkpoint, mesh, rules)
-        graphdef, _ = Transformer.abstract(cfg)
+        cfg, params, adapters = weights.load(args.checkpoint, mesh, rules, merge_lora=args.merge_lora)
+        graphdef, _ = Transformer.abstract(cfg, adapters)
         new = generate.generate(nnx.merge(graphdef, params), [ids], args.max_new_tokens, mesh, rules, sampling,
                                 codec.stop_ids)
     except InputError as err:

@@ -28,7 +28,8 @@ temporary name and renamed when complete. `text`: text files as above, every tok
 ending with EOS. `jsonl` / `parquet`: records read from local files with Hugging Face `datasets`, each a
 document (`launch.records`): plain text, a prompt and its response (only the response and its EOS are
 trained on), or a chat rendered with the tokenizer's chat template (only the assistant's turns are trained
-on; `--train-on all` trains on every token). At the end it prints the documents, tokens and trained tokens,
+on; `--train-on all` trains on every token), or a preference pair for DPO (`prompt`, `chosen`, `rejected`: two
+documents, only the responses trained on; train with `data.packing=pairs`). At the end it prints the documents, tokens and trained tokens,
 and with `--seq-len N` the rows and padding of each packer at that sequence length.
 """
 
@@ -71,6 +72,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompt-field", help="the records' prompt field (default: prompt)")
     p.add_argument("--response-field", help="the records' response field (default: response)")
     p.add_argument("--messages-field", help="the records' chat messages field (default: messages)")
+    p.add_argument("--chosen-field", help="preference records' chosen response field (default: chosen)")
+    p.add_argument("--rejected-field", help="preference records' rejected response field (default: rejected)")
     p.add_argument("--train-on", choices=("assistant", "all"), default="assistant",
                    help="which tokens of prompt/response and chat records are targets (default: the response "
                         "and the assistant's turns)")
@@ -194,18 +197,23 @@ def read_records(files: list[Path], format: str) -> Iterator[dict]:
         raise InputError(f"--input {', '.join(names)}: cannot read it as {format} ({err})") from None
 
 
-def record_documents(tokenizer: HFTokenizer, args: argparse.Namespace, files: list[Path],
-                     eos: int | None) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-    """Each record as (ids, weights), of the kind its fields say (`launch.records`)."""
+def record_fields(args: argparse.Namespace, files: list[Path]) -> records.Fields:
+    """What kind the records are (`launch.records.detect`), from the first one."""
+    first = next(read_records(files, args.format), None)
+    if first is None:
+        raise InputError(f"--input {args.input}: no records")
+    return records.detect(first, str(args.input), args.text_field, args.prompt_field, args.response_field,
+                          args.messages_field, args.chosen_field, args.rejected_field)
+
+
+def record_documents(tokenizer: HFTokenizer, args: argparse.Namespace, files: list[Path], eos: int | None,
+                     fields: records.Fields) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """Each record as (ids, weights), of the kind `fields` says (`launch.records`); a preference record as two."""
     source = str(args.input)
     stream = read_records(files, args.format)
-    first = next(stream, None)
-    if first is None:
-        raise InputError(f"--input {source}: no records")
-    fields = records.detect(first, source, args.text_field, args.prompt_field, args.response_field,
-                            args.messages_field)
+    first = next(stream)
     template = None
-    if fields.kind == "chat":
+    if fields.kind == "chat" or fields.kind == "preference" and not isinstance(first[fields.prompt], str):
         from launch import chat_template  # jinja2, only for chats
 
         template = chat_template.load(tokenizer, args.tokenizer)
@@ -252,7 +260,8 @@ def write_directory(documents: Iterable[tuple[np.ndarray, np.ndarray]], out: Pat
 
 def packing_summary(documents: np.ndarray, seq_len: int) -> list[str]:
     """For each packer, the rows of seq_len + 1 tokens it makes of `documents` and the share that is padding."""
-    plans = {packing: plan_rows(packing, documents, seq_len + 1, seed=0, epoch=0) for packing in PACKINGS[1:]}
+    plans = {packing: plan_rows(packing, documents, seq_len + 1, seed=0, epoch=0) for packing in PACKINGS[1:]
+             if packing != "pairs" or (len(documents) - 1) % 2 == 0}
     return [f"data.packing={packing}: {plan.num_rows:,} rows of seq_len + 1 = {seq_len + 1} tokens, "
             f"{plan.padding_fraction():.2%} padding" for packing, plan in plans.items()]
 
@@ -268,11 +277,13 @@ def main(argv: list[str] | None = None) -> None:
             documents, dtype = prepare(tokenizer, files, Path(args.out), eos)
             weighted = int(documents[-1])
         else:
-            stream = (text_documents(tokenizer, files, eos) if args.format == "text"
-                      else record_documents(tokenizer, args, files, eos))
+            fields = None if args.format == "text" else record_fields(args, files)
+            stream = (text_documents(tokenizer, files, eos) if fields is None
+                      else record_documents(tokenizer, args, files, eos, fields))
             total = len(files) if args.format == "text" else None  # records are counted as they stream in
+            pairs = fields is not None and fields.kind == "preference"  # documents two by two: data.packing=pairs
             documents, info = write_directory(stream, Path(args.out), vocab, total, tokenizer=str(args.tokenizer),
-                                              format=args.format, train_on=args.train_on)
+                                              format=args.format, train_on=args.train_on, pairs=pairs)
             dtype, weighted = np.dtype(info["token_dtype"]), info["weighted_tokens"]
         summary = packing_summary(documents, args.seq_len) if args.seq_len else []
     except InputError as err:
@@ -291,8 +302,10 @@ def main(argv: list[str] | None = None) -> None:
         print(f"train on it: --set data.source=bin --set data.path={args.out} --set data.token_dtype={dtype.name} "
               f"--set model.vocab_size={vocab}")
     else:
+        packing = "--set data.packing=pairs --set train.objective=dpo" if info.get("pairs") else \
+            "[--set data.packing=best_fit]"
         print(f"train on it: --set data.source=prepared --set data.path={args.out} --set model.vocab_size={vocab} "
-              f"[--set data.packing=best_fit]")
+              f"{packing}")
 
 
 if __name__ == "__main__":

@@ -6,12 +6,18 @@ A record is one of three kinds, told apart by its fields (named by flags, else f
   without, then EOS; the prompt's tokens weight 0, the response's and the EOS 1;
 - chat (`{"messages": [{"role": ..., "content": ...}, ...]}`): the conversation rendered by the chat
   template (`launch.chat_template`), whose special tokens are its own; the assistant's turns weight 1, the
-  rest 0.
-With `train_on="all"`, every token weighs 1.
+  rest 0;
+- preference (`{"prompt": ..., "chosen": ..., "rejected": ...}`, for DPO): two documents, the prompt with
+  the chosen response, then with the rejected one, each weighed as a prompt/response record (only the
+  response and its EOS count); in TRL's conversational form the prompt is a list of messages and each
+  response a list of the assistant's, rendered by the chat template, only the responses' assistant turns
+  weighing 1. `data.packing=pairs` keeps the two documents together.
+With `train_on="all"`, every token weighs 1 (not for preferences: DPO compares the responses).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -23,7 +29,7 @@ from meshpar.errors import InputError
 if TYPE_CHECKING:  # jinja2 is needed only where there are chats
     from launch.chat_template import ChatTemplate
 
-KINDS = ("text", "prompt", "chat")
+KINDS = ("text", "prompt", "chat", "preference")
 
 
 @dataclass(frozen=True)
@@ -35,16 +41,23 @@ class Fields:
     prompt: str = "prompt"
     response: str = "response"
     messages: str = "messages"
+    chosen: str = "chosen"
+    rejected: str = "rejected"
 
     def names(self) -> tuple[str, ...]:
-        return {"text": (self.text,), "prompt": (self.prompt, self.response), "chat": (self.messages,)}[self.kind]
+        return {"text": (self.text,), "prompt": (self.prompt, self.response), "chat": (self.messages,),
+                "preference": (self.prompt, self.chosen, self.rejected)}[self.kind]
 
 
 def detect(record: dict, source: str, text: str | None = None, prompt: str | None = None,
-           response: str | None = None, messages: str | None = None) -> Fields:
+           response: str | None = None, messages: str | None = None, chosen: str | None = None,
+           rejected: str | None = None) -> Fields:
     """The kind of records like `record`: from the field names given, else from the usual names among its fields."""
     present = _fields(record)
-    if messages or "messages" in present and not (text or prompt or response):
+    if chosen or rejected or {"chosen", "rejected"} <= present and not (text or response or messages):
+        fields = Fields("preference", prompt=prompt or "prompt", chosen=chosen or "chosen",
+                        rejected=rejected or "rejected")
+    elif messages or "messages" in present and not (text or prompt or response):
         fields = Fields("chat", messages=messages or "messages")
     elif prompt or response or not text and {"prompt", "response"} <= present:
         fields = Fields("prompt", prompt=prompt or "prompt", response=response or "response")
@@ -52,8 +65,9 @@ def detect(record: dict, source: str, text: str | None = None, prompt: str | Non
         fields = Fields("text", text=text or "text")
     else:
         raise InputError(f"{source}: cannot tell what the records hold from the first one's keys "
-                         f"{sorted(present)}: expected text, prompt and response, or messages; name the fields "
-                         f"with --text-field, --prompt-field and --response-field, or --messages-field")
+                         f"{sorted(present)}: expected text, prompt and response, messages, or prompt, chosen and "
+                         f"rejected; name the fields with --text-field, --prompt-field and --response-field, "
+                         f"--messages-field, or --chosen-field and --rejected-field")
     check(record, fields, source, 0)
     return fields
 
@@ -64,12 +78,14 @@ def check(record: dict, fields: Fields, source: str, index: int) -> None:
         if record.get(name) is None:
             raise InputError(f"{source}: record {index} has no field {name!r} ({fields.kind} records); its fields: "
                              f"{sorted(_fields(record))}")
-    if fields.kind == "chat":
-        messages = record[fields.messages]
-        if not isinstance(messages, list) or not all(isinstance(m, dict) and {"role", "content"} <= m.keys()
-                                                     for m in messages):
-            raise InputError(f"{source}: record {index}: {fields.messages!r} must be a list of "
-                             f'{{"role": ..., "content": ...}}, got {str(messages)[:200]}')
+    conversational = fields.kind == "chat" or fields.kind == "preference" and not isinstance(record[fields.prompt], str)
+    if conversational:
+        for name in fields.names():
+            messages = record[name]
+            if not isinstance(messages, list) or not all(isinstance(m, dict) and {"role", "content"} <= m.keys()
+                                                         for m in messages):
+                raise InputError(f"{source}: record {index}: {name!r} must be a list of "
+                                 f'{{"role": ..., "content": ...}}, got {str(messages)[:200]}')
     elif not all(isinstance(record[name], str) for name in fields.names()):
         raise InputError(f"{source}: record {index}: {', '.join(map(repr, fields.names()))} must be text, got "
                          f"{', '.join(type(record[name]).__name__ for name in fields.names())}")
@@ -97,7 +113,23 @@ class Encoder:
             return [(ids, np.ones(len(ids), np.uint8)) for ids in texts]
         if self.fields.kind == "prompt":
             return self._prompt_response(records)
+        if self.fields.kind == "preference":
+            return self._pairs(records)
         return self._chat(records)
+
+    def _pairs(self, records: list[dict]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Each record's (prompt + chosen, prompt + rejected) documents in turn, the responses alone weighing 1."""
+        f, sides = self.fields, (self.fields.chosen, self.fields.rejected)
+        texts = [isinstance(r[f.prompt], str) for r in records]
+        if any(texts) and not all(texts):
+            raise InputError("preference records: some prompts are text and some chats; prepare them apart")
+        responses_only = dataclasses.replace(self, train_on="assistant")
+        if all(texts):
+            pairs = [{"prompt": r[f.prompt], "response": r[side]} for r in records for side in sides]
+            return dataclasses.replace(responses_only, fields=Fields("prompt"))._prompt_response(pairs)
+        pairs = [{"messages": [*r[f.prompt], *r[side]], "prompt_turns": len(r[f.prompt])}
+                 for r in records for side in sides]
+        return dataclasses.replace(responses_only, fields=Fields("chat"))._chat(pairs)
 
     def _with_eos(self, ids: list[int]) -> np.ndarray:
         ends = self.eos is None or (ids and ids[-1] == self.eos)  # a tokenizer that ends every text with it
@@ -116,7 +148,10 @@ class Encoder:
         return documents
 
     def _chat(self, records: list[dict]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Chats; a record's `prompt_turns` first messages are a preference pair's prompt, whose assistant
+        turns weigh 0."""
         rendered = [self.template.assistant_spans(r[self.fields.messages]) for r in records]
+        rendered = [(text, spans[_assistant_turns(r):]) for (text, spans), r in zip(rendered, records)]
         # The template writes the special tokens itself, as transformers' apply_chat_template(tokenize=True).
         encodings = self.tokenizer.backend.encode_batch([text for text, _ in rendered], add_special_tokens=False)
         documents = []
@@ -127,3 +162,8 @@ class Encoder:
                 weights[(starts >= lo) & (starts < hi)] = 1
             documents.append((np.asarray(encoding.ids, np.int64), weights))
         return documents
+
+
+def _assistant_turns(record: dict) -> int:
+    """How many assistant turns open a record without weighing: a preference pair's prompt's."""
+    return sum(m["role"] == "assistant" for m in record.get("messages", [])[:record.get("prompt_turns", 0)])

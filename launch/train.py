@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
+from pathlib import Path
 
 from meshpar import signals
 from meshpar.errors import InputError
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.init_from:
             from launch import weights
 
-            init_params = weights.load(args.init_from, mesh, rules)[1]
+            init_params = weights.load(args.init_from, mesh, rules, merge_lora=cfg.train.lora is None).params
         profile = parse_profile_steps(args.profile_steps) if args.profile_steps else None
         peak, source = mfu.device_peak(2 if cfg.train.compute_dtype == "bfloat16" else 4, args.peak_tflops)
         throughput = Throughput(flops_per_token(cfg), peak) if peak else None
@@ -110,7 +111,9 @@ def main(argv: list[str] | None = None) -> None:
             print(f"MFU against {peak / 1e12:,.3g} TFLOP/s per device ({source})" if peak else f"no MFU: {source}",
                   flush=True)
         outputs = Outputs(args.metrics_file, args.report, args.tensorboard_dir, profile, args.profile_dir)
-        checkpoints = Checkpoints(args.checkpoint_dir, cfg.checkpoint, dataclasses.asdict(cfg),
+        # where the run began: a LoRA run's checkpoints hold no base, and name this instead (launch.weights)
+        began = str(Path(args.init_from).absolute()) if args.init_from else None
+        checkpoints = Checkpoints(args.checkpoint_dir, cfg.checkpoint, {**dataclasses.asdict(cfg), "init_from": began},
                                   args.allow_config_change)
         result = run(make_model, cfg.train, cfg.data, mesh, rules, outputs=outputs, checkpoints=checkpoints,
                      throughput=throughput, init_params=init_params, stopping=Stopping(exit_after_s=args.exit_after_s))

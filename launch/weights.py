@@ -1,24 +1,37 @@
-"""A model's config and parameters from a directory, laid out on a mesh: for generation and export.
+"""A model's config and parameters from a directory, laid out on a mesh: for generation, export and new runs.
 
-Two kinds of directory hold them, and `load` reads either:
-- a training checkpoint (`launch.train --checkpoint-dir`): the latest step's whole training state, of
-  which the parameters are kept (the optimizer state is read too, since orbax restores the saved tree);
-- a parameters directory (`meshpar.checkpoint.export_params`, `launch.convert from-hf`).
-Both keep the run's config in their metadata; its `model` section rebuilds the model.
+Three kinds of directory hold them, and `load` reads any:
+- a training checkpoint (`launch.train --checkpoint-dir`): the latest step's training state, of which the
+  model's parameters are kept (the optimizer state is read too, since orbax restores the saved tree);
+- a parameters directory (`meshpar.checkpoint.export_params`, `launch.convert from-hf`);
+- a LoRA adapters directory (`launch.convert from-peft`).
+All keep the run's config in their metadata; its `model` section rebuilds the model. A LoRA run's checkpoint
+and an adapters directory hold the adapters alone (`meshpar.lora`); their base comes from the directory
+their config names (`init_from`: the run's `--init-from`, the adapters' base), else, for a run that started
+from random weights, from its seed.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
+from typing import NamedTuple
 
+import jax
 import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import Mesh
 
-from meshpar import checkpoint, sharding, train
+from meshpar import checkpoint, frozen, lora, sharding, train
 from meshpar.errors import InputError
 from meshpar.rules import Rules
 from models.transformer import Transformer, TransformerConfig
+
+
+class Weights(NamedTuple):
+    model: TransformerConfig
+    params: nnx.State  # nnx.Params in layer order on the mesh; with `lora`, the base's and the adapters'
+    lora: lora.LoraConfig | None  # the adapters' settings (None: a plain model, or adapters merged in)
 
 
 def saved_config(directory: str | Path) -> tuple[dict, bool]:
@@ -36,17 +49,71 @@ def saved_config(directory: str | Path) -> tuple[dict, bool]:
     return meta["config"], (path / str(step) / "state").is_dir()
 
 
-def load(directory: str | Path, mesh: Mesh, rules: Rules) -> tuple[TransformerConfig, nnx.State]:
-    """The model config and its parameters (float32) from `directory`, sharded on `mesh` by `rules`."""
+def source(directory: str | Path) -> dict:
+    """Where a directory's weights came from (`launch.convert from-hf`'s `source`: hf_dir, model_type), through
+    the bases its adapters or its run began from; {} where none says."""
+    config = saved_config(directory)[0]
+    if "source" in config or not config.get("init_from"):
+        return config.get("source", {})
+    return source(config["init_from"])
+
+
+def train_config(config: dict) -> train.TrainConfig:
+    """The `train` section of a saved config (settings it lacks take their defaults)."""
+    known = {f.name for f in dataclasses.fields(train.TrainConfig)}
+    return train.TrainConfig(**{k: v for k, v in config.get("train", {}).items() if k in known})
+
+
+def model_factory(cfg: TransformerConfig, adapters: lora.LoraConfig | None):
+    """The model a run of `adapters` trains: with them, on a frozen float32 base."""
+    make = Transformer.factory(cfg, adapters=adapters)
+    return make if adapters is None else lora.on_frozen_base(make, train.COMPUTE_DTYPES["float32"])
+
+
+def load(directory: str | Path, mesh: Mesh, rules: Rules, merge_lora: bool = False) -> Weights:
+    """The model config and its parameters (float32) from `directory`, sharded on `mesh` by `rules`; with
+    `merge_lora`, a LoRA model's adapters folded into its weights (`lora.merged`)."""
     config, whole_state = saved_config(directory)
-    cfg = TransformerConfig.from_dict(config["model"])
+    cfg, settings = TransformerConfig.from_dict(config["model"]), train_config(config)
+    adapters = settings.lora
     if whole_state:
-        sharded = train.sharded_abstract(Transformer.factory(cfg), train.optimizer(train.TrainConfig()), mesh, rules)
-        ckpt = checkpoint.Checkpointer(directory)
-        try:
-            state, _ = ckpt.restore(sharded.abstract, sharded.shardings)
-        finally:
-            ckpt.close()
-        return cfg, state["model"]
-    _, abstract = Transformer.abstract(cfg)  # shapes and logical names only; the rules place them
-    return cfg, checkpoint.load_params(directory, abstract, sharding.state_shardings(abstract, mesh, rules))
+        params = _restored_model(directory, cfg, settings, mesh, rules)
+    else:
+        abstract = Transformer.abstract(cfg, adapters)[1]
+        abstract = abstract if adapters is None else lora.adapters(abstract)  # an adapters directory's
+        params = checkpoint.load_params(directory, abstract, sharding.state_shardings(abstract, mesh, rules))
+    if adapters is not None:  # the adapters alone were saved: the base is that of where the run began
+        base = (lora.base(load(config["init_from"], mesh, rules).params) if config.get("init_from") else
+                _seeded_base(cfg, settings, mesh, rules))
+        params = nnx.merge_state(base, params)
+        if merge_lora:
+            params, adapters = lora.merged(params, adapters), None
+    return Weights(cfg, params, adapters)
+
+
+def _restored_model(directory: str | Path, cfg: TransformerConfig, settings: train.TrainConfig, mesh: Mesh,
+                    rules: Rules) -> nnx.State:
+    """The model's saved parameters of a training checkpoint (a LoRA run's: its adapters)."""
+    sharded = train.sharded_abstract(model_factory(cfg, settings.lora), train.optimizer(settings), mesh, rules,
+                                     reference=settings.reference)
+    saved, _ = frozen.split(sharded.abstract)
+    ckpt = checkpoint.Checkpointer(directory)
+    try:
+        state, _ = ckpt.restore(saved, frozen.split(sharded.shardings)[0])
+    finally:
+        ckpt.close()
+    return nnx.state(state["model"], nnx.Param)
+
+
+def _seeded_base(cfg: TransformerConfig, settings: train.TrainConfig, mesh: Mesh, rules: Rules) -> nnx.State:
+    """The frozen base a LoRA run that began from random weights had: its model made again from its seed."""
+    make = model_factory(cfg, settings.lora)
+    with nnx.use_eager_sharding(False):
+        abstract = nnx.state(nnx.eval_shape(lambda: make(nnx.Rngs(settings.seed))), frozen.Frozen)
+    shardings = sharding.state_shardings(abstract, mesh, rules)
+
+    def create():
+        with nnx.use_eager_sharding(False):
+            return nnx.state(make(nnx.Rngs(settings.seed)), frozen.Frozen)
+
+    return frozen.as_params(jax.jit(create, out_shardings=shardings)())

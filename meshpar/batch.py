@@ -10,7 +10,9 @@ reads `row[:-1]` and predicts `row[1:]`:
   kernel skips tiles by their ranges of ids); padding may take 0;
 - `weights`: float32, how much each token counts as a target (column 0 is never one; None: all 1). 0 for
   prompts, padding, and the first token of a packed document (it would be predicted from the previous
-  document).
+  document);
+- `reference`: float32, each target's log-probability under a DPO run's reference model, 0 where it is no
+  target (column 0 too), so a row's sum is its sequence's (`meshpar.dpo`); the step fills it in (None: none).
 
 The loss of a batch is Σ weight · token loss / Σ weight over the GLOBAL batch: the training step divides
 the weights by their global sum once (`normalised`), so every part of the batch — a device's rows, a
@@ -29,6 +31,7 @@ class Batch(NamedTuple):
     tokens: jax.Array
     segments: jax.Array | None = None
     weights: jax.Array | None = None
+    reference: jax.Array | None = None
 
 
 def as_batch(batch: Batch | jax.Array) -> Batch:

@@ -137,8 +137,9 @@ def _is_target(targets_bc: jax.Array, v: int, vocab: tuple[str, ...]) -> jax.Arr
 
 def _forward_local(hidden_btD, head_Dv, targets_bt, weights_bt, *, chunk: int, vocab: tuple[str, ...],
                    softcap: float | None):
-    """This device's Σ weight · (logsumexp − target logit) as a [1] partial sum, and the log-sum-exp of every
-    position [b, t] (over the whole vocabulary: max and sum of exponentials combined over `vocab`)."""
+    """This device's Σ weight · (logsumexp − target logit) as a [1] partial sum, and the log-sum-exp and the
+    target's logit at every position [b, t] (over the whole vocabulary: max and sum of exponentials combined
+    over `vocab`)."""
     c = chunk_length(*targets_bt.shape, head_Dv.shape[1], chunk)
 
     def one_chunk(total, inputs):
@@ -149,11 +150,12 @@ def _forward_local(hidden_btD, head_Dv, targets_bt, weights_bt, *, chunk: int, v
         lse_bc = max_bc + jnp.log(_sum(jnp.exp(logits_bcv - max_bc[..., None]).sum(axis=-1), vocab))
         is_target_bcv = _is_target(targets_bc, logits_bcv.shape[-1], vocab)
         target_bc = _sum(jnp.where(is_target_bcv, logits_bcv, 0.0).sum(axis=-1), vocab)
-        return total + jnp.sum(weights_bc * (lse_bc - target_bc)), lse_bc
+        return total + jnp.sum(weights_bc * (lse_bc - target_bc)), (lse_bc, target_bc)
 
-    total, lse_Cbc = lax.scan(one_chunk, jnp.zeros((), jnp.float32),
-                              (_chunks(hidden_btD, c), _chunks(targets_bt, c), _chunks(weights_bt, c)))
-    return total[None], jnp.moveaxis(lse_Cbc, 0, 1).reshape(targets_bt.shape)
+    total, per_position = lax.scan(one_chunk, jnp.zeros((), jnp.float32),
+                                   (_chunks(hidden_btD, c), _chunks(targets_bt, c), _chunks(weights_bt, c)))
+    lse_bt, target_bt = (jnp.moveaxis(x_Cbc, 0, 1).reshape(targets_bt.shape) for x_Cbc in per_position)
+    return total[None], lse_bt, target_bt
 
 
 def _reduce_head(dhead_Dv: jax.Array, rows: tuple[str, ...], scatter: tuple[str, ...]) -> jax.Array:
@@ -199,17 +201,17 @@ def _backward_local(hidden_btD, head_Dv, targets_bt, weights_bt, lse_bt, g, *, c
 
 
 def _forward(hidden_BTD, head_DV, targets_BT, weights_BT, chunk: int, placement: _Placement, softcap: float | None):
-    """(weighted loss sum, log-sum-exp [B, T])."""
+    """(weighted loss sum, log-sum-exp [B, T], the targets' logits [B, T])."""
     body = functools.partial(_forward_local, chunk=chunk, vocab=placement.vocab, softcap=softcap)
     if placement.mesh is None:
-        partial_sums, lse_BT = body(hidden_BTD, head_DV, targets_BT, weights_BT)
+        partial_sums, lse_BT, target_BT = body(hidden_BTD, head_DV, targets_BT, weights_BT)
     else:
-        partial_sums, lse_BT = jax.shard_map(
+        partial_sums, lse_BT, target_BT = jax.shard_map(
             body, mesh=placement.mesh,
             in_specs=(placement.hidden, placement.head, placement.targets, placement.targets),
-            out_specs=(P(placement.rows or None), placement.targets), axis_names=set(placement.manual),
-            check_vma=False)(hidden_BTD, head_DV, targets_BT, weights_BT)
-    return partial_sums.sum(), lse_BT
+            out_specs=(P(placement.rows or None), placement.targets, placement.targets),
+            axis_names=set(placement.manual), check_vma=False)(hidden_BTD, head_DV, targets_BT, weights_BT)
+    return partial_sums.sum(), lse_BT, target_BT
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6))
@@ -219,11 +221,16 @@ def _loss_sum(hidden_BTD, head_DV, targets_BT, weights_BT, chunk: int, placement
 
 
 def _loss_sum_fwd(hidden_BTD, head_DV, targets_BT, weights_BT, chunk, placement, softcap):
-    total, lse_BT = _forward(hidden_BTD, head_DV, targets_BT, weights_BT, chunk, placement, softcap)
+    total, lse_BT, _ = _forward(hidden_BTD, head_DV, targets_BT, weights_BT, chunk, placement, softcap)
     return total, (hidden_BTD, head_DV, targets_BT, weights_BT, lse_BT)
 
 
 def _loss_sum_bwd(chunk, placement, softcap, residuals, g):
+    return (*_backward(chunk, placement, softcap, residuals, g), None, None)
+
+
+def _backward(chunk, placement, softcap, residuals, g):
+    """(d hidden, d head) of Σ g · weight · (logsumexp − target logit), from the forward pass's residuals."""
     body = functools.partial(_backward_local, chunk=chunk, vocab=placement.vocab, rows=placement.rows,
                              scatter=placement.scatter, softcap=softcap)
     if placement.mesh is None:
@@ -234,10 +241,38 @@ def _loss_sum_bwd(chunk, placement, softcap, residuals, g):
             body, mesh=placement.mesh,
             in_specs=(placement.hidden, placement.head, placement.targets, placement.targets, placement.targets, P()),
             out_specs=(placement.hidden, dhead_spec), axis_names=set(placement.manual), check_vma=False)(*residuals, g)
-    return dhidden_BTD, dhead_DV, None, None
+    return dhidden_BTD, dhead_DV
 
 
 _loss_sum.defvjp(_loss_sum_fwd, _loss_sum_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _log_probs(hidden_BTD, head_DV, targets_BT, chunk: int, placement: _Placement, softcap: float | None):
+    return _log_probs_fwd(hidden_BTD, head_DV, targets_BT, chunk, placement, softcap)[0]
+
+
+def _log_probs_fwd(hidden_BTD, head_DV, targets_BT, chunk, placement, softcap):
+    zeros_BT = jnp.zeros(targets_BT.shape, jnp.float32)
+    _, lse_BT, target_BT = _forward(hidden_BTD, head_DV, targets_BT, zeros_BT, chunk, placement, softcap)
+    return target_BT - lse_BT, (hidden_BTD, head_DV, targets_BT, lse_BT)
+
+
+def _log_probs_bwd(chunk, placement, softcap, residuals, g_BT):
+    # log p = −(logsumexp − target logit): the loss's backward pass with weight −g at each position
+    hidden_BTD, head_DV, targets_BT, lse_BT = residuals
+    residuals = (hidden_BTD, head_DV, targets_BT, -g_BT.astype(jnp.float32), lse_BT)
+    return (*_backward(chunk, placement, softcap, residuals, jnp.ones((), jnp.float32)), None)
+
+
+_log_probs.defvjp(_log_probs_fwd, _log_probs_bwd)
+
+
+def token_log_probs(hidden_BTD: jax.Array, head_DV: jax.Array, targets_BT: jax.Array, chunk: int = 0,
+                    softcap: float | None = None) -> jax.Array:
+    """The log-probability [B, T] (float32) of each target under `logits(hidden, head, softcap)`, chunk by chunk
+    as the loss (module docstring): what a preference loss sums per sequence (`meshpar.dpo`)."""
+    return _log_probs(hidden_BTD, head_DV, targets_BT, chunk, _placement(hidden_BTD, head_DV, targets_BT), softcap)
 
 
 def chunked_cross_entropy(hidden_BTD: jax.Array, head_DV: jax.Array, targets_BT: jax.Array, chunk: int = 0,

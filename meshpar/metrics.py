@@ -2,8 +2,8 @@
 
 Only process 0 shows progress and writes files, so a multi-host run logs once. The JSON lines are strict
 JSON: a non-finite number (a diverged loss) is written as `null`. TensorBoard event files are written
-with tensorboardX (`--tensorboard-dir`): scalars under `train/`, `eval/`, `perf/` and (a mixture of
-experts' routing) `moe/`, samples as text.
+with tensorboardX (`--tensorboard-dir`): scalars under `train/`, `eval/`, `perf/`, (a mixture of experts'
+routing) `moe/` and (a DPO run's rewards and log-probabilities, TRL's names) `dpo/`, samples as text.
 """
 
 from __future__ import annotations
@@ -17,13 +17,14 @@ from typing import Any, TextIO
 import jax
 from tqdm import tqdm
 
+from meshpar.dpo import METRICS as DPO_METRICS
 from meshpar.moe.routing import ROUTER_METRICS
 
 # metrics key → TensorBoard tag
 TAGS = {"loss": "train/loss", "grad_norm": "train/grad_norm", "lr": "train/lr", "eval_loss": "eval/loss",
         "eval_perplexity": "eval/perplexity", "trained_tokens": "train/trained_tokens",
         "tokens_per_s": "perf/tokens_per_s", "step_time_s": "perf/step_time_s", "mfu": "perf/mfu",
-        **{key: f"moe/{key}" for key in ROUTER_METRICS}}
+        **{key: f"moe/{key}" for key in ROUTER_METRICS}, **{key: f"dpo/{key}" for key in DPO_METRICS}}
 
 
 def is_logger() -> bool:

@@ -39,6 +39,7 @@ import optax
 from flax import nnx
 
 from meshpar.errors import InputError
+from meshpar.frozen import WEIGHTS
 from meshpar.rules import ParallelConfig
 
 HOST = "pinned_host"
@@ -48,7 +49,7 @@ def in_host_memory(variable: nnx.Variable, parallel: ParallelConfig) -> bool:
     """Whether this state variable lives in host memory under `parallel.offload`."""
     if parallel.offload == "none" or not variable.shape:  # scalars (step counts) stay on the devices
         return False
-    return parallel.offload == "optimizer+params" or not isinstance(variable, nnx.Param)
+    return parallel.offload == "optimizer+params" or not isinstance(variable, WEIGHTS)
 
 
 def weights_offloaded(parallel: ParallelConfig) -> bool:

@@ -40,10 +40,11 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 
-from meshpar import mesh as mesh_lib, metrics, pipeline, remat as remat_lib, sharding
+from meshpar import frozen, mesh as mesh_lib, metrics, pipeline, remat as remat_lib, sharding
 from meshpar.checkpoint import CheckpointConfig, Checkpointer
 from meshpar.compiler import compile_report
 from meshpar.data import Batches, Corpus, DataConfig, load_corpus, split
+from meshpar.dpo import METRICS as DPO_METRICS
 from meshpar.errors import InputError, TrainingStopped
 from meshpar.generate import generate
 from meshpar.mfu import mfu
@@ -132,12 +133,15 @@ def run(make_model: ModelFactory, train: TrainConfig, data: DataConfig | np.ndar
     requests = StopRequests(stopping, mesh)  # the time budget counts from here
     learning_rate = schedule(train) if tx is None else None  # the default optimizer's
     tx = tx or optimizer(train)
-    sharded = sharded_abstract(make_model, tx, mesh, rules, train.seed)
+    sharded = sharded_abstract(make_model, tx, mesh, rules, train.seed, train.reference)
     tokens_sharding = sharding.batch_sharding(mesh, rules, (train.global_batch, train.seq_len + 1))
     source, corpus, fraction, packing = ((data.describe(), load_corpus(data), data.eval_fraction, data.packing)
                                          if isinstance(data, DataConfig) else
                                          ("tokens", Corpus.one_document(data), DataConfig.eval_fraction, "none"))
-    train_corpus, eval_corpus = split(corpus, fraction, train.seq_len)
+    if train.objective == "dpo" and packing != "pairs":
+        raise InputError(f"train.objective = dpo trains on preference pairs: data.packing must be pairs (rows 2i and "
+                         f"2i + 1 a pair's chosen and rejected response; launch.prepare writes them), not {packing}")
+    train_corpus, eval_corpus = split(corpus, fraction, train.seq_len, group=2 if packing == "pairs" else 1)
     vocab = sharding.axis_size(sharded.abstract, "vocab")  # every token must index the embedding
     batches = Batches(train_corpus, global_batch=train.global_batch, seq_len=train.seq_len, seed=train.seed,
                       sharding=tokens_sharding, vocab_size=vocab, source=source, packing=packing)
@@ -165,7 +169,7 @@ def run(make_model: ModelFactory, train: TrainConfig, data: DataConfig | np.ndar
         if train.eval_every else None,
         _Sampling(sharded, state, eval_corpus.tokens, vocab, train) if train.sample_every else None,
     ) if hook is not None]
-    saving = _Saving(ckpt, batches, checkpoints.config, mesh, rules) if ckpt else None
+    saving = _Saving(ckpt, batches, checkpoints.config, mesh, rules, state) if ckpt else None
     steplog = metrics.StepLog(train.steps, start, outputs.metrics_file, outputs.progress, outputs.tensorboard_dir)
     loop = _Loop(step, train, batches, steplog, hooks, saving, say, learning_rate, throughput, mesh.size, ckpt,
                  requests)
@@ -204,9 +208,14 @@ def _start(make_model: ModelFactory, tx: optax.GradientTransformation, sharded: 
         if latest is not None and latest >= train.steps:
             raise InputError(f"{checkpoints.directory} is at step {latest}, and train.steps = {train.steps} counts "
                              f"from the start of training: nothing to do; pass --steps > {latest} to train on")
-        if latest is not None:
-            state, meta = ckpt.restore(sharded.abstract, sharded.shardings, checkpoints.config, step=latest,
-                                       allow_changes=checkpoints.allow_config_change, log=say)
+        if latest is not None:  # a checkpoint holds no frozen weights (`_Saving`)
+            state, meta = ckpt.restore(frozen.split(sharded.abstract)[0], frozen.split(sharded.shardings)[0],
+                                       checkpoints.config, step=latest, allow_changes=checkpoints.allow_config_change,
+                                       log=say)
+            state = pipeline.to_rest(state, sharded.mesh, repeats)  # checkpoints hold the layers in order
+            if jax.tree.leaves(frozen.split(sharded.abstract)[1]):
+                state = _with_frozen(state, meta, make_model, tx, sharded, train, init_params,
+                                     f"{checkpoints.directory} step {latest}")
     except Exception:
         ckpt.close()  # the checkpoints on disk stay as they were
         raise
@@ -214,13 +223,23 @@ def _start(make_model: ModelFactory, tx: optax.GradientTransformation, sharded: 
         batches.load_state_dict(meta["data"])
         why = f" (saved {meta['saved']})" if "saved" in meta else ""
         say(f"resumed from {checkpoints.directory} at step {meta['step']}{why}")
-        return pipeline.to_rest(state, sharded.mesh, repeats), meta["step"]  # checkpoints hold the layers in order
+        return state, meta["step"]
     if ckpt and ckpt.cut_off:
         say(f"{checkpoints.directory}: no finished checkpoint, only one cut off mid-save ({', '.join(ckpt.cut_off)}), "
             f"removed; training starts afresh")
     if init_params is not None:
         say("parameters from the given weights; optimizer state fresh")
-    return init_state(make_model, tx, sharded, train.seed, init_params), 0
+    return init_state(make_model, tx, sharded, train.seed, init_params, train.reference), 0
+
+
+def _with_frozen(state: nnx.State, meta: dict, make_model: ModelFactory, tx: optax.GradientTransformation,
+                 sharded: Sharded, train: TrainConfig, init_params: nnx.State | None, where: str) -> nnx.State:
+    """A restored state with the frozen weights it was trained over (a LoRA run's base, a DPO run's reference)
+    made again as the run first made them, from `init_params` or the seed, and checked against the
+    checkpoint's fingerprint of them."""
+    base = frozen.split(init_state(make_model, tx, sharded, train.seed, init_params, train.reference))[1]
+    frozen.check(meta.get("frozen", {}), frozen.fingerprint(base), where)
+    return nnx.merge_state(state, base)
 
 
 def device_memory_limit() -> int | None:
@@ -303,6 +322,7 @@ as training weighs a batch), and its perplexity."""
                                 seed=train.seed, sharding=tokens_sharding, vocab_size=vocab,
                                 source=f"{source} (held out)", packing=packing)
         self.every, self.last, self.batches = train.eval_every, train.steps, train.eval_batches
+        self.perplexity = train.objective == "lm"
 
     def due(self, number: int) -> bool:
         return number % self.every == 0 or number == self.last
@@ -311,8 +331,11 @@ as training weighs a batch), and its perplexity."""
         self.held_out.step = 0  # the same batches every time
         losses, counts = np.array([[float(x) for x in self.step(state, next(self.held_out))]
                                    for _ in range(self.batches)]).T
+        if not self.perplexity:  # a DPO loss is a mean over pairs, and every batch holds as many
+            counts = np.ones_like(counts)
         entry["eval_loss"] = float((losses * counts).sum() / max(counts.sum(), 1.0))
-        entry["eval_perplexity"] = math.exp(min(entry["eval_loss"], 700.0))
+        if self.perplexity:  # of a language model's loss (a DPO loss has none)
+            entry["eval_perplexity"] = math.exp(min(entry["eval_loss"], 700.0))
 
 
 class _Sampling(_Hook):
@@ -339,18 +362,23 @@ class _Sampling(_Hook):
 
 class _Saving:
     """A checkpoint every `checkpoint.every` steps and at the last, the layers in order (`pipeline.to_layers`),
-    with the data position and the run's config."""
+    with the data position and the run's config. Frozen weights (a LoRA run's base, a DPO run's reference) do
+    not change: the checkpoint leaves them out and keeps their fingerprint (`meshpar.frozen`), which a
+    resumed run checks against the ones it is given."""
 
-    def __init__(self, ckpt: Checkpointer, batches: Batches, config: dict | None, mesh: Mesh, rules: Rules):
+    def __init__(self, ckpt: Checkpointer, batches: Batches, config: dict | None, mesh: Mesh, rules: Rules,
+                 state: nnx.State):
         self.ckpt, self.batches, self.config, self.mesh = ckpt, batches, config or {}, mesh
         self.repeats = rules.parallel.pipeline_repeats
+        self.frozen = frozen.fingerprint(frozen.split(state)[1])
         self.blocked: list[float] = []  # how long each save held up the loop
 
     def __call__(self, number: int, state: nnx.State, why: str) -> None:
         """Save step `number`; `why` (for the stop, the last step, or every N steps) goes into its metadata."""
         began = time.perf_counter()
-        self.ckpt.save(number, pipeline.to_layers(state, self.mesh, self.repeats),
-                       {"data": self.batches.state_dict(), "config": self.config, "saved": why})
+        saved = frozen.split(pipeline.to_layers(state, self.mesh, self.repeats))[0]
+        self.ckpt.save(number, saved, {"data": self.batches.state_dict(), "config": self.config, "saved": why,
+                                       **({"frozen": self.frozen} if self.frozen else {})})
         self.blocked.append(time.perf_counter() - began)
 
 
@@ -417,7 +445,7 @@ class _Loop:
                                self.throughput.peak_flops_per_device)
         if "skipped" in values:
             entry["skipped"] = int(values["skipped"])
-        entry |= {key: values[key] for key in ROUTER_METRICS if key in values}
+        entry |= {key: values[key] for key in (*ROUTER_METRICS, *DPO_METRICS) if key in values}
         return entry
 
     def _publish(self, entry: dict[str, Any]) -> None:

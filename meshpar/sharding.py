@@ -19,6 +19,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from meshpar import context, offload
+from meshpar.frozen import WEIGHTS
 from meshpar.errors import InputError
 from meshpar.rules import Rules
 
@@ -80,20 +81,20 @@ def logical_axes(variable: nnx.Variable, path: tuple) -> tuple[str | None, ...]:
 def state_specs(abstract_state: nnx.State, mesh: Mesh, rules: Rules, kind: str | None = None) -> nnx.State:
     """Map each variable of an (abstract) NNX state to its PartitionSpec.
 
-    Parameters follow the `params` table and everything else (the optimizer's moments) the `optimizer`
-    table, unless `kind` names one table for all (`"grads"` for a gradient tree).
+    Weights (trained or frozen) follow the `params` table and everything else (the optimizer's moments) the
+    `optimizer` table, unless `kind` names one table for all (`"grads"` for a gradient tree).
     """
     specs = {}
     for path, variable in nnx.to_flat_state(abstract_state):
-        table = rules.table(kind or ("params" if isinstance(variable, nnx.Param) else "optimizer"))
+        table = rules.table(kind or ("params" if isinstance(variable, WEIGHTS) else "optimizer"))
         specs[path] = variable.replace(
             spec_for(logical_axes(variable, path), variable.shape, table, mesh.shape, f"parameter '{path_name(path)}'"))
     return nnx.from_flat_state(specs)
 
 
 def axis_size(abstract_state: nnx.State, logical: str) -> int | None:
-    """The size of the logical axis `logical` (e.g. "vocab") in the state's parameters, if one names it."""
-    for path, variable in nnx.to_flat_state(nnx.state(abstract_state, nnx.Param)):
+    """The size of the logical axis `logical` (e.g. "vocab") in the state's weights, if one names it."""
+    for path, variable in nnx.to_flat_state(nnx.state(abstract_state, WEIGHTS)):
         names = logical_axes(variable, path)
         if logical in names:
             return int(variable.shape[names.index(logical)])

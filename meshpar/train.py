@@ -41,7 +41,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from meshpar import context, offload, pipeline, remat as remat_lib, sharding
+from meshpar import context, dpo, frozen, lora as lora_lib, offload, pipeline, remat as remat_lib, sharding
 from meshpar.attention.kernels import KERNELS
 from meshpar.batch import Batch, as_batch, normalised
 from meshpar.errors import InputError
@@ -50,9 +50,11 @@ from meshpar.moe import routing
 from meshpar.pipeline import one_f_one_b
 from meshpar.rules import SLOT_SCHEDULES, ParallelConfig, Rules
 
+ModelFactory = Callable[[nnx.Rngs], nnx.Module]
 COMPUTE_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 NONFINITE = ("stop", "skip")
 ROUTER_LOSS_SCOPES = ("auto", "batch", "microbatch")
+OBJECTIVES = ("lm", "dpo")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +81,14 @@ class TrainConfig:
     router_aux_loss_coef: float = 0.001  # × the load-balancing loss (Switch / Mixtral)
     router_z_loss_coef: float = 0.0  # × the router z-loss (ST-MoE)
     router_loss_scope: str = "auto"  # where they pool: auto, batch, microbatch (`router_pools`)
+    # LoRA (meshpar.lora): adapters of rank lora_rank on lora_targets train, every other weight is frozen; 0: none
+    lora_rank: int = 0
+    lora_alpha: float = 16.0  # the update is scaled by lora_alpha / lora_rank (/ √lora_rank with lora_rslora)
+    lora_targets: str = "q,k,v,o,gate,up,down"  # comma-separated: q, k, v, o, gate, up, down, experts
+    lora_rslora: bool = False
+    frozen_dtype: str = "float32"  # the frozen weights' (LoRA's base, DPO's reference): float32 or bfloat16
+    objective: str = "lm"  # lm: next-token cross-entropy; dpo: preference pairs (meshpar.dpo)
+    dpo_beta: float = 0.1  # DPO's β: how far the policy may move from the reference
 
     def __post_init__(self):
         if self.compute_dtype not in COMPUTE_DTYPES:
@@ -113,10 +123,45 @@ class TrainConfig:
         if self.global_batch % self.grad_accum:
             raise InputError(f"train.global_batch = {self.global_batch} is not divisible into "
                              f"train.grad_accum = {self.grad_accum} microbatches")
+        if self.lora_rank < 0:
+            raise InputError(f"train.lora_rank = {self.lora_rank} must be >= 0 (0: no adapters)")
+        self.lora  # noqa: B018  validates the adapters' settings
+        if self.frozen_dtype not in COMPUTE_DTYPES:
+            raise InputError(f"train.frozen_dtype = '{self.frozen_dtype}' is not one of {', '.join(COMPUTE_DTYPES)}")
+        if self.objective not in OBJECTIVES:
+            raise InputError(f"train.objective = '{self.objective}' is not one of {', '.join(OBJECTIVES)}")
+        if self.objective == "dpo" and not self.dpo_beta > 0:
+            raise InputError(f"train.dpo_beta = {self.dpo_beta} must be > 0")
+        if self.objective == "dpo" and self.global_batch % (2 * self.grad_accum):
+            raise InputError(f"train.objective = dpo takes pairs of rows (chosen, rejected): train.global_batch = "
+                             f"{self.global_batch} must be an even number of rows per microbatch (grad_accum = "
+                             f"{self.grad_accum})")
 
     @property
     def dtype(self) -> jnp.dtype:
         return COMPUTE_DTYPES[self.compute_dtype]
+
+    @property
+    def lora(self) -> lora_lib.LoraConfig | None:
+        """The LoRA adapters' settings (None: every weight trains)."""
+        if not self.lora_rank:
+            return None
+        named = [t.strip() for t in self.lora_targets.split(",") if t.strip()]
+        if unknown := [t for t in named if t not in lora_lib.TARGETS] or ([] if named else [""]):
+            raise InputError(f"train.lora_targets = '{self.lora_targets}': {unknown[0]!r} is not one of "
+                             f"{', '.join(lora_lib.TARGETS)}")
+        targets = tuple(t for t in lora_lib.TARGETS if t in named)  # in one order, however they are written
+        return lora_lib.LoraConfig(self.lora_rank, self.lora_alpha, targets, self.lora_rslora)
+
+    @property
+    def frozen(self) -> jnp.dtype:
+        return COMPUTE_DTYPES[self.frozen_dtype]
+
+    @property
+    def reference(self) -> jnp.dtype | None:
+        """The dtype of the frozen copy of the starting weights the state holds as DPO's reference model (full
+        fine-tuning), else None (no copy; a LoRA run's reference is its base, the adapters off)."""
+        return self.frozen if self.objective == "dpo" and self.lora is None else None
 
 
 def schedule(cfg: TrainConfig) -> optax.Schedule:
@@ -157,14 +202,26 @@ def optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
 
 
 class TrainState(nnx.Module):
-    """The model and its optimizer: everything a step reads and writes."""
+    """The model and its optimizer: everything a step reads and writes; with `reference`, a frozen copy of the
+    starting model beside them (full fine-tuning DPO's reference model: `TrainConfig.reference`)."""
 
-    def __init__(self, model: nnx.Module, tx: optax.GradientTransformation):
+    def __init__(self, model: nnx.Module, tx: optax.GradientTransformation, reference: nnx.Module | None = None):
         self.model = model
         self.opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+        if reference is not None:
+            self.reference = reference
 
 
-ModelFactory = Callable[[nnx.Rngs], nnx.Module]
+def _train_state(make_model: ModelFactory, tx: optax.GradientTransformation, seed: int,
+                 reference: jnp.dtype | None, params: nnx.State | None = None) -> TrainState:
+    """A TrainState of `make_model`'s model (holding `params` where given), with a `reference` copy of it frozen in
+    that dtype where one is asked for."""
+    model = make_model(nnx.Rngs(seed))
+    copy = None if reference is None else frozen.freeze(make_model(nnx.Rngs(seed)), reference)
+    for m in (model, copy):
+        if m is not None and params is not None:
+            frozen.load(m, params)
+    return TrainState(model, tx, copy)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,10 +236,11 @@ class Sharded:
 
 
 def sharded_abstract(make_model: ModelFactory, tx: optax.GradientTransformation, mesh: Mesh, rules: Rules,
-                     seed: int = 0) -> Sharded:
-    """The state built abstractly, with its shardings on `mesh` by `rules`: nothing is allocated."""
+                     seed: int = 0, reference: jnp.dtype | None = None) -> Sharded:
+    """The state built abstractly (with a frozen `reference` copy in that dtype where given), with its shardings
+    on `mesh` by `rules`: nothing is allocated."""
     with nnx.use_eager_sharding(False):  # meshpar, not Flax, resolves logical names
-        abstract_ts = nnx.eval_shape(lambda: TrainState(make_model(nnx.Rngs(seed)), tx))
+        abstract_ts = nnx.eval_shape(lambda: _train_state(make_model, tx, seed, reference))
     graphdef, abstract = nnx.split(abstract_ts)
     if mesh.shape["stage"] > 1:
         check_schedule(rules.parallel, mesh.shape["stage"])
@@ -219,19 +277,17 @@ def router_pools(scope: str, parallel: ParallelConfig, stages: int) -> int:
 
 
 def init_state(make_model: ModelFactory, tx: optax.GradientTransformation, sharded: Sharded, seed: int = 0,
-               params: nnx.State | None = None) -> nnx.State:
+               params: nnx.State | None = None, reference: jnp.dtype | None = None) -> nnx.State:
     """Create the state directly in its shardings (the same values on every mesh for one seed), the stacked
     layers in the pipeline's order at rest (`pipeline.to_rest`). With `params` (the model's parameters in
     layer order, laid out on the mesh by the rules: imported weights, a parameters directory) the model
-    holds them and the optimizer state is fresh; no random weights are made (XLA drops the unused
+    holds them (a LoRA model: its base; `reference` as `sharded_abstract`'s, a copy of them too) and the
+    optimizer state is fresh; no random weights are made where every weight is given (XLA drops the unused
     initialisation), so a fine-tuned model's memory is taken once."""
 
     def create(params: nnx.State | None) -> nnx.State:
         with nnx.use_eager_sharding(False):
-            model = make_model(nnx.Rngs(seed))
-            if params is not None:
-                nnx.update(model, params)
-            return nnx.state(TrainState(model, tx))
+            return nnx.state(_train_state(make_model, tx, seed, reference, params))
 
     return pipeline.to_rest(jax.jit(create, out_shardings=sharded.shardings)(params), sharded.mesh,
                             sharded.rules.parallel.pipeline_repeats)
@@ -259,10 +315,13 @@ ValueAndGrad = Callable[[nnx.State, Batch], tuple[tuple[jax.Array, Any], nnx.Sta
 
 
 def default_loss(cfg: TrainConfig, router_losses: bool = True, pools: int = 1) -> Loss:
-    """Next-token cross-entropy (`meshpar.loss.next_token_loss_and_routing`), chunked by `cfg.loss_chunk`; for a
-    mixture of experts plus its router's losses (`router_losses`) in `pools` pools (`router_pools`), each
-    accumulation microbatch's weighed 1 / grad_accum (their mean)."""
+    """Next-token cross-entropy (`meshpar.loss.next_token_loss_and_routing`), or with `objective = dpo` the DPO
+    loss of the global batch's pairs (`meshpar.dpo.loss`), chunked by `cfg.loss_chunk`; for a mixture of experts
+    plus its router's losses (`router_losses`) in `pools` pools (`router_pools`), each accumulation
+    microbatch's weighed 1 / grad_accum (their mean)."""
     aux_coef, z_coef = router_coefficients(cfg) if router_losses else (0.0, 0.0)
+    if cfg.objective == "dpo":
+        return dpo.loss(cfg.dpo_beta, cfg.global_batch // 2, cfg.loss_chunk, aux_coef, z_coef, pools)
     return lambda model, batch: next_token_loss_and_routing(model, batch, cfg.loss_chunk, aux_coef, z_coef, pools)
 
 
@@ -285,11 +344,15 @@ def _accumulated(sharded: Sharded, cfg: TrainConfig, value_and_grad: ValueAndGra
     mesh, rules = sharded.mesh, sharded.rules
     batch_axes = tuple(axis for axis in rules.table("activations")["batch"] if mesh.shape[axis] > 1)
     # A mixture of experts pools its router statistics over the whole microbatch: no replica keeps its own sum.
-    replicas = () if sharding.axis_size(params, "experts") is not None else replica_axes(mesh, rules)
+    replicas = () if sharding.axis_size(sharded.abstract, "experts") is not None else replica_axes(mesh, rules)
     others = tuple(axis for axis in batch_axes if axis not in replicas)  # still split the rows of a microbatch
     Y, X = math.prod(mesh.shape[a] for a in replicas), math.prod(mesh.shape[a] for a in others)
     A, (B, T) = cfg.grad_accum, batch.tokens.shape
     check_accumulation(B, Y * X, A, batch_axes)
+    if cfg.objective == "dpo" and B // (Y * X * A) % 2:
+        raise InputError(f"train.objective = dpo: a pair's two rows must fall in one accumulation microbatch, and "
+                         f"train.global_batch = {B} gives each of the {Y * X} batch shards one row of each of "
+                         f"train.grad_accum = {A} microbatches; raise global_batch to {2 * B} or lower grad_accum")
     # Batch shard (y, x) holds rows [(y·X + x)·B/(Y·X), …); microbatch a takes the a-th block of b rows of
     # every shard, so that no row moves: [Y, X, A, b, T] → [A, Y, X·b, T].
     split = NamedSharding(mesh, P(None, replicas or None, others or None))
@@ -326,15 +389,31 @@ def _with_stats(out: jax.Array | tuple) -> tuple[jax.Array, Any]:
     return out if isinstance(out, tuple) else (out, None)
 
 
-def _loss_and_grads(sharded: Sharded, cfg: TrainConfig, loss: Loss | None, model: nnx.Module,
-                    batch: Batch | jax.Array) -> tuple[jax.Array, nnx.State, jax.Array, Any]:
-    """(loss, gradients, the batch's sum of target weights, router statistics or None)."""
+def _prepared(cfg: TrainConfig, model: nnx.Module, reference: nnx.Module | None,
+              batch: Batch | jax.Array) -> tuple[Batch, jax.Array]:
+    """(the batch with its target weights divided by their sum, and for DPO its reference log-probabilities
+    filled in; that sum)."""
     batch, count = normalised(as_batch(batch))
+    if cfg.objective == "dpo":
+        batch = batch._replace(reference=dpo.reference_log_probs(model, reference, batch, cfg.loss_chunk))
+    return batch, count
+
+
+def _loss_and_grads(sharded: Sharded, cfg: TrainConfig, loss: Loss | None, model: nnx.Module,
+                    batch: Batch | jax.Array, reference: nnx.Module | None = None
+                    ) -> tuple[jax.Array, nnx.State, jax.Array, Any]:
+    """(loss, gradients, the batch's sum of target weights, router statistics, DPO's rewards or None)."""
+    batch, count = _prepared(cfg, model, reference, batch)
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     stages, parallel = sharded.mesh.shape["stage"], sharded.rules.parallel
     # (for a mixture of experts; under 1F1B it also refuses a batch scope, which the pipeline cannot pool)
-    pools = router_pools(cfg.router_loss_scope, parallel, stages) if sharding.axis_size(params, "experts") else 1
+    experts = sharding.axis_size(sharded.abstract, "experts")
+    pools = router_pools(cfg.router_loss_scope, parallel, stages) if experts else 1
     if stages > 1 and parallel.pipeline_schedule in SLOT_SCHEDULES:  # the loss runs inside, pooled per microbatch
+        if cfg.objective == "dpo":
+            raise InputError(f"train.objective = dpo takes each sequence's log-probability whole, which "
+                             f"parallel.pipeline_schedule = {parallel.pipeline_schedule} cannot give (it computes the "
+                             f"next-token loss inside the pipeline): use pipeline_schedule=gpipe")
         value_and_grad = one_f_one_b.value_and_grad(graphdef, rest, loss, cfg.loss_chunk, *router_coefficients(cfg))
     else:
         loss = loss or default_loss(cfg, pools=pools)
@@ -355,7 +434,8 @@ def loss_and_grads(sharded: Sharded, tokens: NamedSharding, cfg: TrainConfig = T
 
     def fn(state: nnx.State, batch: Batch | jax.Array) -> tuple[jax.Array, nnx.State]:
         with context.use(compute_context(sharded, cfg)):
-            return _loss_and_grads(sharded, cfg, loss, nnx.merge(sharded.graphdef, state).model, batch)[:2]
+            ts = nnx.merge(sharded.graphdef, state)
+            return _loss_and_grads(sharded, cfg, loss, ts.model, batch, getattr(ts, "reference", None))[:2]
 
     jitted = jax.jit(fn, in_shardings=(sharded.shardings, tokens))
 
@@ -382,7 +462,8 @@ def make_step(sharded: Sharded, tokens: NamedSharding, cfg: TrainConfig = TrainC
         before = jax.tree.leaves(state)  # the arrays; the update below mutates the merged variables
         with context.use(compute_context(sharded, cfg)):
             ts = nnx.merge(sharded.graphdef, state)
-            value, grads, count, stats = _loss_and_grads(sharded, cfg, loss, ts.model, batch)
+            value, grads, count, stats = _loss_and_grads(sharded, cfg, loss, ts.model, batch,
+                                                         getattr(ts, "reference", None))
             offloaded, skip = sharded.rules.parallel.offload != "none", cfg.on_nonfinite == "skip"
             grad_norm = offload.global_norm(ts.model, grads) if offloaded else optax.tree.norm(grads)
             finite = jnp.isfinite(value) & jnp.isfinite(grad_norm)
@@ -393,7 +474,7 @@ def make_step(sharded: Sharded, tokens: NamedSharding, cfg: TrainConfig = TrainC
                 ts.opt.update(ts.model, grads)
             new_state, metrics = nnx.state(ts), {"loss": value, "grad_norm": grad_norm, "tokens": count}
             if stats is not None:
-                metrics |= routing.metrics(stats)
+                metrics |= dpo.metrics(stats) if isinstance(stats, dpo.Rewards) else routing.metrics(stats)
             if skip:
                 if not offloaded:
                     after, structure = jax.tree.flatten(new_state)
@@ -415,8 +496,9 @@ def make_eval_step(sharded: Sharded, tokens: NamedSharding, cfg: TrainConfig = T
     loss = loss or default_loss(cfg, router_losses=False)
 
     def evaluate(state: nnx.State, batch: Batch | jax.Array) -> tuple[jax.Array, jax.Array]:
-        batch, count = normalised(as_batch(batch))
         with context.use(compute_context(sharded, cfg)):
-            return _with_stats(loss(nnx.merge(sharded.graphdef, state).model, batch))[0], count
+            ts = nnx.merge(sharded.graphdef, state)
+            batch, count = _prepared(cfg, ts.model, getattr(ts, "reference", None), batch)
+            return _with_stats(loss(ts.model, batch))[0], count
 
     return jax.jit(evaluate, in_shardings=(sharded.shardings, tokens))

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from meshpar import layers, moe
+from meshpar import layers, lora, moe
 from meshpar.attention import attend, cached_attention, sequence_order
 from meshpar.errors import InputError
 from meshpar.loss import logits
@@ -232,7 +232,8 @@ class RMSNorm(nnx.Module):
 
 
 class Attention(nnx.Module):
-    def __init__(self, cfg: TransformerConfig, dtype: jnp.dtype, rngs: nnx.Rngs, kind: LayerKind | None = None):
+    def __init__(self, cfg: TransformerConfig, dtype: jnp.dtype, rngs: nnx.Rngs, kind: LayerKind | None = None,
+                 adapters: lora.LoraConfig | None = None):
         kind = kind or cfg.kinds[0]
         D, N, K, H = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_size
         std, out_std = D**-0.5, (N * H) ** -0.5 / math.sqrt(2 * cfg.n_layers)
@@ -240,6 +241,9 @@ class Attention(nnx.Module):
         self.wk_DKH = _param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), std)
         self.wv_DKH = _param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), std)
         self.wo_NHD = _param(rngs, (N, H, D), ("heads", "head_dim", "embed"), out_std)
+        for weight, target in (("wq_DNH", "q"), ("wk_DKH", "k"), ("wv_DKH", "v")):
+            lora.attach(self, weight, target, adapters, rngs)
+        lora.attach(self, "wo_NHD", "o", adapters, rngs, inputs=2)
         if cfg.qkv_bias:
             zeros = lambda X, heads: nnx.Param(jnp.zeros((X, H), jnp.float32), out_sharding=(heads, "head_dim"))
             self.q_bias_NH, self.k_bias_KH, self.v_bias_KH = zeros(N, "heads"), zeros(K, "kv_heads"), zeros(K, "kv_heads")
@@ -287,6 +291,8 @@ class Attention(nnx.Module):
         x_BTD = relayout(x_BTD, RESIDUAL, REGION_INPUT)
         q_BTNH, k_BTKH, v_BTKH = project(x_BTD, [cast(self.wq_DNH), cast(self.wk_DKH), cast(self.wv_DKH)],
                                          [("batch", "seq", "heads", None)] + [("batch", "seq", "kv_heads", None)] * 2)
+        q_BTNH, k_BTKH, v_BTKH = (lora.add(self, weight, x_BTD, y_BTXH) for weight, y_BTXH in
+                                  zip(("wq_DNH", "wk_DKH", "wv_DKH"), (q_BTNH, k_BTKH, v_BTKH)))
         if cfg.qkv_bias:
             q_BTNH, k_BTKH, v_BTKH = (x_BTXH + cast(b_XH) for x_BTXH, b_XH in
                                       ((q_BTNH, self.q_bias_NH), (k_BTKH, self.k_bias_KH), (v_BTKH, self.v_bias_KH)))
@@ -303,7 +309,8 @@ class Attention(nnx.Module):
         return gathered(self.sinks_N, jnp.float32) if self.cfg.attn_sinks else None
 
     def _output(self, out_BTNH: jax.Array) -> jax.Array:
-        out_BTD = jnp.einsum("btnh,nhd->btd", out_BTNH, gathered(self.wo_NHD, self.dtype))
+        out_BTD = lora.add(self, "wo_NHD", out_BTNH,
+                           jnp.einsum("btnh,nhd->btd", out_BTNH, gathered(self.wo_NHD, self.dtype)))
         return out_BTD + gathered(self.o_bias_D, self.dtype) if self.cfg.o_bias else out_BTD
 
 
@@ -311,18 +318,24 @@ class MLP(nnx.Module):
     """SwiGLU: down(silu(x · gate) ⊙ (x · up)), of width `d_ff` (or `width`); another gated unit with
     `mlp_activation`."""
 
-    def __init__(self, cfg: TransformerConfig, dtype: jnp.dtype, rngs: nnx.Rngs, width: int = 0):
+    def __init__(self, cfg: TransformerConfig, dtype: jnp.dtype, rngs: nnx.Rngs, width: int = 0,
+                 adapters: lora.LoraConfig | None = None):
         D, F = cfg.d_model, width or cfg.d_ff
         self.w_gate_DF = _param(rngs, (D, F), ("embed", "mlp"), D**-0.5)
         self.w_up_DF = _param(rngs, (D, F), ("embed", "mlp"), D**-0.5)
         self.w_down_FD = _param(rngs, (F, D), ("mlp", "embed"), F**-0.5 / math.sqrt(2 * cfg.n_layers))
+        for weight, target in (("w_gate_DF", "gate"), ("w_up_DF", "up"), ("w_down_FD", "down")):
+            lora.attach(self, weight, target, adapters, rngs)
         self.dtype, self.gated = dtype, gated_unit(cfg)
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
         cast = lambda w: gathered(w, self.dtype)
         x_BTD = relayout(x_BTD, RESIDUAL, REGION_INPUT)
         gate_BTF, up_BTF = project(x_BTD, [cast(self.w_gate_DF), cast(self.w_up_DF)], [("batch", "seq", "mlp")] * 2)
-        return self.gated(gate_BTF, up_BTF) @ cast(self.w_down_FD)
+        gate_BTF, up_BTF = (lora.add(self, weight, x_BTD, y_BTF) for weight, y_BTF in
+                            zip(("w_gate_DF", "w_up_DF"), (gate_BTF, up_BTF)))
+        hidden_BTF = self.gated(gate_BTF, up_BTF)
+        return lora.add(self, "w_down_FD", hidden_BTF, hidden_BTF @ cast(self.w_down_FD))
 
 
 class MoE(nnx.Module):
@@ -331,19 +344,22 @@ class MoE(nnx.Module):
     output weighed per token by sigmoid(x · w_shared_gate) with `shared_expert_gate`; with `moe_bias`, biases on
     the router's logits and in the experts. Returns the output and this layer's router statistics."""
 
-    def __init__(self, cfg: TransformerConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: TransformerConfig, dtype: jnp.dtype, rngs: nnx.Rngs,
+                 adapters: lora.LoraConfig | None = None):
         D, E, F = cfg.d_model, cfg.n_experts, cfg.expert_width
         self.w_router_DE = _param(rngs, (D, E), ("embed", None), D**-0.5)
         self.w_gate_EDF = _param(rngs, (E, D, F), moe.GATE_UP, D**-0.5)
         self.w_up_EDF = _param(rngs, (E, D, F), moe.GATE_UP, D**-0.5)
         self.w_down_EFD = _param(rngs, (E, F, D), moe.DOWN, F**-0.5 / math.sqrt(2 * cfg.n_layers))
+        for weight in ("w_gate_EDF", "w_up_EDF", "w_down_EFD"):
+            lora.attach(self, weight, "experts", adapters, rngs, lead=1)
         if cfg.moe_bias:
             zeros = lambda shape, logical: nnx.Param(jnp.zeros(shape, jnp.float32), out_sharding=logical)
             self.router_bias_E = zeros((E,), (None,))
             self.gate_bias_EF, self.up_bias_EF = zeros((E, F), moe.GATE_UP_BIAS), zeros((E, F), moe.GATE_UP_BIAS)
             self.down_bias_ED = zeros((E, D), moe.DOWN_BIAS)
         if cfg.n_shared_experts:
-            self.shared = MLP(cfg, dtype, rngs, width=cfg.n_shared_experts * F)
+            self.shared = MLP(cfg, dtype, rngs, width=cfg.n_shared_experts * F, adapters=adapters)
         if cfg.shared_expert_gate:  # [D, 1]: one logit per token
             self.w_shared_gate_D1 = _param(rngs, (D, 1), ("embed", None), D**-0.5)
         self.cfg, self.dtype = cfg, dtype
@@ -357,8 +373,8 @@ class MoE(nnx.Module):
             logits_BTE = logits_BTE + gathered(self.router_bias_E, jnp.float32)
             biases = (cast(self.gate_bias_EF), cast(self.up_bias_EF), cast(self.down_bias_ED))
         routes = moe.route(logits_BTE, self.cfg.experts_per_token, self.cfg.norm_topk_prob)
-        y_BTD, dropped_B = moe.experts_ffn(x_BTD, routes.experts_BTk, routes.weights_BTk, cast(self.w_gate_EDF),
-                                           cast(self.w_up_EDF), cast(self.w_down_EFD), moe.capacity(),
+        experts = (lora.weight(self, w, self.dtype) for w in ("w_gate_EDF", "w_up_EDF", "w_down_EFD"))
+        y_BTD, dropped_B = moe.experts_ffn(x_BTD, routes.experts_BTk, routes.weights_BTk, *experts, moe.capacity(),
                                            biases=biases, gated=gated_unit(self.cfg))
         if self.cfg.n_shared_experts:
             shared_BTD = self.shared(x_BTD)
@@ -377,12 +393,14 @@ class Block(nnx.Module):
     dense model a block maps x [B, T, D] to x; in one with experts (x, router statistics) to (x, the
     statistics with its own added: none from a dense kind). `kind`: the model's one kind where not given."""
 
-    def __init__(self, cfg: TransformerConfig, dtype: jnp.dtype, rngs: nnx.Rngs, kind: LayerKind | None = None):
+    def __init__(self, cfg: TransformerConfig, dtype: jnp.dtype, rngs: nnx.Rngs, kind: LayerKind | None = None,
+                 adapters: lora.LoraConfig | None = None):
         kind = kind or cfg.kinds[0]
         self.attn_norm = RMSNorm(cfg, dtype)
-        self.attn = Attention(cfg, dtype, rngs, kind)
+        self.attn = Attention(cfg, dtype, rngs, kind, adapters)
         self.mlp_norm = RMSNorm(cfg, dtype)
-        self.mlp = MoE(cfg, dtype, rngs) if cfg.n_experts and not kind.dense else MLP(cfg, dtype, rngs)
+        self.mlp = (MoE(cfg, dtype, rngs, adapters) if cfg.n_experts and not kind.dense else
+                    MLP(cfg, dtype, rngs, adapters=adapters))
         if cfg.sandwich_norms:
             self.post_attn_norm, self.post_mlp_norm = RMSNorm(cfg, dtype), RMSNorm(cfg, dtype)
         self.routed, self.sandwich = bool(cfg.n_experts), cfg.sandwich_norms  # the carry holds router statistics
@@ -415,10 +433,11 @@ class Period(nnx.Module):
     """One period of `layer_pattern`: a block of each kind in turn (`layer0`, `layer1`, …), the unit the stack
     scans and a pipeline's stages hold whole. Its KV caches are a tuple, one per kind."""
 
-    def __init__(self, cfg: TransformerConfig, dtype: jnp.dtype, rngs: nnx.Rngs):
+    def __init__(self, cfg: TransformerConfig, dtype: jnp.dtype, rngs: nnx.Rngs,
+                 adapters: lora.LoraConfig | None = None):
         self.size = len(cfg.layer_pattern)
         for j, kind in enumerate(cfg.layer_pattern):
-            setattr(self, f"layer{j}", Block(cfg, dtype, rngs, kind))
+            setattr(self, f"layer{j}", Block(cfg, dtype, rngs, kind, adapters))
 
     def blocks(self) -> list[Block]:
         return [getattr(self, f"layer{j}") for j in range(self.size)]
@@ -439,14 +458,21 @@ class Period(nnx.Module):
 
 
 class Transformer(nnx.Module):
-    def __init__(self, cfg: TransformerConfig, *, dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs):
+    """The model; with `adapters`, LoRA adapters on the weights they target (`meshpar.lora`)."""
+
+    def __init__(self, cfg: TransformerConfig, *, dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs,
+                 adapters: lora.LoraConfig | None = None):
+        if adapters is not None and "experts" in adapters.targets and not cfg.n_experts:
+            raise InputError("train.lora_targets names experts, and this model has none (model.n_experts = 0)")
         self.cfg, self.dtype = cfg, dtype
         self.embed_VD = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), 1.0)
 
         @nnx.split_rngs(splits=cfg.periods)
         @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
         def stacked_blocks(rngs: nnx.Rngs) -> Block | Period:
-            return Period(cfg, dtype, rngs) if cfg.layer_pattern else Block(cfg, dtype, rngs)
+            if cfg.layer_pattern:
+                return Period(cfg, dtype, rngs, adapters)
+            return Block(cfg, dtype, rngs, adapters=adapters)
 
         self.blocks = stacked_blocks(rngs)
         self.final_norm = RMSNorm(cfg, dtype)
@@ -454,15 +480,19 @@ class Transformer(nnx.Module):
             self.head_DV = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.d_model**-0.5)
 
     @classmethod
-    def factory(cls, cfg: TransformerConfig, dtype: jnp.dtype = jnp.float32) -> Callable[[nnx.Rngs], Transformer]:
-        """`rngs → Transformer(cfg)` computing in `dtype`: the model factory meshpar's training takes."""
-        return lambda rngs: cls(cfg, dtype=dtype, rngs=rngs)
+    def factory(cls, cfg: TransformerConfig, dtype: jnp.dtype = jnp.float32,
+                adapters: lora.LoraConfig | None = None) -> Callable[[nnx.Rngs], Transformer]:
+        """`rngs → Transformer(cfg)` computing in `dtype` (with LoRA `adapters`): the model factory meshpar's
+        training takes."""
+        return lambda rngs: cls(cfg, dtype=dtype, rngs=rngs, adapters=adapters)
 
     @classmethod
-    def abstract(cls, cfg: TransformerConfig) -> tuple[nnx.GraphDef, nnx.State]:
-        """The model's structure and its parameters as shapes with logical axes; nothing is allocated."""
+    def abstract(cls, cfg: TransformerConfig, adapters: lora.LoraConfig | None = None
+                 ) -> tuple[nnx.GraphDef, nnx.State]:
+        """The model's structure and its parameters (with LoRA `adapters`, theirs too) as shapes with logical
+        axes; nothing is allocated."""
         with nnx.use_eager_sharding(False):  # meshpar, not Flax, resolves logical names
-            return nnx.split(nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(0))), nnx.Param)
+            return nnx.split(nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(0), adapters=adapters)), nnx.Param)
 
     def __call__(self, tokens_BT: jax.Array, positions: jax.Array | None = None,
                  segments_BT: jax.Array | None = None) -> jax.Array:

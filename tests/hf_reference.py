@@ -101,19 +101,44 @@ def save_random(directory: str, model_type: str, fields: dict, seed: int, dtype:
     model.save_pretrained(directory, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
 
 
-def _load(directory: str):
+def _load(directory: str, adapter: str | None = None):
+    """The model in `directory`, in float32; with `adapter`, PEFT's `PeftModel` of that LoRA adapter directory
+    over it, the adapters trainable (and nothing else)."""
     import torch
     import transformers
 
-    return transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    if adapter is None:
+        return model
+    import peft
+
+    return peft.PeftModel.from_pretrained(model, adapter, is_trainable=True).eval()
 
 
-def logits(directory: str, tokens: list) -> list:
-    """transformers' float32 logits of the model in `directory` for int tokens [B, T]."""
+def save_peft(directory: str, out: str, targets: list, rank: int, alpha: float, rslora: bool, seed: int) -> None:
+    """A PEFT LoRA adapter (`peft.LoraConfig`) of the model in `directory` on the `targets` modules, written to
+    `out`, its B matrices drawn non-zero (std 0.1; PEFT starts them at 0), so that the adapters shape the logits
+    and the first step's gradients reach every A."""
+    import peft
+    import torch
+
+    torch.manual_seed(seed)
+    config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, use_rslora=rslora, lora_dropout=0.0,
+                             task_type="CAUSAL_LM")
+    model = peft.get_peft_model(_load(directory), config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.1)
+    model.save_pretrained(out)
+
+
+def logits(directory: str, tokens: list, adapter: str | None = None) -> list:
+    """transformers' float32 logits of the model in `directory` (with a PEFT `adapter`) for int tokens [B, T]."""
     import torch
 
     with torch.no_grad():
-        return _load(directory)(torch.tensor(tokens)).logits.float().numpy().tolist()
+        return _load(directory, adapter)(torch.tensor(tokens)).logits.float().numpy().tolist()
 
 
 def greedy(directory: str, prompt: list, new_tokens: int) -> list:
@@ -144,7 +169,8 @@ def learning_rate(step: int, settings: dict) -> float:
     return end + (peak - end) * 0.5 * (1 + math.cos(math.pi * done))
 
 
-def train_losses(directory: str, batches: list, settings: dict, masks: list | None = None) -> list:
+def train_losses(directory: str, batches: list, settings: dict, masks: list | None = None,
+                 adapter: str | None = None) -> list:
     """The loss of each step (before its update) of a plain PyTorch loop training the model in `directory`
     in float32 on `batches` (int tokens [steps][B, T + 1]): the mean cross-entropy of tokens[:, 1:] given
     tokens[:, :-1], from the logits (with `masks` [steps][B, T], 0 or 1 per target: the targets masked 0
@@ -154,35 +180,88 @@ def train_losses(directory: str, batches: list, settings: dict, masks: list | No
     every parameter but those with "norm" or "bias" in their name. `settings`: lr, warmup_steps, steps,
     decay_steps, weight_decay, clip_norm; for a mixture of experts also router_aux_loss_coef, the weight of
     its load-balancing loss (`output_router_logits`), added as transformers' models add it to their loss, and
-    optionally router_pools (`_loss`)."""
+    optionally router_pools (`_loss`). With `adapter`, PEFT's LoRA model of it (`_load`): only the adapters
+    train."""
     import torch
 
-    model = _load(directory).train()
-    named = list(model.named_parameters())  # a tied embedding is one parameter
-    params = [p for _, p in named]
+    model = _load(directory, adapter).train()
+    step = _adamw(model, settings)
+    losses = []
+    for i, batch in enumerate(batches):
+        tokens = torch.tensor(batch)
+        labels = tokens[:, 1:] if masks is None else torch.where(torch.tensor(masks[i]) > 0, tokens[:, 1:], -100)
+        loss = _loss(model, tokens[:, :-1], labels, settings.get("router_aux_loss_coef"),
+                     settings.get("router_pools", 1))
+        step(loss, i)
+        losses.append(loss.item())
+    return losses
+
+
+def _adamw(model, settings: dict):
+    """`(loss, step) → None`: backward, clipping by the global norm as one multiply by min(1, clip_norm / norm),
+    then `torch.optim.AdamW` (betas 0.9, 0.95, eps 1e-8) at `learning_rate(step, settings)`, with weight decay on
+    the trainable parameters but those with "norm" or "bias" in their name."""
+    import torch
+
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]  # a tied embedding is one parameter
     plain = [p for n, p in named if "norm" in n or "bias" in n]
     decayed = [p for n, p in named if not ("norm" in n or "bias" in n)]
     opt = torch.optim.AdamW([{"params": decayed, "weight_decay": settings["weight_decay"]},
                              {"params": plain, "weight_decay": 0.0}], lr=settings["lr"], betas=(0.9, 0.95), eps=1e-8)
-    losses = []
-    for step, batch in enumerate(batches):
-        tokens = torch.tensor(batch)
-        labels = tokens[:, 1:] if masks is None else torch.where(torch.tensor(masks[step]) > 0, tokens[:, 1:], -100)
-        loss = _loss(model, tokens[:, :-1], labels, settings.get("router_aux_loss_coef"),
-                     settings.get("router_pools", 1))
+
+    def step(loss, i: int) -> None:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         with torch.no_grad():
-            grads = [p.grad for p in params if p.grad is not None]
+            grads = [p.grad for _, p in named if p.grad is not None]
             norm = torch.sqrt(sum((g * g).sum() for g in grads))
             scale = torch.clamp(settings["clip_norm"] / norm, max=1.0)
             for g in grads:
                 g.mul_(scale)
         for group in opt.param_groups:
-            group["lr"] = learning_rate(step, settings)
+            group["lr"] = learning_rate(i, settings)
         opt.step()
-        losses.append(loss.item())
-    return losses
+
+    return step
+
+
+def dpo_steps(directory: str, batches: list, masks: list, settings: dict, adapter: str | None = None) -> list:
+    """The DPO loss and TRL's metrics of each step (before its update) of a PyTorch loop training the model in
+    `directory` (with `adapter`: PEFT's LoRA model, its reference the base with the adapters disabled, as TRL
+    takes it; without: every weight, its reference a frozen copy of the starting model) on `batches` of pairs
+    (rows 2i chosen, 2i + 1 rejected; [steps][B, T + 1]) whose `masks` [steps][B, T] mark the response targets.
+    A sequence's log-probability is the sum of its response targets' (TRL's `selective_log_softmax` of
+    transformers' logits); the loss −log σ(β·((π_c − ref_c) − (π_r − ref_r))) averaged over the pairs and the
+    metrics are TRL `DPOTrainer._compute_loss`'s (its sigmoid loss); `settings` as `train_losses`' and beta.
+    TRL 1.x computes its loss inside that method, so this loop, not its trainer, is the reference."""
+    import torch
+    from trl.trainer.utils import selective_log_softmax
+
+    model = _load(directory, adapter).train()
+    reference = None if adapter else _load(directory)
+    step, beta, out = _adamw(model, settings), settings["beta"], []
+
+    def logps(m, tokens, mask):
+        logp = selective_log_softmax(m(input_ids=tokens[:, :-1]).logits.float(), tokens[:, 1:])
+        return (logp * mask).sum(dim=1)
+
+    for i, batch in enumerate(batches):
+        tokens, mask = torch.tensor(batch), torch.tensor(masks[i], dtype=torch.float32)
+        policy = logps(model, tokens, mask)
+        with torch.no_grad():
+            if reference is None:
+                with model.disable_adapter():
+                    ref = logps(model, tokens, mask)
+            else:
+                ref = logps(reference, tokens, mask)
+        chosen, rejected = beta * (policy[0::2] - ref[0::2]), beta * (policy[1::2] - ref[1::2])
+        loss = -torch.nn.functional.logsigmoid(chosen - rejected).mean()
+        out.append({"loss": loss.item(), "rewards/chosen": chosen.mean().item(),
+                    "rewards/rejected": rejected.mean().item(), "rewards/margins": (chosen - rejected).mean().item(),
+                    "rewards/accuracies": (chosen > rejected).float().mean().item(),
+                    "logps/chosen": policy[0::2].mean().item(), "logps/rejected": policy[1::2].mean().item()})
+        step(loss, i)
+    return out
 
 
 def _loss(model, inputs, labels, aux_coef: float | None, pools: int = 1):
@@ -259,7 +338,7 @@ def save_mxfp4(directory: str, packed_dir: str, dequantized_dir: str, seed: int)
 
 
 FUNCTIONS = {f.__name__: f for f in (hf_config, save_random, train_losses, save_gradients, logits, greedy,
-                                     describe, save_mxfp4)}
+                                     describe, save_mxfp4, save_peft, dpo_steps)}
 
 
 @contextlib.contextmanager

@@ -2,7 +2,9 @@
 
 The initial state is made once per model and training config, on one device, and placed on each mesh by
 its shardings (`train.init_state` makes the same values on every mesh: test_train holds that), so a layout
-costs the compile of what it computes, not another compile of the initialisation."""
+costs the compile of what it computes, not another compile of the initialisation. A config with LoRA
+adapters (`train.lora_rank`) builds them on the frozen model, their B drawn non-zero, so that the first
+step's gradients reach every adapter's A too."""
 
 import functools
 from typing import Any
@@ -11,7 +13,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from meshpar import compiler, mesh as mesh_lib, pipeline, rules as rules_lib, sharding, train
+from meshpar import compiler, lora, mesh as mesh_lib, pipeline, rules as rules_lib, sharding, train
 from meshpar.data import stdlib_tokens
 from models.transformer import Transformer, TransformerConfig
 
@@ -30,7 +32,12 @@ def tokens(step: int, cfg: train.TrainConfig = TRAIN) -> np.ndarray:
 def initial_state(model: TransformerConfig, cfg: train.TrainConfig) -> nnx.State:
     """The initial state (model and optimizer) as host arrays, made by `train.init_state` on one device."""
     run = MeshRun("single", cfg, model, init_here=True)
-    return jax.tree.map(np.asarray, run.state)
+    state = jax.tree.map(np.asarray, run.state)
+    rng = np.random.default_rng(1)
+    for path, variable in nnx.to_flat_state(state["model"]):
+        if path[-1] == "b" and str(path[-2]).endswith(lora.SUFFIX):
+            variable.set_value(rng.normal(0.0, 0.05, variable.shape).astype(np.float32))
+    return state
 
 
 class MeshRun:
@@ -43,11 +50,13 @@ class MeshRun:
         devices = jax.devices()[:1] if spec == "single" else None
         self.mesh = mesh_lib.build(mesh_lib.parse("" if spec == "single" else spec), devices)
         self.cfg, self.rules = cfg, rules_lib.make(parallel)
-        self.make_model = lambda rngs: Transformer(model, dtype=cfg.dtype, rngs=rngs)
+        self.make_model = Transformer.factory(model, cfg.dtype, cfg.lora)
+        if cfg.lora is not None:
+            self.make_model = lora.on_frozen_base(self.make_model, cfg.frozen)
         self.tx = train.optimizer(cfg)
-        self.sharded = train.sharded_abstract(self.make_model, self.tx, self.mesh, self.rules, cfg.seed)
+        self.sharded = train.sharded_abstract(self.make_model, self.tx, self.mesh, self.rules, cfg.seed, cfg.reference)
         if init_here:
-            self.state = train.init_state(self.make_model, self.tx, self.sharded, cfg.seed)
+            self.state = train.init_state(self.make_model, self.tx, self.sharded, cfg.seed, reference=cfg.reference)
         else:
             placed = jax.device_put(initial_state(model, cfg), self.sharded.shardings)
             self.state = pipeline.to_rest(placed, self.mesh, parallel.pipeline_repeats)

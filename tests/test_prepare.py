@@ -9,6 +9,7 @@ import json
 import re
 from pathlib import Path
 
+import jax
 import jinja2
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ from test_tokenizer import write_family
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from launch import chat_template, prepare, records, tokenizer
-from meshpar.data import DataConfig, bin_tokens, load_corpus
+from meshpar.data import Batches, DataConfig, bin_tokens, load_corpus, split
 from meshpar.errors import InputError
 
 LINES = ["the cat sat on the mat", "a dog sat on a log", "the cat and the dog", "mats and logs and cats"]
@@ -346,3 +347,40 @@ def test_bad_records_are_one_error_line_and_leave_nothing(chat_tokenizer, tmp_pa
         prepare.main(["--tokenizer", str(path), "--format", "jsonl", "--input", str(data), "--out",
                       str(tmp_path / "out")])
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out.partial-*"))
+
+
+PAIRS = [{"prompt": "the cat?", "chosen": "It sat.", "rejected": "A dog."},
+         {"prompt": [{"role": "user", "content": "the cat?"}], "chosen": [{"role": "assistant", "content": "It sat."}],
+          "rejected": [{"role": "assistant", "content": "No."}]}]
+
+
+@pytest.mark.parametrize("record", PAIRS, ids=["text", "chat"])
+def test_preference_records_to_pairs_of_rows(chat_tokenizer, tmp_path, capsys, record):
+    """A preference record (TRL's text or conversational form) is two documents, prompt + chosen and prompt +
+    rejected, only the responses trained on; `data.packing=pairs` gives each a row, a pair in rows 2i, 2i + 1,
+    and the held-out split keeps pairs whole."""
+    pytest.importorskip("datasets")
+    rows = [record] * 2 + [{**record, "chosen": record["rejected"], "rejected": record["chosen"]}] * 3
+    data = write_jsonl(tmp_path / "pairs.jsonl", rows)
+    out = tmp_path / "pairs"
+    prepare.main(["--tokenizer", str(chat_tokenizer), "--format", "jsonl", "--input", str(data), "--out", str(out)])
+    assert "--set data.packing=pairs --set train.objective=dpo" in capsys.readouterr().out
+    assert json.loads((out / "corpus.json").read_text())["pairs"] is True
+    corpus = load_corpus(DataConfig(source="prepared", path=str(out)))
+    backend = Tokenizer.from_file(str(chat_tokenizer))
+    decode = lambda x: backend.decode(np.asarray(x).tolist(), skip_special_tokens=False)
+    documents = [(corpus.tokens[a:b], corpus.weights[a:b]) for a, b in zip(corpus.documents, corpus.documents[1:])]
+    assert len(documents) == 10
+    first, second = (runs(np.asarray(ids_), np.asarray(weights)) for ids_, weights in documents[:2])
+    chat = not isinstance(record["prompt"], str)
+    assert [decode(run) for run in first] == ["It sat.<|im_end|>" + "\n" * chat]
+    assert [decode(run) for run in second] == [("No." if chat else "A dog.") + "<|im_end|>" + "\n" * chat]
+    train_part, held_out = split(corpus, 0.1, 8, group=2)
+    assert (train_part.num_documents, held_out.num_documents) == (8, 2)
+    rows_ = Batches(train_part, global_batch=8, seq_len=31, seed=0, sharding=jax.sharding.SingleDeviceSharding(
+        jax.devices()[0]), packing="pairs").rows(0, range(8))
+    for pair in range(4):  # the two rows of a pair: one prompt, two responses
+        a, b = (rows_.tokens[2 * pair + i][rows_.segments[2 * pair + i] > 0] for i in range(2))
+        w = rows_.weights[2 * pair][rows_.segments[2 * pair] > 0]
+        prompt = int(np.argmax(w > 0))
+        assert prompt > 0 and np.array_equal(a[:prompt], b[:prompt]) and not np.array_equal(a, b)

@@ -64,7 +64,7 @@ def compile_step(make_model: ModelFactory, cfg: TrainConfig, mesh: Mesh, rules: 
     devices (real, or a described cluster's: `meshpar.compiler.gpu`) with meshpar's GPU flags, and with what
     the GPU program runs beside it (`gpu_program`: kernels, collectives by dtype and overlap, a roofline
     step time), its FLOPs the kernels' own."""
-    sharded = sharded_abstract(make_model, optimizer(cfg), mesh, rules, cfg.seed)
+    sharded = sharded_abstract(make_model, optimizer(cfg), mesh, rules, cfg.seed, cfg.reference)
     state, batch = abstract_inputs(sharded, cfg, documents)
     platform = mesh.devices.flat[0].platform
     options = CHECK_OPTIONS if platform == "cpu" else gpu.compile_options() if platform == "gpu" else None

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from meshpar.errors import InputError
 
 SOURCES = ("stdlib", "text", "bin", "prepared")
-PACKINGS = ("none", "concat", "best_fit")
+PACKINGS = ("none", "concat", "best_fit", "pairs")
 TOKEN_DTYPES = ("uint16", "uint32")
 
 
@@ -20,7 +20,7 @@ class DataConfig:
     token_dtype: str = "uint16"  # of a `bin` file; a prepared directory names its own
     max_bytes: int = 16_000_000
     eval_fraction: float = 0.01  # the held-out tail of the documents (see `split`)
-    packing: str = "none"  # random windows, or documents packed into rows (`meshpar.data.packing`)
+    packing: str = "none"  # random windows, documents packed into rows, or DPO's pairs (`meshpar.data.packing`)
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:

@@ -66,11 +66,12 @@ class Corpus:
         return Corpus.one_document(self.tokens[lo:hi], None if self.weights is None else self.weights[lo:hi])
 
 
-def split(data: Corpus | np.ndarray, eval_fraction: float, seq_len: int) -> tuple:
+def split(data: Corpus | np.ndarray, eval_fraction: float, seq_len: int, group: int = 1) -> tuple:
     """(training part, held-out part) of a corpus, or of a bare token array (then arrays, as views).
 
     Several documents: the held-out part is the last `eval_fraction` of the documents, and at least as many
-    as hold one window of `seq_len + 2` tokens; no document is in both. One document (or bare tokens): the
+    as hold one window of `seq_len + 2` tokens, in whole groups of `group` (DPO's pairs: 2); no document is in
+    both. One document (or bare tokens): the
     last `eval_fraction` of its tokens, at least `seq_len + 2`. Either way it depends only on the corpus and
     the fraction, so it is the same on every run."""
     corpus = data if isinstance(data, Corpus) else Corpus.one_document(data)
@@ -86,7 +87,7 @@ def split(data: Corpus | np.ndarray, eval_fraction: float, seq_len: int) -> tupl
         n, offsets = corpus.num_documents, corpus.documents
         # The most documents that leave a window's worth of tokens at the end.
         by_tokens = n - int(np.searchsorted(offsets, offsets[-1] - window, side="right")) + 1
-        held_out = min(max(math.ceil(n * eval_fraction), by_tokens), n)
+        held_out = min(-(-max(math.ceil(n * eval_fraction), by_tokens) // group) * group, n)
         first = n - held_out
         if first == 0 or offsets[first] < window:
             raise InputError(f"corpus of {n} documents ({offsets[-1]} tokens) is too short for seq_len = "

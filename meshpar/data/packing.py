@@ -2,7 +2,7 @@
 
 A `RowPlan` says which piece of which document goes where in each row of one epoch; it is a function of the
 document offsets, the seed and the epoch only, so every process computes the same plan and then reads just
-its own rows (`pack_rows`). Two packers (`DataConfig.packing`):
+its own rows (`pack_rows`). Three packers (`DataConfig.packing`):
 
 - `concat`: the documents in a seeded shuffled order, back to back, cut into consecutive rows; a document
   that does not fit continues on the next row; the last row is padded.
@@ -10,8 +10,11 @@ its own rows (`pack_rows`). Two packers (`DataConfig.packing`):
   their rest is packed like any shorter document; then, longest first (equal lengths in a seeded shuffled
   order), each goes into the row it fills most tightly, or a new row when none has room. No document
   shorter than a row is split; rows are in a seeded shuffled order and what is left of a row is padding.
+- `pairs`: DPO's preference pairs (`launch.prepare` writes a pair as documents 2j, 2j + 1): each document a row
+  of its own, cut to its first `row_len` tokens, the rest padding; the pairs in a seeded shuffled order, the
+  two of a pair in rows 2i, 2i + 1, so that an even number of rows never splits one.
 
-Both give the same number of rows every epoch (`concat`: the token count over `row_len`, rounded up;
+All give the same number of rows every epoch (`concat`: the token count over `row_len`, rounded up;
 `best_fit`: the lengths alone decide which rows fill how, the shuffle only which equal-length documents go
 where), so a global row index maps to (epoch, row) by division. Planning is numpy, except best fit's one
 step per document, a bisection over at most `row_len` distinct free spaces: O(n log row_len).
@@ -29,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from meshpar.data.corpus import Corpus
+from meshpar.errors import InputError
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,8 @@ def plan_rows(packing: str, documents: np.ndarray, row_len: int, seed: int, epoc
         return _concat(documents, row_len, rng)
     if packing == "best_fit":
         return _best_fit(documents, row_len, rng)
+    if packing == "pairs":
+        return _pairs(documents, row_len, rng)
     raise ValueError(f"no row plan for packing {packing!r}")
 
 
@@ -75,6 +81,16 @@ def _concat(documents: np.ndarray, row_len: int, rng: np.random.Generator) -> Ro
     num_rows = -(-total // row_len)
     row_pieces = np.searchsorted(cuts // row_len, np.arange(num_rows + 1))
     return RowPlan(row_len, row_pieces, piece_starts, np.diff(np.append(cuts, total)))
+
+
+def _pairs(documents: np.ndarray, row_len: int, rng: np.random.Generator) -> RowPlan:
+    n = len(documents) - 1
+    if n % 2:
+        raise InputError(f"data.packing = pairs takes the documents two by two (a preference pair: launch.prepare "
+                         f"writes them from prompt/chosen/rejected records), and there are {n}")
+    order_N = (2 * rng.permutation(n // 2)[:, None] + np.arange(2)).reshape(-1)
+    lengths_N = np.minimum(documents[order_N + 1] - documents[order_N], row_len)
+    return RowPlan(row_len, np.arange(n + 1), documents[order_N], lengths_N)
 
 
 def _best_fit(documents: np.ndarray, row_len: int, rng: np.random.Generator) -> RowPlan:

@@ -82,10 +82,11 @@ def weight_passes(lay: Layout) -> int:
 def host_traffic(shape: Shape, lay: Layout, run: Run) -> tuple[float, float]:
     """(host→device, device→host) bytes per device per step of host offload (see the module docstring)."""
     pb, gb, ob = PRECISIONS[run.precision]
-    moments = ob * local_elements(shape, lay, "optimizer") if lay.parallel.offload != "none" else 0.0
+    moments = ob * local_elements(shape, lay, "optimizer", part="trained") if lay.parallel.offload != "none" else 0.0
     in_, out = moments, moments  # the update's moments
     if lay.parallel.offload == "optimizer+params":
-        params, grads = pb * local_elements(shape, lay, "params"), gb * local_elements(shape, lay, "grads")
+        params = pb * local_elements(shape, lay, "params")
+        grads = gb * local_elements(shape, lay, "grads", part="trained")
         layers = pb * local_elements(shape, lay, "params", only_layers=True)
         in_ += params - layers + layers * weight_passes(lay) + params + grads  # fetches; the update's inputs
         out += grads + params  # the gradients landing in host memory; the updated weights
@@ -120,14 +121,16 @@ def _data_parallel(shape: Shape, lay: Layout, run: Run, cpu: bool) -> list[Colle
     pb, gb, _ = PRECISIONS[run.precision]
     whole = local_elements(shape, lay, "activations")
     layer_whole = local_elements(shape, lay, "activations", only_layers=True)
-    experts = sum(n for n, (_, names) in zip(local_tensors(shape, lay, "activations"), shape.elements())
-                  if "experts" in names)
-    head = shape.d_model * shape.vocab
+    trained = local_elements(shape, lay, "activations", part="trained")  # what has gradients (a LoRA run: adapters)
+    experts = sum(n for i, (n, (_, names)) in enumerate(zip(local_tensors(shape, lay, "activations"), shape.elements()))
+                  if "experts" in names and not shape.is_frozen(i))
+    head = shape.d_model * shape.vocab * (not any(shape.is_frozen(i) for i, (_, names) in enumerate(shape.elements())
+                                                  if "vocab" in names))
     replicas = tuple(a for a in ("data", "expert", "sequence") if lay.sizes[a] > 1)
     fsdp = ("fsdp",) if lay.mesh.fsdp > 1 else ()
     zero = lay.parallel.zero_stage
     split = bool(fsdp) and zero >= 2
-    G = gb * (whole - experts - (head if split else 0))
+    G = gb * (trained - experts - (head if split else 0))
     # (axes the gradient is whole over, its bytes): the experts' is split over `expert`, not a replica of it
     groups = [(replicas, G)] + ([(tuple(a for a in replicas if a != "expert"), gb * experts)] if experts else [])
     if split:

@@ -181,10 +181,11 @@ def _tables(parallel: ParallelConfig) -> dict[str, dict[str, tuple[str, ...]]]:
     return {kind: rules.table(kind) for kind in ("params", "grads", "optimizer", "activations")}
 
 
-def local_elements(shape: Shape, lay: Layout, kind: str, only_layers: bool = False) -> float:
-    """Parameter elements on one device under a rules table (`activations`: the gathered compute form)."""
+def local_elements(shape: Shape, lay: Layout, kind: str, only_layers: bool = False, part: str = "all") -> float:
+    """Parameter elements on one device under a rules table (`activations`: the gathered compute form), of
+    every tensor, or only of the `trained` or the `frozen` ones (`Shape.frozen`)."""
     return _local_elements(shape, lay.parallel.zero_stage, lay.mesh.stage, lay.mesh.fsdp, lay.mesh.model,
-                           lay.mesh.expert, kind, only_layers)
+                           lay.mesh.expert, kind, only_layers, part)
 
 
 def local_tensors(shape: Shape, lay: Layout, kind: str) -> tuple[float, ...]:
@@ -205,9 +206,11 @@ def _local_tensors(shape: Shape, zero: int, stage: int, fsdp: int, model: int, e
 
 @functools.lru_cache(maxsize=65536)
 def _local_elements(shape: Shape, zero: int, stage: int, fsdp: int, model: int, expert: int, kind: str,
-                    only_layers: bool) -> float:
+                    only_layers: bool, part: str) -> float:
     tensors = _local_tensors(shape, zero, stage, fsdp, model, expert, kind)
-    return sum(n for n, (_, names) in zip(tensors, shape.elements()) if not only_layers or "layers" in names)
+    wanted = {"all": (False, True), "trained": (False,), "frozen": (True,)}[part]
+    return sum(n for i, (n, (_, names)) in enumerate(zip(tensors, shape.elements()))
+               if (not only_layers or "layers" in names) and shape.is_frozen(i) in wanted)
 
 
 def transposed_for_gathers(shape: Shape, lay: Layout) -> float:

@@ -3,7 +3,8 @@
 Fitted to what XLA allocates for this model (`launch.compile`; `tests/test_fit.py` holds the per-device
 peak to 10% on the layouts it was fitted on and, apart, on layouts it was not):
 - params, optimizer: at rest, by the params/optimizer tables: float32 params 4 + Adam moments 8 bytes per
-  element (`precision="mixed"`, the ZeRO paper's convention: 2 + 12). These are XLA's argument bytes.
+  element (`precision="mixed"`, the ZeRO paper's convention: 2 + 12). These are XLA's argument bytes. A frozen
+  weight (`Shape.frozen`: a LoRA run's base) is `Shape.frozen_bytes` per element, with no moments, no gradient.
 - grads: the gradient in its own layout (`rules` grads table: split over fsdp under ZeRO-2/3).
 - activations: what the backward pass keeps of every layer this device runs, per local token
   (`layer_bytes_per_token`): `full` remat keeps each layer's input (e·D, ÷ model with Megatron SP);
@@ -207,7 +208,8 @@ def update_bytes(shape: Shape, lay: Layout, run: Run) -> float:
     layers_here = shape.layers / lay.mesh.stage  # the stacked layers one device holds
     per_tensor = zip(*(local_tensors(shape, lay, kind) for kind in kinds), (names for _, names in shape.elements()))
     return max((sum(nbytes * n for nbytes, n in zip(kinds.values(), ns[:-1]))
-                / (layers_here if "layers" in ns[-1] else 1) for ns in per_tensor), default=0.0)
+                / (layers_here if "layers" in ns[-1] else 1) for i, ns in enumerate(per_tensor)
+                if not shape.is_frozen(i)), default=0.0)  # a frozen weight is not updated
 
 
 def deferred_bytes_per_token(shape: Shape, lay: Layout, run: Run) -> float:
@@ -282,7 +284,8 @@ def _update_cpu(shape: Shape, lay: Layout, run: Run) -> float:
     as for `optimizer` (measured: equal to the byte, llama_8b on fsdp=8)."""
     _, _, ob = PRECISIONS[run.precision]
     moments_only = lay.replace(offload="optimizer")
-    return ob * local_elements(shape, lay, "optimizer", only_layers=True) + update_bytes(shape, moments_only, run)
+    return (ob * local_elements(shape, lay, "optimizer", only_layers=True, part="trained")
+            + update_bytes(shape, moments_only, run))
 
 
 def memory(shape: Shape, lay: Layout, run: Run, *, cpu: bool = False) -> Memory:
@@ -292,9 +295,10 @@ def memory(shape: Shape, lay: Layout, run: Run, *, cpu: bool = False) -> Memory:
     if cpu and lay.remat == "offload":
         lay = lay.replace(remat="dots")
     pb, gb, ob = PRECISIONS[run.precision]
-    params = pb * local_elements(shape, lay, "params")
-    optimizer = ob * local_elements(shape, lay, "optimizer")
-    grads = gb * local_elements(shape, lay, "grads")
+    params = pb * local_elements(shape, lay, "params", part="trained") + \
+        shape.frozen_bytes * local_elements(shape, lay, "params", part="frozen")
+    optimizer = ob * local_elements(shape, lay, "optimizer", part="trained")
+    grads = gb * local_elements(shape, lay, "grads", part="trained")
     b, t, _, _, _, V = local_dims(shape, lay, run)
     tokens = b * t  # one microbatch on this device
     activations = _saved(shape, lay, run, tokens, cpu) + layer_bytes_per_token(shape, lay, run, saved=False) * tokens
@@ -304,7 +308,7 @@ def memory(shape: Shape, lay: Layout, run: Run, *, cpu: bool = False) -> Memory:
     if not cpu:  # XLA:GPU's reordered copies of the weights it gathers along a later dimension
         other += pb * transposed_for_gathers(shape, lay)
     if lay.grad_accum > 1:
-        other += gb * local_elements(shape, lay, "grads")  # the accumulator, in the gradients' layout
+        other += grads  # the accumulator, in the gradients' layout
     # remat offload: every layer application of one accumulation step keeps its projections
     kept = layer_applications(shape, lay) / lay.grad_accum
     host_states, host_temp = 0.0, host_layer_bytes_per_token(shape, lay, run) * kept * tokens
@@ -315,7 +319,7 @@ def memory(shape: Shape, lay: Layout, run: Run, *, cpu: bool = False) -> Memory:
         host_temp += 0.0 if cpu else grads
         per_layer_share = lay.mesh.stage / shape.layers  # one layer's fetched weights and gradient on the way out
         other += per_layer_share * (pb * local_elements(shape, lay, "params", only_layers=True)
-                                    + gb * local_elements(shape, lay, "grads", only_layers=True))
+                                    + gb * local_elements(shape, lay, "grads", only_layers=True, part="trained"))
         params, grads = 0.0, grads if cpu else 0.0
     update = _update_cpu(shape, lay, run) if cpu and lay.parallel.offload != "none" else update_bytes(shape, lay, run)
     return Memory(params, grads, optimizer, activations, other, update, host_states, host_temp)

@@ -219,7 +219,9 @@ def _bases(shape: Shape, dph: int, run: Run, hw: Hardware, devices: int, budget:
     pb, _, ob = PRECISIONS[run.precision]
 
     def states_fit(base: Layout, offload: str) -> bool:
-        params, moments = pb * local_elements(shape, base, "params"), ob * local_elements(shape, base, "optimizer")
+        params = pb * local_elements(shape, base, "params", part="trained") + \
+            shape.frozen_bytes * local_elements(shape, base, "params", part="frozen")
+        moments = ob * local_elements(shape, base, "optimizer", part="trained")
         device = {"none": params + moments, "optimizer": params, "optimizer+params": 0.0}[offload]
         return device <= budget and params + moments - device <= host_budget
 

@@ -13,6 +13,10 @@ attention windows, which no weight shows.
 Layers that differ (`layer_pattern`) stack as periods: one entry of the `layers` axis holds a period's
 layers, each with its attention, a dense MLP (`mlp`) or experts. The planner's "layer" is that entry;
 `period`, `mlp_layers` and `moe_layers` count what it holds, read from the weights.
+
+Frozen weights (a LoRA run's base, `meshpar.frozen`) are tensors like the others, marked `frozen`, held in
+`frozen_bytes` per element: they take no gradient and no optimizer state, and their matmuls no weight-gradient
+FLOPs (4 per parameter and token, not 6); the adapters are trained tensors of their own.
 """
 
 from __future__ import annotations
@@ -23,7 +27,10 @@ from collections.abc import Callable
 
 from flax import nnx
 
+import numpy as np
+
 from meshpar import sharding
+from meshpar.frozen import WEIGHTS, Frozen
 from meshpar.errors import InputError
 from meshpar.mfu import palm_flops_per_token
 
@@ -35,20 +42,24 @@ class Shape:
     tensors: tuple[Tensor, ...]
     experts_per_token: int = 0  # k of a mixture of experts (not read for a dense model)
     windows: tuple[int, ...] = ()  # each layer of a period's sliding window (0: full attention); (): all full
+    frozen: tuple[bool, ...] = ()  # per tensor, whether it is frozen (module docstring); (): none is
+    frozen_bytes: int = 4  # bytes per element of a frozen tensor
 
     @classmethod
     def of(cls, abstract_params: nnx.State, experts_per_token: int = 0, windows: tuple[int, ...] = ()) -> Shape:
-        """From a (possibly abstract) state of parameters that declare their logical axes."""
-        return cls(tuple((sharding.path_name(path), tuple(v.shape), sharding.logical_axes(v, path))
-                         for path, v in nnx.to_flat_state(nnx.state(abstract_params, nnx.Param))),
-                   experts_per_token, windows)
+        """From a (possibly abstract) state of weights, trained or frozen, that declare their logical axes."""
+        flat = nnx.to_flat_state(nnx.state(abstract_params, WEIGHTS))
+        frozen = tuple(isinstance(v, Frozen) for _, v in flat)
+        itemsize = next((np.dtype(v.dtype).itemsize for _, v in flat if isinstance(v, Frozen)), 4)
+        tensors = tuple((sharding.path_name(path), tuple(v.shape), sharding.logical_axes(v, path)) for path, v in flat)
+        return cls(tensors, experts_per_token, windows, frozen if any(frozen) else (), itemsize)
 
     @classmethod
     def of_model(cls, make_model: Callable[[nnx.Rngs], nnx.Module], experts_per_token: int = 0,
                  windows: tuple[int, ...] = ()) -> Shape:
         """From a model factory (`rngs → model`), built abstractly: nothing is allocated."""
         with nnx.use_eager_sharding(False):  # meshpar, not Flax, resolves logical names
-            return cls.of(nnx.state(nnx.eval_shape(lambda: make_model(nnx.Rngs(0))), nnx.Param), experts_per_token,
+            return cls.of(nnx.state(nnx.eval_shape(lambda: make_model(nnx.Rngs(0))), WEIGHTS), experts_per_token,
                           windows)
 
     def __post_init__(self):
@@ -59,6 +70,8 @@ class Shape:
                 sizes.setdefault(name, dim)
         object.__setattr__(self, "_sizes", sizes)
         object.__setattr__(self, "_elements", tuple((math.prod(shape), names) for _, shape, names in self.tensors))
+        if self.frozen and len(self.frozen) != len(self.tensors):
+            raise InputError(f"{len(self.frozen)} frozen flags for {len(self.tensors)} tensors")
         count = lambda names: sum(1 for _, _, n in self.tensors if n == names)
         object.__setattr__(self, "_counts", (max(1, count(("layers", "embed", "heads", "head_dim"))),
                                              count(("layers", "embed", "mlp")) // 2,  # gate and up
@@ -137,9 +150,17 @@ class Shape:
         """(elements, logical axes) of every parameter, stacked layer tensors whole."""
         return self._elements
 
+    def is_frozen(self, i: int) -> bool:
+        """Whether tensor `i` (of `tensors`) is frozen."""
+        return bool(self.frozen) and self.frozen[i]
+
     @property
     def params(self) -> int:
         return sum(n for n, _ in self.elements())
+
+    @property
+    def trained_params(self) -> int:
+        return sum(n for i, (n, _) in enumerate(self.elements()) if not self.is_frozen(i))
 
     @property
     def layer_params(self) -> int:
@@ -153,14 +174,22 @@ class Shape:
             return not any(other == ("embed", "vocab") for *_, other in self.tensors)
         return "embed" in names and len([n for n in names if n not in ("layers", "experts")]) > 1  # a router's too
 
+    def _matmul(self, frozen: bool | None = None) -> int:
+        """Parameters that take part in a token's matmuls (of the experts, the k active); only the frozen (True)
+        or trained (False) ones where asked."""
+        return sum(n * self.experts_per_token // self.experts if "experts" in names else n
+                   for i, (n, names) in enumerate(self.elements())
+                   if self.is_matmul(names) and frozen in (None, self.is_frozen(i)))
+
     @property
     def matmul_params(self) -> int:
         """Parameters that take part in a token's matmuls (`is_matmul`; of the experts, the k active): PaLM's N."""
-        return sum(n * self.experts_per_token // self.experts if "experts" in names else n
-                   for n, names in self.elements() if self.is_matmul(names))
+        return self._matmul()
 
     def model_flops_per_token(self, seq_len: int) -> float:
-        """PaLM's 6Ψ + 12·L·N·H·T (`meshpar.mfu`); in a layer with a sliding window W < T, each query sees W
-        keys, not T."""
+        """PaLM's 6Ψ + 12·L·N·H·T (`meshpar.mfu`), less a frozen weight's gradient (2 per parameter: its
+        matmuls run forward and for their input's gradient only); in a layer with a sliding window W < T, each
+        query sees W keys, not T."""
         keys = self.attention_keys(seq_len) / self.period  # a layer's on average
-        return palm_flops_per_token(self.matmul_params, self.layers * self.period, self.heads, self.head_dim, keys)
+        return (palm_flops_per_token(self.matmul_params, self.layers * self.period, self.heads, self.head_dim, keys)
+                - 2 * self._matmul(frozen=True))

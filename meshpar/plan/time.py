@@ -190,7 +190,8 @@ def estimate(shape: Shape, lay: Layout, run: Run, hw: Hardware, devices_per_host
     dp = kind_s["dp"]
     exposed["dp"] = max(dp / max(1.0, shape.layers / lay.mesh.stage), dp - compute - critical)
     _, _, ob = PRECISIONS[run.precision]
-    optimizer_s = local_elements(shape, lay, "optimizer") * (4 + 4 + ob + 4 + ob) / hw.hbm_bw  # r p,g,m,v; w p,m,v
+    optimizer_s = (local_elements(shape, lay, "optimizer", part="trained") * (4 + 4 + ob + 4 + ob)  # r p,g,m,v; w p,m,v
+                   / hw.hbm_bw)
     host_s = sum(host_traffic(shape, lay, run)) / (hw.host_bw * hw.net_efficiency) if offloads and hw.offloads else 0.0
     step = compute + sum(exposed.values()) + optimizer_s + host_s
     comm: dict[str, list[float]] = {}

@@ -1,0 +1,210 @@
+"""LoRA (meshpar.lora) on every parallel layout and DPO (meshpar.dpo) on one, against one device: the same weights
+(adapters' B drawn non-zero: `layouts.initial_state`) and batch, the loss and every adapter's gradient
+(float32); the adapters laid out by the rules; the frozen base untouched by training and without optimizer
+state; the merged model equal to the adapted one. Against PEFT and TRL: test_peft.py."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from conftest import require_devices
+from layouts import MODEL, TRAIN, MeshRun, max_relative_error
+from meshpar import lora, sharding, train
+from meshpar.batch import Batch
+from meshpar.errors import InputError
+from meshpar.frozen import Frozen
+from meshpar.rules import ParallelConfig
+from models.transformer import Transformer
+
+LORA = dataclasses.replace(TRAIN, lora_rank=4, lora_alpha=8.0)
+DEEP = dataclasses.replace(MODEL, n_layers=4)
+MOE = dataclasses.replace(MODEL, n_experts=4, experts_per_token=2, d_expert=64)
+EXPERTS = dataclasses.replace(LORA, lora_targets="q,k,v,o,experts")
+
+# mesh, ParallelConfig fields, train config, model: one row per strategy
+STRATEGIES = {
+    "data": ("data=8", {}, LORA, MODEL),
+    "zero1": ("data=2,fsdp=4", {"zero_stage": 1}, LORA, MODEL),
+    "fsdp": ("fsdp=8", {}, LORA, MODEL),
+    "tp+sp": ("data=2,model=4", {"sequence_parallel": True}, LORA, MODEL),
+    "fsdp+tp": ("data=2,fsdp=2,model=2", {}, LORA, MODEL),
+    "ring": ("sequence=4,fsdp=2", {}, LORA, MODEL),
+    "allgather": ("data=2,sequence=4", {"context_attention": "allgather", "load_balance": False}, LORA, MODEL),
+    "ulysses": ("fsdp=2,sequence=2,model=2", {"context_attention": "ulysses"}, LORA, MODEL),
+    "gpipe": ("stage=2,data=4", {"microbatches": 2}, LORA, DEEP),
+    "circular": ("stage=2,fsdp=2,model=2", {"microbatches": 2, "pipeline_repeats": 2}, LORA, DEEP),
+    "1f1b": ("stage=2,data=2,fsdp=2", {"pipeline_schedule": "1f1b", "microbatches": 4}, LORA, DEEP),
+    "zero_bubble": ("stage=2,data=4", {"pipeline_schedule": "zero_bubble", "microbatches": 4}, LORA, DEEP),
+    "offload": ("fsdp=8", {"offload": "optimizer+params"}, dataclasses.replace(LORA, remat="dots"), MODEL),
+    "accumulation": ("data=2,fsdp=2,model=2", {}, dataclasses.replace(LORA, grad_accum=2), MODEL),
+    "experts": ("expert=4,data=2", {}, EXPERTS, MOE),
+}
+
+
+
+
+@functools.cache
+def single(model, cfg) -> tuple[float, nnx.State]:
+    """One device's loss and gradients (without accumulation or remat: the same numbers)."""
+    return MeshRun("single", cfg=dataclasses.replace(cfg, grad_accum=1, remat="none"), model=model).loss_and_grads()
+
+
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_lora_matches_one_device(name):
+    """Loss and every adapter's gradient on each strategy's mesh equal one device's (float32, 1e-5); the
+    gradients are the adapters' alone."""
+    require_devices(8)
+    spec, parallel, cfg, model = STRATEGIES[name]
+    loss, grads = MeshRun(spec, cfg=cfg, model=model, parallel=ParallelConfig(**parallel)).loss_and_grads()
+    ref_loss, ref_grads = single(model, cfg)
+    assert abs(loss - ref_loss) / ref_loss < 1e-5
+    assert max_relative_error(grads, ref_grads) < 1e-5
+    paths = [sharding.path_name(path) for path, _ in nnx.to_flat_state(grads)]
+    assert paths and all(lora.SUFFIX + "/" in path for path in paths), paths
+
+
+@pytest.fixture(scope="module")
+def fsdp_tp():
+    require_devices(8)
+    return MeshRun("data=2,fsdp=2,model=2", cfg=dataclasses.replace(LORA, frozen_dtype="bfloat16"))
+
+
+def test_adapters_are_laid_out_as_the_weights_they_adapt(fsdp_tp):
+    """A's input axes and B's output axes split as the weight's: q's A [L, D, R] over fsdp on D, its B
+    [L, R, N, H] over model on the heads; o's A [L, N, H, R] over model, its B [L, R, D] over fsdp."""
+    attn = fsdp_tp.state["model"]["blocks"]["attn"]
+    shard = lambda v: v[...].sharding.shard_shape(v[...].shape)
+    L, D, N, H, R = MODEL.n_layers, MODEL.d_model, MODEL.n_heads, MODEL.head_size, LORA.lora_rank
+    assert shard(attn["wq_DNH"]) == (L, D // 2, N // 2, H)
+    assert shard(attn["wq_DNH_lora"]["a"]) == (L, D // 2, R)
+    assert shard(attn["wq_DNH_lora"]["b"]) == (L, R, N // 2, H)
+    assert shard(attn["wo_NHD_lora"]["a"]) == (L, N // 2, H, R)
+    assert shard(attn["wo_NHD_lora"]["b"]) == (L, R, D // 2)
+
+
+def test_the_base_is_frozen_in_its_dtype_and_has_no_optimizer_state(fsdp_tp):
+    """Frozen weights in bfloat16 (train.frozen_dtype), adapters and their moments in float32; every moment
+    belongs to an adapter; after three steps the base is bit for bit what it was and the adapters moved."""
+    state = fsdp_tp.state
+    weights = dict(nnx.to_flat_state(state["model"]))
+    frozen = {p: v for p, v in weights.items() if isinstance(v, Frozen)}
+    adapters = {p: v for p, v in weights.items() if not isinstance(v, Frozen)}
+    assert frozen and all(v.dtype == jnp.bfloat16 for v in frozen.values())
+    assert adapters and all(str(p[-2]).endswith(lora.SUFFIX) and v.dtype == jnp.float32 for p, v in adapters.items())
+    moments = [(p, v) for p, v in nnx.to_flat_state(state["opt"]) if v.ndim]
+    assert moments and all(any(str(k).endswith(lora.SUFFIX) for k in p) for p, _ in moments)
+    assert sum(v.size for _, v in moments) == 2 * sum(v.size for v in adapters.values())  # Adam: μ and ν
+    before = jax.tree.map(np.asarray, state["model"])
+    step = fsdp_tp.compiled_step[0]
+    after = jax.tree.map(lambda x: x.copy(), state)
+    for i in range(3):
+        after, _ = step(after, fsdp_tp.batch(i))
+    for path, v in nnx.to_flat_state(after["model"]):
+        old = dict(nnx.to_flat_state(before))[path][...]
+        if isinstance(v, Frozen):
+            assert np.array_equal(np.asarray(v[...]), old), path
+        else:
+            assert not np.array_equal(np.asarray(v[...]), old), path
+
+
+def test_the_merged_model_computes_what_the_adapted_one_does():
+    """`lora.merged` folds s·A·B into each weight: a plain model with those weights gives the adapted model's
+    logits; with the adapters switched off (`lora.disabled`) the adapted model gives the base's."""
+    run = MeshRun("single", cfg=LORA)
+    model = nnx.merge(run.sharded.graphdef, run.state).model
+    tokens_BT = jnp.asarray(run.batch(0)[:2, :-1])
+    with nnx.use_eager_sharding(False):
+        plain = Transformer(MODEL, rngs=nnx.Rngs(0))
+    nnx.update(plain, lora.merged(nnx.state(model, (nnx.Param, Frozen)), LORA.lora))
+    adapted = model(tokens_BT)
+    assert np.max(np.abs(plain(tokens_BT) - adapted)) <= 1e-5 * np.max(np.abs(adapted))
+    with lora.disabled():
+        off = model(tokens_BT)
+    nnx.update(plain, nnx.from_flat_state({p: nnx.Param(v[...].astype(jnp.float32))
+                                           for p, v in nnx.to_flat_state(nnx.state(model, Frozen))}))
+    np.testing.assert_array_equal(off, plain(tokens_BT))
+    assert np.max(np.abs(off - adapted)) > 1e-3  # the adapters' B are not 0
+
+
+@pytest.mark.parametrize(("settings", "culprit"), [
+    ({"lora_rank": 4, "lora_targets": "q,attention"}, "train.lora_targets = 'q,attention': 'attention' is not one of"),
+    ({"lora_rank": -1}, "train.lora_rank = -1 must be >= 0"),
+    ({"lora_rank": 4, "lora_alpha": 0.0}, "train.lora_alpha = 0.0 must be > 0"),
+    ({"frozen_dtype": "float16"}, "train.frozen_dtype = 'float16' is not one of"),
+    ({"objective": "dpo", "global_batch": 6, "grad_accum": 2}, "must be an even number of rows per microbatch"),
+])
+def test_bad_settings_are_refused(settings, culprit):
+    with pytest.raises(InputError, match=culprit):
+        train.TrainConfig(**settings)
+
+
+def test_experts_target_on_a_dense_model_is_refused():
+    with pytest.raises(InputError, match="train.lora_targets names experts, and this model has none"):
+        MeshRun("single", cfg=EXPERTS)
+
+
+# --- DPO -------------------------------------------------------------------------------------------------
+
+
+def pairs(run: MeshRun, step: int) -> Batch:
+    """Pairs (rows 2i, 2i + 1) sharing a prompt of 12 tokens, their responses weighed 1."""
+    tokens = np.array(run.batch(step))
+    tokens[1::2, :12] = tokens[0::2, :12]
+    weights = np.zeros(tokens.shape, np.float32)
+    weights[:, 12:] = 1.0
+    return Batch(*(jax.device_put(x, run.tokens_sharding) for x in (tokens, None, weights)))
+
+
+DPO = {"lora": dataclasses.replace(LORA, objective="dpo", dpo_beta=0.5, lr=1e-3),
+       "full": dataclasses.replace(TRAIN, objective="dpo", dpo_beta=0.5, lr=1e-4)}
+
+
+@pytest.mark.slow  # 30 s of compiles: `make test-slow` (which also holds both against TRL's loss: test_peft)
+@pytest.mark.parametrize("kind", DPO)
+def test_dpo_on_a_mesh_with_accumulation_matches_one_device(kind):
+    """Three DPO steps on data=2,fsdp=2,model=2 with 2 accumulation microbatches, on the same pairs: the losses
+    and reward metrics equal one device's, and the margin grows; a full fine-tuning run's reference copy stays
+    as it was and has no optimizer state."""
+    require_devices(8)
+    cfg = DPO[kind]
+    runs = [MeshRun("single", cfg=cfg), MeshRun("data=2,fsdp=2,model=2", cfg=dataclasses.replace(cfg, grad_accum=2))]
+    records = []
+    for run in runs:
+        step, state, out = train.make_step(run.sharded, run.tokens_sharding, run.cfg), run.state, []
+        state = jax.tree.map(lambda x: x.copy(), state)
+        for i in range(3):
+            state, metrics = step(state, pairs(run, 0))  # the same pairs: the margin must grow
+            out.append({k: float(v) for k, v in metrics.items()})
+        records.append(out)
+        if kind == "full":  # the reference: the starting weights, frozen, without moments of its own
+            reference = dict(nnx.to_flat_state(state["reference"]))
+            start = dict(nnx.to_flat_state(run.state["model"]))
+            assert reference.keys() == start.keys()
+            assert all(np.array_equal(np.asarray(v[...]), np.asarray(start[p][...])) for p, v in reference.items())
+            moments = sum(v.size for _, v in nnx.to_flat_state(state["opt"]) if v.ndim)
+            assert moments == 2 * sum(v.size for v in start.values())
+    if kind == "full":  # the policy starts as the reference (a LoRA run's adapters start with B ≠ 0 here)
+        assert records[0][0]["loss"] == pytest.approx(np.log(2), rel=1e-6)
+    for i, (one, mesh) in enumerate(zip(*records)):
+        # a reward is β times a difference of two sums of log-probabilities: float32 rounds it to their size
+        rounding = 1e-5 * cfg.dpo_beta * abs(one["logps/chosen"])
+        for key in ("loss", "logps/chosen", "logps/rejected"):
+            assert mesh[key] == pytest.approx(one[key], rel=1e-5), key
+        for key in ("rewards/chosen", "rewards/rejected", "rewards/margins"):
+            assert abs(mesh[key] - one[key]) <= rounding, key
+        if kind == "lora" or i:  # a full run's first margins are 0 but for rounding: their signs are noise
+            assert mesh["rewards/accuracies"] == one["rewards/accuracies"]
+    assert records[0][-1]["rewards/margins"] > records[0][0]["rewards/margins"] + 0.01  # it learns to prefer them
+
+
+def test_dpo_refuses_the_pipeline_schedules_that_run_the_loss_inside():
+    require_devices(8)
+    run = MeshRun("stage=2,data=4", cfg=DPO["lora"], model=DEEP,
+                  parallel=ParallelConfig(pipeline_schedule="1f1b", microbatches=4))
+    with pytest.raises(InputError, match="train.objective = dpo takes each sequence's log-probability whole"):
+        train.loss_and_grads(run.sharded, run.tokens_sharding, run.cfg)(run.state, pairs(run, 0))

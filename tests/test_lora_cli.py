@@ -1,0 +1,141 @@
+"""LoRA and DPO through the commands, end to end: a PEFT adapter in (`launch.convert from-peft`), trained by
+`launch.train` on one mesh with checkpoints that hold the adapters alone, resumed on another mesh (and refused
+over another base), written out for PEFT (`to-peft`) and merged for transformers (`to-hf --merge-lora`), and run
+by `launch.generate` with the adapters on and merged; a DPO run on preference pairs `launch.prepare` wrote."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from flax import nnx
+
+from conftest import require_devices
+from hf_reference import FAMILIES, call
+from launch import weights
+from meshpar import mesh as mesh_lib, rules as rules_lib
+from models.transformer import Transformer
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+BASE = {**FAMILIES["llama"], "vocab_size": 256}  # the built-in corpus's bytes
+TRAIN = ["--config", "tiny", "--cpu-devices", "4", "--set", "train.seq_len=32", "--set", "train.global_batch=4",
+         "--set", "train.remat=none"]
+
+
+def command(module: str, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    return subprocess.run([sys.executable, "-m", f"launch.{module}", *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+
+
+def ok(proc: subprocess.CompletedProcess) -> str:
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc.stdout
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A PEFT adapter over a random llama, imported and trained 2 steps on fsdp=2,model=2, then 2 more on
+    data=2,fsdp=2 from its checkpoint."""
+    require_devices(4)
+    d = tmp_path_factory.mktemp("lora_cli")
+    call("save_random", str(d / "hf"), "llama", BASE, 0)
+    call("save_peft", str(d / "hf"), str(d / "peft"), ["q_proj", "v_proj", "down_proj"], 4, 8.0, True, 0)
+    ok(command("convert", "from-hf", "--hf-dir", str(d / "hf"), "--out", str(d / "base"), "--cpu-devices", "4"))
+    ok(command("convert", "from-peft", "--peft-dir", str(d / "peft"), "--base", str(d / "base"), "--out",
+               str(d / "adapters"), "--cpu-devices", "4"))
+    first = ok(command("train", *TRAIN, "--init-from", str(d / "adapters"), "--mesh", "fsdp=2,model=2", "--steps", "2",
+                       "--checkpoint-dir", str(d / "ckpt")))
+    second = ok(command("train", *TRAIN, "--init-from", str(d / "adapters"), "--mesh", "data=2,fsdp=2", "--steps", "4",
+                        "--checkpoint-dir", str(d / "ckpt")))
+    return d, first, second
+
+
+def test_checkpoints_hold_the_adapters_and_resume_on_another_mesh(trained):
+    d, first, second = trained
+    assert "resumed from" in second and "at step 2" in second
+    handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
+    with ocp.CheckpointManager(d / "ckpt", item_handlers=handlers) as manager:
+        saved = manager.item_metadata(4)["state"].tree["model"]
+        meta = manager.restore(4, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    leaves = jax.tree_util.tree_leaves_with_path(saved, is_leaf=lambda m: hasattr(m, "shape"))
+    names = [jax.tree_util.keystr(path) for path, _ in leaves]
+    assert names and all("_lora" in name for name in names), names  # no base weight
+    assert "['blocks']['attn']['wq_DNH']" in " ".join(meta["frozen"]) or any("wq_DNH" in k for k in meta["frozen"])
+    assert meta["config"]["init_from"] == str(d / "adapters")
+
+
+def test_resuming_over_another_base_is_refused(trained, tmp_path):
+    d, *_ = trained
+    call("save_random", str(tmp_path / "hf"), "llama", BASE, 1)
+    ok(command("convert", "from-hf", "--hf-dir", str(tmp_path / "hf"), "--out", str(tmp_path / "base"),
+               "--cpu-devices", "4"))
+    lora = ["--set", "train.lora_rank=4", "--set", "train.lora_alpha=8.0", "--set", "train.lora_targets=q,v,down",
+            "--set", "train.lora_rslora=true"]
+    proc = command("train", *TRAIN, *lora, "--init-from", str(tmp_path / "base"), "--mesh", "fsdp=4", "--steps", "6",
+                   "--checkpoint-dir", str(d / "ckpt"))
+    assert proc.returncode == 1 and "was trained over other frozen weights" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_the_trained_adapters_go_out_to_peft_and_merged_to_transformers(trained):
+    d, *_ = trained
+    ok(command("convert", "to-peft", "--checkpoint", str(d / "ckpt"), "--out", str(d / "peft_out"),
+               "--cpu-devices", "4"))
+    ok(command("convert", "to-hf", "--checkpoint", str(d / "ckpt"), "--out", str(d / "merged"), "--merge-lora",
+               "--cpu-devices", "4"))
+    refused = command("convert", "to-hf", "--checkpoint", str(d / "ckpt"), "--out", str(d / "plain"),
+                      "--cpu-devices", "4")
+    assert refused.returncode == 1 and "holds LoRA adapters: --merge-lora" in refused.stderr
+    config = json.loads((d / "peft_out" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(d / "hf") and config["use_rslora"] is True
+    mesh, rules = mesh_lib.build(mesh_lib.parse("fsdp=4"), jax.devices()[:4]), rules_lib.default()
+    cfg, params, adapters = weights.load(d / "ckpt", mesh, rules)
+    tokens = (np.arange(2 * 20).reshape(2, 20) * 7 % 256).astype(np.int32)
+    ours = np.asarray(nnx.merge(Transformer.abstract(cfg, adapters)[0], params)(tokens))
+    scale = np.max(np.abs(ours))
+    peft_logits = np.asarray(call("logits", str(d / "hf"), tokens.tolist(), str(d / "peft_out")))
+    merged_logits = np.asarray(call("logits", str(d / "merged"), tokens.tolist()))
+    imported = np.asarray(call("logits", str(d / "hf"), tokens.tolist(), str(d / "peft")))
+    assert np.max(np.abs(peft_logits - ours)) < 1e-5 * scale
+    assert np.max(np.abs(merged_logits - ours)) < 1e-5 * scale
+    assert np.max(np.abs(imported - ours)) > 1e-3 * scale  # 4 steps moved the adapters
+
+
+def test_generation_with_the_adapters_on_and_merged(trained):
+    d, *_ = trained
+    args = ["--checkpoint", str(d / "ckpt"), "--prompt-ids", "5,6,7,8", "--max-new-tokens", "8", "--json",
+            "--cpu-devices", "4", "--mesh", "fsdp=4"]
+    on, merged = (json.loads(ok(command("generate", *args, *extra)).splitlines()[-1])["ids"]
+                  for extra in ([], ["--merge-lora"]))
+    assert len(on) == 8 and on == merged
+
+
+def test_dpo_on_prepared_preference_pairs(tmp_path):
+    """launch.prepare's pairs, trained by DPO with LoRA: the run reports TRL's metrics in its metrics file."""
+    require_devices(4)
+    pytest.importorskip("datasets")
+    from test_prepare import instruct_tokenizer
+
+    tokenizer_file = instruct_tokenizer(tmp_path / "tok")
+    rows = [{"prompt": f"question {i}?", "chosen": "a good answer.", "rejected": "no."} for i in range(12)]
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    ok(command("prepare", "--tokenizer", str(tokenizer_file), "--format", "jsonl", "--input",
+               str(tmp_path / "pairs.jsonl"), "--out", str(tmp_path / "pairs")))
+    metrics = tmp_path / "metrics.jsonl"
+    ok(command("train", *TRAIN, "--mesh", "data=2,fsdp=2", "--steps", "3", "--set", "model.vocab_size=300",
+               "--set", "data.source=prepared", "--set", f"data.path={tmp_path / 'pairs'}", "--set",
+               "data.packing=pairs", "--set", "train.objective=dpo", "--set", "train.lora_rank=4",
+               "--metrics-file", str(metrics)))
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert len(records) == 3 and all(0 <= r["rewards/accuracies"] <= 1 for r in records)
+    assert records[0]["loss"] == pytest.approx(np.log(2), rel=1e-5)  # adapters start at B = 0: the reference
+    refused = command("train", *TRAIN, "--mesh", "fsdp=4", "--steps", "1", "--set", "model.vocab_size=300",
+                      "--set", "data.source=prepared", "--set", f"data.path={tmp_path / 'pairs'}",
+                      "--set", "train.objective=dpo", "--set", "train.lora_rank=4")
+    assert refused.returncode == 1 and "data.packing must be pairs" in refused.stderr
