@@ -283,9 +283,14 @@ STEP_LAYOUTS = [("stage=2,sequence=2,model=2", 1, {}), ("stage=2,sequence=2,mode
                 ("stage=2,sequence=2,data=2", 2, {"context_attention": "ulysses", **ZB})]
 
 
-@pytest.mark.parametrize("spec,R,settings", STEP_LAYOUTS,
-                         ids=[f"{spec}-R{R}" + "".join(f"-{v}" for v in more.values())
-                              for spec, R, more in STEP_LAYOUTS])
+# Zero-bubble on the 1F1B layouts of ring attention: the slow tier (within make test's 15 minutes)
+SLOW_STEP_LAYOUTS = [("stage=2,sequence=2,model=2", 2, ZB), ("stage=4,sequence=2", 1, ZB)]
+
+
+@pytest.mark.parametrize("spec,R,settings", [
+    pytest.param(spec, R, more, id=f"{spec}-R{R}" + "".join(f"-{v}" for v in more.values()),
+                 marks=[pytest.mark.slow] if (spec, R, more) in SLOW_STEP_LAYOUTS else [])
+    for spec, R, more in STEP_LAYOUTS])
 def test_training_step_matches_one_device(deep_reference, spec, R, settings):
     """`parallel.pipeline_schedule=1f1b` (and `zero_bubble`) through `train.loss_and_grads` with meshpar's
     transformer: context attention (each mode, zigzag), tensor parallelism (heads, MLP, vocabulary over
