@@ -39,6 +39,8 @@ STRATEGIES = {
     "gpipe": ("stage=2,data=4", {"microbatches": 2}, LORA, DEEP),
     "circular": ("stage=2,fsdp=2,model=2", {"microbatches": 2, "pipeline_repeats": 2}, LORA, DEEP),
     "1f1b": ("stage=2,data=2,fsdp=2", {"pipeline_schedule": "1f1b", "microbatches": 4}, LORA, DEEP),
+    "interleaved 1f1b": ("stage=2,data=4", {"pipeline_schedule": "1f1b", "microbatches": 2, "pipeline_repeats": 2},
+                         LORA, DEEP),
     "zero_bubble": ("stage=2,data=4", {"pipeline_schedule": "zero_bubble", "microbatches": 4}, LORA, DEEP),
     "offload": ("fsdp=8", {"offload": "optimizer+params"}, dataclasses.replace(LORA, remat="dots"), MODEL),
     "accumulation": ("data=2,fsdp=2,model=2", {}, dataclasses.replace(LORA, grad_accum=2), MODEL),
