@@ -12,7 +12,6 @@ from collections.abc import Callable
 
 from flax import nnx
 
-from meshpar import lora
 from meshpar.checkpoint import CheckpointConfig
 from meshpar.data import DataConfig
 from meshpar.errors import InputError
@@ -35,8 +34,7 @@ class Config:
     def model_factory(self) -> Callable[[nnx.Rngs], Transformer]:
         """`rngs → the model`, computing in `train.compute_dtype` (with LoRA adapters on a frozen base where
         `train.lora_rank` asks for them): what meshpar's training takes."""
-        make = Transformer.factory(self.model, self.train.dtype, self.train.lora)
-        return make if self.train.lora is None else lora.on_frozen_base(make, self.train.frozen)
+        return self.train.frozen_base(Transformer.factory(self.model, self.train.dtype, self.train.lora))
 
     def __post_init__(self):
         if self.data.source in ("stdlib", "text") and self.model.vocab_size < 256:

@@ -64,12 +64,6 @@ def train_config(config: dict) -> train.TrainConfig:
     return train.TrainConfig(**{k: v for k, v in config.get("train", {}).items() if k in known})
 
 
-def model_factory(cfg: TransformerConfig, adapters: lora.LoraConfig | None):
-    """The model a run of `adapters` trains: with them, on a frozen float32 base."""
-    make = Transformer.factory(cfg, adapters=adapters)
-    return make if adapters is None else lora.on_frozen_base(make, train.COMPUTE_DTYPES["float32"])
-
-
 def load(directory: str | Path, mesh: Mesh, rules: Rules, merge_lora: bool = False) -> Weights:
     """The model config and its parameters (float32) from `directory`, sharded on `mesh` by `rules`; with
     `merge_lora`, a LoRA model's adapters folded into its weights (`lora.merged`)."""
@@ -94,8 +88,8 @@ def load(directory: str | Path, mesh: Mesh, rules: Rules, merge_lora: bool = Fal
 def _restored_model(directory: str | Path, cfg: TransformerConfig, settings: train.TrainConfig, mesh: Mesh,
                     rules: Rules) -> nnx.State:
     """The model's saved parameters of a training checkpoint (a LoRA run's: its adapters)."""
-    sharded = train.sharded_abstract(model_factory(cfg, settings.lora), train.optimizer(settings), mesh, rules,
-                                     reference=settings.reference)
+    make_model = settings.frozen_base(Transformer.factory(cfg, adapters=settings.lora))
+    sharded = train.sharded_abstract(make_model, train.optimizer(settings), mesh, rules, reference=settings.reference)
     saved, _ = frozen.split(sharded.abstract)
     ckpt = checkpoint.Checkpointer(directory)
     try:
@@ -107,7 +101,7 @@ def _restored_model(directory: str | Path, cfg: TransformerConfig, settings: tra
 
 def _seeded_base(cfg: TransformerConfig, settings: train.TrainConfig, mesh: Mesh, rules: Rules) -> nnx.State:
     """The frozen base a LoRA run that began from random weights had: its model made again from its seed."""
-    make = model_factory(cfg, settings.lora)
+    make = settings.frozen_base(Transformer.factory(cfg, adapters=settings.lora))
     with nnx.use_eager_sharding(False):
         abstract = nnx.state(nnx.eval_shape(lambda: make(nnx.Rngs(settings.seed))), frozen.Frozen)
     shardings = sharding.state_shardings(abstract, mesh, rules)

@@ -27,7 +27,7 @@ from meshpar import lora
 from meshpar.attention import sequence_order
 from meshpar.batch import Batch
 from meshpar.errors import InputError
-from meshpar.loss import next_token_inputs, token_log_probs
+from meshpar.loss import final_hidden_states, next_token_inputs, token_log_probs
 from meshpar.moe import routing
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
@@ -54,9 +54,7 @@ def _per_target(model, batch: Batch, chunk: int) -> tuple[jax.Array, jax.Array, 
     """(log-probabilities [B, T] of the targets of weight > 0, else 0, in the step's sequence order; that order's
     inverse; a mixture's router statistics or None)."""
     x = next_token_inputs(batch)
-    documents = () if x.segments is None else (x.segments,)
-    routed = getattr(model, "routed_hidden_states", None)
-    hidden_BTD, stats = (routed or (lambda *a: (model.hidden_states(*a), None)))(x.inputs, x.positions, *documents)
+    hidden_BTD, stats = final_hidden_states(model, x)
     logp_BT = token_log_probs(hidden_BTD, model.output_head(), x.targets, chunk, getattr(model, "logit_softcap", None))
     return jnp.where(x.weights > 0, logp_BT, 0.0), sequence_order(x.targets.shape[1])[2], stats
 

@@ -63,6 +63,8 @@ def fingerprint(state: nnx.State) -> dict[str, list[float]]:
         return jnp.stack([jnp.abs(x).sum(), jnp.square(x).sum()])
 
     flat = {"/".join(map(str, path)): v[...] for path, v in nnx.to_flat_state(state)}
+    if not flat:  # nothing frozen: no program to compile at every run's start
+        return {}
     pairs = jax.jit(lambda tree: jax.tree.map(sums, tree))(flat)  # replicated: every process reads its own copy
     return {path: [float(s) for s in np.asarray(pair.addressable_data(0))] for path, pair in pairs.items()}
 

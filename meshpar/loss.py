@@ -319,6 +319,14 @@ def next_token_inputs(batch: Batch | jax.Array) -> NextToken:
     return NextToken(reorder(inputs_BT), reorder(targets_BT), reorder(weights_BT), positions, segments_BT)
 
 
+def final_hidden_states(model, x: NextToken) -> tuple[jax.Array, RouterStats | None]:
+    """The final norm's output [B, T, D] of a model with `hidden_states` for the inputs `x`, and a mixture's router
+    statistics beside it (its `routed_hidden_states`; None for any other model)."""
+    documents = () if x.segments is None else (x.segments,)
+    routed = getattr(model, "routed_hidden_states", None)
+    return (routed or (lambda *a: (model.hidden_states(*a), None)))(x.inputs, x.positions, *documents)
+
+
 def next_token_loss(model, batch: Batch | jax.Array, chunk: int = 0, aux_coef: float = 0.0,
                     z_coef: float = 0.0) -> jax.Array:
     """Weighted cross-entropy of predicting tokens[:, 1:] from tokens[:, :-1] (module docstring): the mean
@@ -353,8 +361,7 @@ def next_token_loss_and_routing(model, batch: Batch | jax.Array, chunk: int = 0,
     documents = () if x.segments is None else (x.segments,)
     if not (hasattr(model, "hidden_states") and hasattr(model, "output_head")):
         return cross_entropy(model(x.inputs, x.positions, *documents), x.targets, x.weights), None
-    routed = getattr(model, "routed_hidden_states", None)
-    hidden_BTD, stats = (routed or (lambda *a: (model.hidden_states(*a), None)))(x.inputs, x.positions, *documents)
+    hidden_BTD, stats = final_hidden_states(model, x)
     value = chunked_cross_entropy(hidden_BTD, model.output_head(), x.targets, chunk, x.weights,
                                   getattr(model, "logit_softcap", None))
     if stats is None:

@@ -209,11 +209,11 @@ def _start(make_model: ModelFactory, tx: optax.GradientTransformation, sharded: 
             raise InputError(f"{checkpoints.directory} is at step {latest}, and train.steps = {train.steps} counts "
                              f"from the start of training: nothing to do; pass --steps > {latest} to train on")
         if latest is not None:  # a checkpoint holds no frozen weights (`_Saving`)
-            state, meta = ckpt.restore(frozen.split(sharded.abstract)[0], frozen.split(sharded.shardings)[0],
-                                       checkpoints.config, step=latest, allow_changes=checkpoints.allow_config_change,
-                                       log=say)
+            saved, frozen_weights = frozen.split(sharded.abstract)
+            state, meta = ckpt.restore(saved, frozen.split(sharded.shardings)[0], checkpoints.config, step=latest,
+                                       allow_changes=checkpoints.allow_config_change, log=say)
             state = pipeline.to_rest(state, sharded.mesh, repeats)  # checkpoints hold the layers in order
-            if jax.tree.leaves(frozen.split(sharded.abstract)[1]):
+            if jax.tree.leaves(frozen_weights):
                 state = _with_frozen(state, meta, make_model, tx, sharded, train, init_params,
                                      f"{checkpoints.directory} step {latest}")
     except Exception:

@@ -157,6 +157,11 @@ class TrainConfig:
     def frozen(self) -> jnp.dtype:
         return COMPUTE_DTYPES[self.frozen_dtype]
 
+    def frozen_base(self, make_model: ModelFactory) -> ModelFactory:
+        """`make_model` (its model built with this run's LoRA adapters) as the run trains it: every weight but the
+        adapters frozen in `frozen_dtype`; `make_model` itself without LoRA."""
+        return make_model if self.lora is None else lora_lib.on_frozen_base(make_model, self.frozen)
+
     @property
     def reference(self) -> jnp.dtype | None:
         """The dtype of the frozen copy of the starting weights the state holds as DPO's reference model (full

@@ -50,9 +50,7 @@ class MeshRun:
         devices = jax.devices()[:1] if spec == "single" else None
         self.mesh = mesh_lib.build(mesh_lib.parse("" if spec == "single" else spec), devices)
         self.cfg, self.rules = cfg, rules_lib.make(parallel)
-        self.make_model = Transformer.factory(model, cfg.dtype, cfg.lora)
-        if cfg.lora is not None:
-            self.make_model = lora.on_frozen_base(self.make_model, cfg.frozen)
+        self.make_model = cfg.frozen_base(Transformer.factory(model, cfg.dtype, cfg.lora))
         self.tx = train.optimizer(cfg)
         self.sharded = train.sharded_abstract(self.make_model, self.tx, self.mesh, self.rules, cfg.seed, cfg.reference)
         if init_here:

@@ -18,7 +18,7 @@ from flax import nnx
 from conftest import require_devices
 from hf_reference import FAMILIES, call
 from launch import weights
-from meshpar import mesh as mesh_lib, rules as rules_lib
+from meshpar import frozen, lora, mesh as mesh_lib, rules as rules_lib
 from models.transformer import Transformer
 
 pytestmark = pytest.mark.slow
@@ -131,10 +131,19 @@ def test_dpo_on_prepared_preference_pairs(tmp_path):
     ok(command("train", *TRAIN, "--mesh", "data=2,fsdp=2", "--steps", "3", "--set", "model.vocab_size=300",
                "--set", "data.source=prepared", "--set", f"data.path={tmp_path / 'pairs'}", "--set",
                "data.packing=pairs", "--set", "train.objective=dpo", "--set", "train.lora_rank=4",
-               "--metrics-file", str(metrics)))
+               "--metrics-file", str(metrics), "--checkpoint-dir", str(tmp_path / "ckpt")))
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert len(records) == 3 and all(0 <= r["rewards/accuracies"] <= 1 for r in records)
     assert records[0]["loss"] == pytest.approx(np.log(2), rel=1e-5)  # adapters start at B = 0: the reference
+    # The run began from random weights: its checkpoint's base is made again from the seed, and it is the run's
+    # own, as the fingerprint the run took of it when it saved says.
+    handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
+    with ocp.CheckpointManager(tmp_path / "ckpt", item_handlers=handlers) as manager:
+        saved = manager.restore(3, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]["frozen"]
+    mesh = mesh_lib.build(mesh_lib.parse("fsdp=4"), jax.devices()[:4])
+    base = lora.base(weights.load(tmp_path / "ckpt", mesh, rules_lib.default()).params)
+    frozen.check({path.removeprefix("model/"): sums for path, sums in saved.items()}, frozen.fingerprint(base),
+                 "the seeded base")
     refused = command("train", *TRAIN, "--mesh", "fsdp=4", "--steps", "1", "--set", "model.vocab_size=300",
                       "--set", "data.source=prepared", "--set", f"data.path={tmp_path / 'pairs'}",
                       "--set", "train.objective=dpo", "--set", "train.lora_rank=4")

@@ -106,8 +106,7 @@ def run_steps(model_type: str, base: str, adapter_dir: str | None, cfg: train.Tr
     """meshpar's metrics of each step, trained on `spec` from the imported weights (and adapters)."""
     mesh, rules = on_mesh(spec, parallel)
     model_cfg, adapters, params = imported(model_type, base, adapter_dir, mesh, rules)
-    make_model = Transformer.factory(model_cfg, cfg.dtype, adapters)
-    make_model = make_model if adapters is None else lora.on_frozen_base(make_model, cfg.frozen)
+    make_model = cfg.frozen_base(Transformer.factory(model_cfg, cfg.dtype, adapters))
     tx = train.optimizer(cfg)
     sharded = train.sharded_abstract(make_model, tx, mesh, rules, cfg.seed, cfg.reference)
     state = train.init_state(make_model, tx, sharded, cfg.seed, params, cfg.reference)
