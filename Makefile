@@ -12,12 +12,12 @@ PY := $(VENV)/bin/python
 PYTHON312 ?= $(shell for c in python3.12 $$HOME/.pyenv/versions/3.12*/bin/python; do \
 	$$c -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null && echo $$c && break; done)
 VENV312 := .venv312
-# Every parity module (each layout against one device, 1F1B, offload, LoRA on three of its layouts, Hugging Face
-# against transformers and PyTorch training, full-size compile checks, generation, mixtures of experts), checkpoint resume, real
-# 2-process runs, attention, flash, loss and packed documents. Left to the main legs, for CI's hour: the
-# pipelines' MoE and split-backward variants, whose JAX calls test_pipeline_1f1b and test_moe already make
-# here, and the 20-step PyTorch training comparisons (test_hf_training), whose models test_hf and test_hf_moe
-# hold to transformers' logits here.
+# Every parity module (each layout against one device, 1F1B, offload, LoRA on three of its layouts, FP8's numerics
+# and two of its layouts, Hugging Face against transformers and PyTorch training, full-size compile checks,
+# generation, mixtures of experts), checkpoint resume, real 2-process runs, attention, flash, loss and packed
+# documents. Left to the main legs, for CI's hour: the pipelines' MoE and split-backward variants, whose JAX calls
+# test_pipeline_1f1b and test_moe already make here, and the 20-step PyTorch training comparisons
+# (test_hf_training), whose models test_hf and test_hf_moe hold to transformers' logits here.
 NEWEST_TESTS := tests/test_train.py tests/test_parallel.py tests/test_pipeline.py tests/test_pipeline_1f1b.py \
 	tests/test_offload.py tests/test_hf.py tests/test_fit.py tests/test_generate.py \
 	tests/test_checkpoint.py tests/test_attention.py tests/test_flash.py tests/test_loss.py tests/test_documents.py \
@@ -25,6 +25,10 @@ NEWEST_TESTS := tests/test_train.py tests/test_parallel.py tests/test_pipeline.p
 	tests/test_lora.py::test_lora_matches_one_device[fsdp+tp] tests/test_lora.py::test_lora_matches_one_device[1f1b] \
 	tests/test_lora.py::test_lora_matches_one_device[experts] \
 	tests/test_lora.py::test_the_merged_model_computes_what_the_adapted_one_does \
+	tests/test_fp8.py::test_one_fp8_matmul_equals_the_reference_and_stays_within_the_rounding_bound \
+	tests/test_fp8.py::test_a_mixtures_grouped_matmul_is_fp8_forward_and_backward \
+	tests/test_fp8.py::test_fp8_on_a_mesh_matches_one_device[fsdp-tensorwise] \
+	tests/test_fp8.py::test_fp8_on_a_mesh_matches_one_device[gpipe-rowwise] \
 	tests/test_distributed.py::test_each_process_reads_only_its_rows \
 	tests/test_distributed.py::test_two_processes_match_one_across_checkpoints
 

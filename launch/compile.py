@@ -137,8 +137,8 @@ def describe_gpu(report: dict) -> list[str]:
                      f"{entry['overlapped']}")
     k = program["kernels"]
     lines += [f"attention: {report['attention']}",
-              f"kernels per step: {k['attention']} cuDNN attention, {k['gemm']} cuBLAS GEMMs, {k['triton_gemm']} "
-              f"Triton GEMMs, {k['fusion']} other fusions, {k['memory']} other ops, {k['host_copy']} host copies",
+              f"kernels per step: {k['attention']} cuDNN attention, {k['gemm']} cuBLAS GEMMs, {k['fp8_gemm']} cuBLASLt "
+              f"FP8 GEMMs, {k['triton_gemm']} Triton GEMMs, {k['fusion']} other fusions, {k['memory']} other ops, {k['host_copy']} host copies",
               f"flops per device: {report['flops_per_device']:.3e} in the program's GEMMs and attention, "
               f"{report['model_flops_per_device']:.3e} the model's (6N + 12·L·H·Q·T per token)",
               f"step time: {check['program_step_s']:.3f} s from the program (roofline), {check['planner_step_s']:.3f} s "

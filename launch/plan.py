@@ -8,6 +8,7 @@
     python -m launch.plan --params 7.5e9 --zero-stage 3 --shards 64 --precision mixed   # model states only
     python -m launch.plan --config llama_8b --devices 64 --plot launch/plan_memory.png
     python -m launch.plan --config llama_70b --devices 512 --set train.attention_kernel=dense   # what-if: T² scores
+    python -m launch.plan --config llama3_8b --devices 8 --mesh fsdp=8 --set train.fp8=tensorwise  # FP8 matmuls
     python -m launch.plan --config llama_70b --devices 8 --global-batch 8      # fits only with host offload
     python -m launch.plan --config llama_8b --devices 8 --mesh fsdp=8 --set parallel.offload=optimizer \
         --set train.remat=offload                                                 # offload, one layout
@@ -142,7 +143,7 @@ def run(args: argparse.Namespace) -> None:
         result = plan.search(shape, devices=args.devices, devices_per_host=args.devices_per_host, hardware=hw,
                              global_batch=t.global_batch, seq_len=t.seq_len, compute_dtype=t.compute_dtype,
                              precision=args.precision, top=args.top, mem_fraction=args.mem_fraction,
-                             efficiency=runp.efficiency, flash_attention=runp.flash_attention)
+                             efficiency=runp.efficiency, flash_attention=runp.flash_attention, fp8=t.fp8)
         search_s = time.perf_counter() - started
         estimates = result.ranked
         summary = report.why(estimates, shape, runp)

@@ -56,7 +56,8 @@ CHECKSUMS = "checksums.sha256"
 # refused unless allowed; `model` must always match.
 RESUMABLE_CHANGES = ("mesh.", "parallel.", "checkpoint.", "name", "train.steps", "train.remat",
                      "train.grad_accum", "train.attention_kernel", "train.loss_chunk", "train.eval_every",
-                     "train.eval_batches", "train.on_nonfinite", "train.sample_every")
+                     "train.eval_batches", "train.on_nonfinite", "train.sample_every",
+                     "train.fp8")  # FP8's scales are computed each step: no state to disagree with
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,14 +22,15 @@ from meshpar.rules import Rules
 @dataclasses.dataclass(frozen=True)
 class Compute:
     """`remat`: the policy a layer runs under (`meshpar.remat`); `attention_kernel`: the block kernel
-    (`meshpar.attention.kernels`); `vmapped`: mesh axes that an enclosing `vmap(spmd_axis_name=...)` owns
-    (gradient accumulation's replicas, the pipeline's stages and batch shards): a `shard_map` opened
-    inside must be manual over them too, or JAX cannot batch it."""
+    (`meshpar.attention.kernels`); `fp8`: the matmuls' recipe (`meshpar.fp8`); `vmapped`: mesh axes that an
+    enclosing `vmap(spmd_axis_name=...)` owns (gradient accumulation's replicas, the pipeline's stages and
+    batch shards): a `shard_map` opened inside must be manual over them too, or JAX cannot batch it."""
 
     mesh: Mesh
     rules: Rules
     remat: str = "none"
     attention_kernel: str = "auto"
+    fp8: str = "none"  # the matmuls' FP8 recipe (`meshpar.fp8`)
     vmapped: tuple[str, ...] = ()
 
 

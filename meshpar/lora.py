@@ -137,9 +137,9 @@ def add(module: nnx.Module, weight: str, x: jax.Array, y: jax.Array) -> jax.Arra
 
 
 def weight(module: nnx.Module, name: str, dtype: jnp.dtype) -> jax.Array:
-    """The weight `name` as compute uses it (`sharding.gathered`), its low-rank update merged in where adapted."""
-    w = gathered(getattr(module, name), dtype)
+    """The weight `name` as a matmul takes it (`sharding.gathered`), its low-rank update merged in where adapted."""
     adapter = _adapter(module, name)
+    w = gathered(getattr(module, name), dtype, matmul=adapter is None)
     return w if adapter is None else w + adapter.delta(dtype)
 
 

@@ -17,7 +17,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from meshpar.hardware import PRESETS
+from meshpar.hardware import for_device_kind
 
 PROBE_SIZE = 1024  # the CPU probe's square matmul: large enough to use every core, well under a second
 
@@ -38,10 +38,9 @@ def device_peak(compute_dtype_bytes: int, given_tflops: float | None = None) -> 
         return given_tflops * 1e12, "given"
     device = jax.local_devices()[0]
     if device.platform == "gpu":
-        kind = device.device_kind.lower()  # e.g. "NVIDIA H100 80GB HBM3"
-        for name, hardware in PRESETS.items():
-            if name in kind:
-                return hardware.peak(compute_dtype_bytes), f"{name} datasheet"
+        hardware = for_device_kind(device.device_kind)
+        if hardware is not None:
+            return hardware.peak(compute_dtype_bytes), f"{hardware.name} datasheet"
         return None, f"unknown GPU '{device.device_kind}' (give --peak-tflops)"
     if device.platform == "cpu":
         return _probe(device) / jax.local_device_count(), "matmul probe"

@@ -18,7 +18,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from meshpar import context, offload
+from meshpar import context, fp8, offload
 from meshpar.frozen import WEIGHTS
 from meshpar.errors import InputError
 from meshpar.rules import Rules
@@ -162,7 +162,8 @@ def relayout(x: jax.Array, source: Logical, target: Logical) -> jax.Array:
 
 
 def project(x_BTD: jax.Array, weights: Sequence[jax.Array], outputs: Sequence[Logical]) -> list[jax.Array]:
-    """`x · w` for each weight `w` [D, O, ...] (compute layout), constrained to its `outputs` layout.
+    """`x · w` for each weight `w` [D, O, ...] (compute layout; FP8 under `train.fp8`: `meshpar.fp8`),
+    constrained to its `outputs` layout.
 
     Where the O axes are split M ways over the same devices (tensor parallelism: q, k, v over heads; gate
     and up over mlp) it is ONE matmul: each weight cut into its M shards along O and the cuts concatenated
@@ -170,17 +171,18 @@ def project(x_BTD: jax.Array, weights: Sequence[jax.Array], outputs: Sequence[Lo
     gradient once instead of once per weight (the partitioner reduces each matmul's partial gradient by
     itself; XLA:CPU does not sum them first). Only under a remat policy that recomputes the concatenated
     weight (`dots`, `full`, `offload`): with `none` the backward pass would keep it, a whole layer's
-    weights more per layer. Elsewhere, one matmul per weight, as written.
+    weights more per layer; and not in FP8, where each weight has a scale of its own. Elsewhere, one matmul
+    per weight, as written.
     """
     compute = context.active()
     B, T, D = x_BTD.shape
     shapes = [(B, T, *w.shape[1:]) for w in weights]
     ways = {1}  # how many shards each output's O axis has
-    if compute is not None and compute.remat != "none":
+    if compute is not None and compute.remat != "none" and fp8.active() is None:
         ways = {shape[2] // _activation_layout(compute, logical, shape).shard_shape(shape)[2]
                 for logical, shape in zip(outputs, shapes)}
     if len(ways) > 1 or (M := ways.pop()) == 1:
-        return [constrain(jnp.tensordot(x_BTD, w, axes=1), logical) for w, logical in zip(weights, outputs)]
+        return [constrain(fp8.matmul(x_BTD, w), logical) for w, logical in zip(weights, outputs)]
     cuts = [w.reshape(D, M, w.shape[1] // M, *w.shape[2:]) for w in weights]
     w_DMC = jnp.concatenate(cuts, axis=2)
     y_BTMC = jnp.tensordot(x_BTD, w_DMC, axes=1)
@@ -195,7 +197,8 @@ def constrain_grads(grads: nnx.State, mesh: Mesh, rules: Rules) -> nnx.State:
     return jax.lax.with_sharding_constraint(grads, shardings)
 
 
-def gathered(param: nnx.Variable, dtype: jax.typing.DTypeLike, *, lookup: bool = False) -> jax.Array:
+def gathered(param: nnx.Variable, dtype: jax.typing.DTypeLike, *, lookup: bool = False,
+             matmul: bool = False) -> jax.Array:
     """A parameter as compute uses it: cast to `dtype`, then laid out by the ACTIVATION rules.
 
     That is where FSDP's all-gather happens (`embed` is split over `fsdp` at rest, whole in compute)
@@ -210,6 +213,9 @@ def gathered(param: nnx.Variable, dtype: jax.typing.DTypeLike, *, lookup: bool =
     only until its reduction, not until the end of the backward pass. `lookup=True` for a table that is
     indexed (an embedding), not multiplied: its gradient, a scatter of rows, is reduced whole first and
     split after (constrained straight to the split layout, the partitioner would move every row instead).
+    `matmul=True` for a weight that goes into a matmul as it is: under `train.fp8 = tensorwise` it is cast to
+    FP8 at rest (its scale from the whole weight) and gathered as FP8, then returned in `dtype` exactly (the
+    scale is a power of two), for the FP8 matmul to cast back losslessly (`meshpar.fp8`).
     The logical names are the parameter's own; inside the layer scan the leading `layers` name has
     been sliced off the value, so the last `ndim` names are the ones that apply.
     """
@@ -225,29 +231,34 @@ def gathered(param: nnx.Variable, dtype: jax.typing.DTypeLike, *, lookup: bool =
                                                                compute.mesh.shape, what))
     at_rest, in_compute = layout("params"), layout("activations")
     grads = (in_compute, layout("grads")) if lookup else (layout("grads"),)
+    in_fp8 = matmul and compute.fp8 == "tensorwise" and at_rest != in_compute
     # Where the cast changes the dtype it is pinned to the layout at rest (less the axes an enclosing vmap
     # owns, which a constraint inside it may not name).
     owned = lambda entry: entry in compute.vmapped or (isinstance(entry, tuple) and set(entry) & set(compute.vmapped))
-    rest = None if jnp.dtype(dtype) == value.dtype else NamedSharding(
+    rest = None if jnp.dtype(dtype) == value.dtype and not in_fp8 else NamedSharding(
         compute.mesh, PartitionSpec(*(None if owned(e) else e for e in at_rest.spec)))
     if rest is None and all(g == at_rest for g in grads):
         # Nothing to cast and the gradient keeps the layout at rest: the weight as it is. Where `fsdp` splits
         # it, the partitioner gathers it for the matmul, as in a plain SPMD step, and the backward pass keeps
         # the split weight (a layer scan's own input), not a gathered copy, with no remat policy needed.
         return value
-    return _gather(value, jnp.dtype(dtype), rest, in_compute, grads)
+    return _gather(value, jnp.dtype(dtype), rest, in_compute, grads, in_fp8)
 
 
 _GATHERED = "meshpar_gathered_weight"
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4, 5))
 def _gather(value: jax.Array, dtype: jnp.dtype, rest: NamedSharding | None, compute: NamedSharding,
-            grads: tuple[NamedSharding, ...]) -> jax.Array:
-    cast = value.astype(dtype)
+            grads: tuple[NamedSharding, ...], in_fp8: bool) -> jax.Array:
+    if in_fp8:
+        cast, scale = fp8.quantize(value, fp8.E4M3, tuple(range(value.ndim)))
+    else:
+        cast = value.astype(dtype)
     if rest is not None:
         cast = jax.lax.optimization_barrier(jax.lax.with_sharding_constraint(cast, rest))
-    return checkpoint_name(jax.lax.with_sharding_constraint(cast, compute), _GATHERED)
+    cast = checkpoint_name(jax.lax.with_sharding_constraint(cast, compute), _GATHERED)
+    return cast.astype(dtype) * scale.astype(dtype) if in_fp8 else cast
 
 
 def is_weight_gather(prim: jax.extend.core.Primitive, params: dict) -> bool:
@@ -256,11 +267,11 @@ def is_weight_gather(prim: jax.extend.core.Primitive, params: dict) -> bool:
         eqn.primitive.name == "name" and eqn.params.get("name") == _GATHERED for eqn in params["call_jaxpr"].jaxpr.eqns)
 
 
-def _gather_fwd(value, dtype, rest, compute, grads):
-    return _gather(value, dtype, rest, compute, grads), jnp.zeros((), value.dtype)
+def _gather_fwd(value, dtype, rest, compute, grads, in_fp8):
+    return _gather(value, dtype, rest, compute, grads, in_fp8), jnp.zeros((), value.dtype)
 
 
-def _gather_bwd(dtype, rest, compute, grads, like, g):
+def _gather_bwd(dtype, rest, compute, grads, in_fp8, like, g):  # FP8 or not: the gradient passes straight
     g = g.astype(like.dtype)
     for layout in grads:  # the gradient's layouts, in turn
         g = jax.lax.with_sharding_constraint(g, layout)

@@ -41,7 +41,8 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from meshpar import context, dpo, frozen, lora as lora_lib, offload, pipeline, remat as remat_lib, sharding
+from meshpar import (context, dpo, fp8 as fp8_lib, frozen, lora as lora_lib, offload, pipeline, remat as remat_lib,
+                     sharding)
 from meshpar.attention.kernels import KERNELS
 from meshpar.batch import Batch, as_batch, normalised
 from meshpar.errors import InputError
@@ -89,6 +90,7 @@ class TrainConfig:
     frozen_dtype: str = "float32"  # the frozen weights' (LoRA's base, DPO's reference): float32 or bfloat16
     objective: str = "lm"  # lm: next-token cross-entropy; dpo: preference pairs (meshpar.dpo)
     dpo_beta: float = 0.1  # DPO's β: how far the policy may move from the reference
+    fp8: str = "none"  # none, tensorwise, rowwise: attention's and the MLPs' matmuls in FP8 (meshpar.fp8)
 
     def __post_init__(self):
         if self.compute_dtype not in COMPUTE_DTYPES:
@@ -128,6 +130,8 @@ class TrainConfig:
         self.lora  # noqa: B018  validates the adapters' settings
         if self.frozen_dtype not in COMPUTE_DTYPES:
             raise InputError(f"train.frozen_dtype = '{self.frozen_dtype}' is not one of {', '.join(COMPUTE_DTYPES)}")
+        if self.fp8 not in fp8_lib.RECIPES:
+            raise InputError(f"train.fp8 = '{self.fp8}' is not one of {', '.join(fp8_lib.RECIPES)}")
         if self.objective not in OBJECTIVES:
             raise InputError(f"train.objective = '{self.objective}' is not one of {', '.join(OBJECTIVES)}")
         if self.objective == "dpo" and not self.dpo_beta > 0:
@@ -302,7 +306,8 @@ def compute_context(sharded: Sharded, cfg: TrainConfig) -> context.Compute:
     """How the step computes; `remat = auto` without a memory check is its platform's first candidate."""
     remat = remat_lib.candidates(cfg.remat, sharded.mesh.devices.flat[0].platform, sharded.rules.parallel)[0]
     offload.check(sharded.rules.parallel, remat)
-    return context.Compute(sharded.mesh, sharded.rules, remat, cfg.attention_kernel)
+    fp8_lib.check(cfg.fp8, sharded.mesh.devices.flat[0])
+    return context.Compute(sharded.mesh, sharded.rules, remat, cfg.attention_kernel, cfg.fp8)
 
 
 def replica_axes(mesh: Mesh, rules: Rules) -> tuple[str, ...]:

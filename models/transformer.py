@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from meshpar import layers, lora, moe
+from meshpar import fp8, layers, lora, moe
 from meshpar.attention import attend, cached_attention, sequence_order
 from meshpar.errors import InputError
 from meshpar.loss import logits
@@ -288,8 +288,9 @@ class Attention(nnx.Module):
         """Queries and keys rotated to their positions ([T] or [B, T]; normed per head first, with `qk_norm`),
         and values."""
         cfg, cast = self.cfg, lambda w: gathered(w, self.dtype)
+        weight = lambda w: gathered(w, self.dtype, matmul=True)
         x_BTD = relayout(x_BTD, RESIDUAL, REGION_INPUT)
-        q_BTNH, k_BTKH, v_BTKH = project(x_BTD, [cast(self.wq_DNH), cast(self.wk_DKH), cast(self.wv_DKH)],
+        q_BTNH, k_BTKH, v_BTKH = project(x_BTD, [weight(self.wq_DNH), weight(self.wk_DKH), weight(self.wv_DKH)],
                                          [("batch", "seq", "heads", None)] + [("batch", "seq", "kv_heads", None)] * 2)
         q_BTNH, k_BTKH, v_BTKH = (lora.add(self, weight, x_BTD, y_BTXH) for weight, y_BTXH in
                                   zip(("wq_DNH", "wk_DKH", "wv_DKH"), (q_BTNH, k_BTKH, v_BTKH)))
@@ -310,7 +311,7 @@ class Attention(nnx.Module):
 
     def _output(self, out_BTNH: jax.Array) -> jax.Array:
         out_BTD = lora.add(self, "wo_NHD", out_BTNH,
-                           jnp.einsum("btnh,nhd->btd", out_BTNH, gathered(self.wo_NHD, self.dtype)))
+                           fp8.matmul(out_BTNH, gathered(self.wo_NHD, self.dtype, matmul=True), contract=2))
         return out_BTD + gathered(self.o_bias_D, self.dtype) if self.cfg.o_bias else out_BTD
 
 
@@ -329,13 +330,13 @@ class MLP(nnx.Module):
         self.dtype, self.gated = dtype, gated_unit(cfg)
 
     def __call__(self, x_BTD: jax.Array) -> jax.Array:
-        cast = lambda w: gathered(w, self.dtype)
+        weight = lambda w: gathered(w, self.dtype, matmul=True)
         x_BTD = relayout(x_BTD, RESIDUAL, REGION_INPUT)
-        gate_BTF, up_BTF = project(x_BTD, [cast(self.w_gate_DF), cast(self.w_up_DF)], [("batch", "seq", "mlp")] * 2)
+        gate_BTF, up_BTF = project(x_BTD, [weight(self.w_gate_DF), weight(self.w_up_DF)], [("batch", "seq", "mlp")] * 2)
         gate_BTF, up_BTF = (lora.add(self, weight, x_BTD, y_BTF) for weight, y_BTF in
                             zip(("w_gate_DF", "w_up_DF"), (gate_BTF, up_BTF)))
         hidden_BTF = self.gated(gate_BTF, up_BTF)
-        return lora.add(self, "w_down_FD", hidden_BTF, hidden_BTF @ cast(self.w_down_FD))
+        return lora.add(self, "w_down_FD", hidden_BTF, fp8.matmul(hidden_BTF, weight(self.w_down_FD)))
 
 
 class MoE(nnx.Module):

@@ -27,11 +27,12 @@ CONFIG = {"model": dataclasses.asdict(MODEL)}
 EVERY = checkpoint.CheckpointConfig(every=2, keep=2)
 
 
-def train_to(spec: str, steps: int, directory=None, model=MODEL, offload: str = "none", data=CORPUS) -> list[dict]:
+def train_to(spec: str, steps: int, directory=None, model=MODEL, offload: str = "none", data=CORPUS,
+             fp8: str = "none") -> list[dict]:
     """Train the test model to `steps` on the mesh `spec`, resuming from `directory` if it holds one."""
     mesh = mesh_lib.build(mesh_lib.parse(spec))
     # one schedule whatever step the run stops at: a resumed run goes on exactly where it left off
-    cfg = dataclasses.replace(TRAIN, steps=steps, decay_steps=8,
+    cfg = dataclasses.replace(TRAIN, steps=steps, decay_steps=8, fp8=fp8,
                               remat="dots" if offload == "optimizer+params" else TRAIN.remat)
     parallel = rules.make(rules.ParallelConfig(offload=offload))
     result = run(Transformer.factory(model, cfg.dtype), cfg, data, mesh, parallel, outputs=Outputs(progress=False),

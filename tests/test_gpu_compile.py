@@ -128,6 +128,9 @@ ROW_CHECKS = {
     "pipeline (zero-bubble)": _kinds("collective-permute"),
     "host offload (ZeRO-Offload)": lambda report: report["memory_per_device"]["host_arguments_bytes"] > 0,
     "expert parallel (MoE)": _kinds("all-to-all"),
+    # every projection a cuBLASLt FP8 GEMM, and the layers' weights gathered as FP8
+    "FP8 matmuls": lambda report: (report["gpu"]["kernels"]["fp8_gemm"] > 0 and
+                                   report["gpu"]["collectives"]["all-gather"]["bytes_by_dtype"].get("f8e4m3fn", 0)),
     # the frozen weights gathered, only the adapters' gradients reduced: far fewer bytes
     "LoRA": lambda report: (report["gpu"]["collectives"]["reduce-scatter"]["bytes"]
                             < report["gpu"]["collectives"]["all-gather"]["bytes"] / 10),
@@ -186,6 +189,93 @@ def test_the_lora_memory_table_holds_on_the_gpu(row):
     assert abs(gb / readme_gb - 1) < 0.02, gb
     assert (gb * GB <= report["budget_bytes"]) == (readme_gb < 63.7)
     assert abs(report["predicted_peak_bytes"] / (gb * GB) - 1) < 0.10, (gb, report["predicted_peak_bytes"] / GB)
+
+
+# FP8 (`train.fp8`, meshpar.fp8): a layer's seven matmuls (q, k, v, o, gate, up, down), each a forward GEMM and two
+# backward ones: 21 per layer; rowwise, XLA merges the forward GEMMs that share their FP8 input (q, k and v's; gate and
+# up's): 18.
+FP8_GEMMS_PER_LAYER = {"tensorwise": 21, "rowwise": 18}
+
+
+def _projection_params(model) -> int:
+    """The weights of one layer's FP8 matmuls."""
+    D, N, K, H, F = model.d_model, model.n_heads, model.n_kv_heads, model.head_size, model.d_ff
+    return D * (N + 2 * K) * H + N * H * D + 3 * D * F
+
+
+@functools.cache
+def _fp8_program(recipe: str, target: str) -> tuple[dict, str, object]:
+    """tiny on 8 GPUs of `target`, fsdp=8, bf16, remat none, FP8 by `recipe`: the program read, its text, the config."""
+    cluster = gpu.Cluster.parse(target)
+    overrides = [BF16, f"train.fp8={recipe}", "train.remat=none"]
+    cfg, mesh, rules, make_model = configure.configure("tiny", "fsdp=8", overrides, cluster=cluster)
+    from meshpar import train
+    from meshpar.compiler import fit
+
+    sharded = train.sharded_abstract(make_model, train.optimizer(cfg.train), mesh, rules)
+    state, tokens = fit.abstract_inputs(sharded, cfg.train)
+    text = train.make_step(sharded, tokens.sharding, cfg.train).lower(state, tokens).compile(
+        compiler_options=gpu.compile_options()).as_text()
+    return gpu_program.read(text, fit.program_costs(mesh)), text, cfg
+
+
+@pytest.mark.parametrize("target", ["h100", "b200"])
+@pytest.mark.parametrize("recipe", FP8_GEMMS_PER_LAYER)
+def test_fp8_matmuls_are_cublaslt_fp8_gemms(recipe, target):
+    """Every matmul of attention's projections and the MLP is a cuBLASLt FP8 GEMM (`__cublas$lt$matmul$f8`), as
+    many per step as the layers' matmuls make, and their FLOPs are exactly those matmuls' forward and backward;
+    the bf16 GEMMs left are the rest of the program without FP8 (the output head's)."""
+    report, _, cfg = _fp8_program(recipe, target)
+    plain = _fp8_program("none", target)[0]
+    model, t = cfg.model, cfg.train
+    fp8_flops = 6 * t.global_batch * t.seq_len / 8 * _projection_params(model) * model.n_layers
+    assert report["kernels"]["fp8_gemm"] == FP8_GEMMS_PER_LAYER[recipe] * model.n_layers
+    assert report["flops_by_kernel"]["fp8_gemm"] == fp8_flops
+    assert report["flops_by_kernel"]["gemm"] == plain["flops_by_kernel"]["gemm"] - fp8_flops > 0
+    assert plain["kernels"]["fp8_gemm"] == 0
+
+
+@pytest.mark.parametrize("recipe, dtype", [("tensorwise", "f8e4m3fn"), ("rowwise", "bf16")])
+def test_fsdp_gathers_the_layers_weights_as_fp8_where_the_recipe_allows(recipe, dtype):
+    """tensorwise: every layer weight is all-gathered as e4m3 (cast at rest, its scale the whole weight's: a
+    scalar all-reduce); rowwise, whose backward pass scales the weight along another dimension, gathers bf16.
+    The embedding (bf16) and the norm scales ([D], float32) are gathered as without FP8."""
+    _, text, cfg = _fp8_program(recipe, "h100")
+    D, V = cfg.model.d_model, cfg.model.vocab_size
+    gathered = {(a.dtype, a.dims) for instructions in hlo.parse_module(text)[0].values() for i in instructions
+                if i.opcode.removesuffix("-start") == "all-gather"
+                for a in hlo.arrays(hlo.output_shape(i.opcode, i.shape))}
+    embedding = ((V, D), (D, V))  # tiny ties the head to it
+    layers = {(kind, dims) for kind, dims in gathered if dims != (D,) and dims not in embedding}
+    assert layers and {kind for kind, _ in layers} == {dtype}
+    assert {kind for kind, dims in gathered if dims in embedding} == {"bf16"}
+
+
+def test_fp8_on_an_a100_is_refused_in_meshpars_words():
+    with pytest.raises(InputError, match=r"train\.fp8 = 'tensorwise' needs FP8 tensor cores .* A100-SXM4-80GB has"):
+        compiled("tiny", "fsdp=8", BF16, "train.fp8=tensorwise", cluster=gpu.Cluster.parse("a100"))
+
+
+# The README's FP8 table: llama3_8b on 8 H100s, fsdp=8, T = 8192, one sequence per GPU, remat auto → dots: recipe →
+# (the program's step time, s; its peak per GPU, GB).
+FP8_TABLE = {"none": (0.981, 43.4), "tensorwise": (0.800, 43.6), "rowwise": (0.829, 43.8)}
+
+
+@pytest.mark.parametrize("recipe", FP8_TABLE)
+def test_the_fp8_table_holds_at_llama3_8b_on_8_h100s(recipe):
+    """The H100 program's step time (its roofline, `gpu_program.read`) and peak are the README's to 2%; with FP8
+    every projection FLOP runs in an FP8 GEMM (remat dots keeps the projections: one forward each)."""
+    report = compiled("llama3_8b", "fsdp=8", "train.global_batch=8", f"train.fp8={recipe}")
+    step_s, peak_gb = FP8_TABLE[recipe]
+    program = report["gpu"]
+    print(f"{recipe}: step {program['step_time']['step_s']:.3f} s, peak "
+          f"{report['memory_per_device']['peak_bytes'] / GB:.1f} GB, {program['kernels']}")
+    assert report["remat"] == "dots"
+    assert abs(program["step_time"]["step_s"] / step_s - 1) < 0.02
+    assert abs(report["memory_per_device"]["peak_bytes"] / GB / peak_gb - 1) < 0.02
+    model = configs.load("llama3_8b").model
+    fp8_flops = program["flops_by_kernel"].get("fp8_gemm", 0)
+    assert fp8_flops == (recipe != "none") * 6 * 8192 * _projection_params(model) * model.n_layers
 
 
 @pytest.mark.parametrize("mesh, overrides, chosen", [

@@ -38,7 +38,7 @@ def test_ring_costs_inside_a_host_and_across_hosts():
 
 # A weight all-gather started, a cuBLAS GEMM [1024, 4096] x [4096, 4096] in bf16 while it flies, then its
 # done; a loop of 4 iterations around a Triton GEMM fusion and a synchronous all-reduce; an elementwise
-# fusion; a cuDNN causal attention call.
+# fusion; a cuDNN causal attention call; a cuBLASLt FP8 GEMM [512, 1024] x [1024, 256].
 SCHEDULE = """
 HloModule schedule, is_scheduled=true, num_partitions=8
 
@@ -79,13 +79,16 @@ HloModule schedule, is_scheduled=true, num_partitions=8
   ROOT %t = (s32[], f32[1024]{0}, bf16[256,512]{1,0}, bf16[512,128]{1,0}) tuple(%j, %r, %x, %w)
 }
 
-ENTRY %main (x: bf16[1024,4096], w: bf16[512,4096], v: f32[1024], a: bf16[256,512], c: bf16[512,128], q: bf16[1,2048,8,128]) -> (bf16[1024,4096], f32[1024]) {
+ENTRY %main (x: bf16[1024,4096], w: bf16[512,4096], v: f32[1024], a: bf16[256,512], c: bf16[512,128], q: bf16[1,2048,8,128], a8: f8e4m3fn[512,1024], b8: f8e4m3fn[1024,256], s: f32[]) -> (bf16[1024,4096], f32[1024]) {
   %x = bf16[1024,4096]{1,0} parameter(0)
   %w = bf16[512,4096]{1,0} parameter(1)
   %v = f32[1024]{0} parameter(2)
   %a = bf16[256,512]{1,0} parameter(3)
   %c = bf16[512,128]{1,0} parameter(4)
   %q = bf16[1,2048,8,128]{3,2,1,0} parameter(5)
+  %a8 = f8e4m3fn[512,1024]{1,0} parameter(6)
+  %b8 = f8e4m3fn[1024,256]{1,0} parameter(7)
+  %s = f32[] parameter(8)
   %ags = (bf16[512,4096]{1,0}, bf16[4096,4096]{1,0}) all-gather-start(%w), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}
   %gemm = (bf16[1024,4096]{1,0}, s8[4194304]{0}) custom-call(%x, %x), custom_call_target="__cublas$lt$matmul", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]}}}
   %agd = bf16[4096,4096]{1,0} all-gather-done(%ags)
@@ -95,6 +98,7 @@ ENTRY %main (x: bf16[1024,4096], w: bf16[512,4096], v: f32[1024], a: bf16[256,51
   %lv = f32[1024]{0} get-tuple-element(%loop), index=1
   %sq = f32[1024]{0} fusion(%lv), kind=kLoop, calls=%scale
   %att = (bf16[1,8,2048,128]{3,2,1,0}, f32[1,8,2048]{2,1,0}, u8[0]{0}) custom-call(%q, %q, %q), custom_call_target="__cudnn$fmhaSoftmax", backend_config={"cudnn_fmha_backend_config":{"intermediate_tensor_shape":{"dimensions":["1","8","2048","2048"]},"mask_type":"CAUSAL"}}
+  %f8 = (bf16[512,256]{1,0}, s8[1048576]{0}) custom-call(%a8, %b8, %s, %s), custom_call_target="__cublas$lt$matmul$f8", backend_config={"gemm_backend_config":{"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]}}}
   %out = bf16[1024,4096]{1,0} get-tuple-element(%gemm), index=0
   ROOT %res = (bf16[1024,4096]{1,0}, f32[1024]{0}) tuple(%out, %sq)
 }
@@ -105,9 +109,12 @@ def test_a_schedule_read_kernel_by_kernel():
     text = xla_client.hlo.hlo_module_from_text(SCHEDULE).to_string()
     program = gpu_program.read(text, ONE_HOST)
     gemm, triton, attention = 2 * 1024 * 4096 * 4096, 4 * 2 * 256 * 128 * 512, 2 * 2 * 8 * 2048 * 2048 * 128 * 0.5
+    fp8 = 2 * 512 * 256 * 1024
     # unfused here (XLA:GPU fuses them): the loop counter's add, 4 times, and the condition's compare, 5
-    assert program["kernels"] == {"attention": 1, "gemm": 1, "triton_gemm": 4, "fusion": 1, "memory": 9, "host_copy": 0}
-    assert program["flops_per_device"] == gemm + triton + attention
+    assert program["kernels"] == {"attention": 1, "gemm": 1, "fp8_gemm": 1, "triton_gemm": 4, "fusion": 1, "memory": 9,
+                                  "host_copy": 0}
+    assert program["flops_per_device"] == gemm + triton + attention + fp8
+    assert program["flops_by_kernel"] == {"gemm": gemm, "triton_gemm": triton, "attention": attention, "fp8_gemm": fp8}
     gathered = program["collectives"]["all-gather"]
     assert gathered == {"count": 1, "bytes": 4096 * 4096 * 2, "bytes_by_dtype": {"bf16": 4096 * 4096 * 2},
                         "async": 1, "overlapped": 1}
@@ -115,7 +122,7 @@ def test_a_schedule_read_kernel_by_kernel():
     assert (reduced["count"], reduced["async"], reduced["overlapped"]) == (4, 0, 0)
     peak = H100.flops * 0.5
     step = program["step_time"]
-    assert step["matmul_s"] == pytest.approx((gemm + triton) / peak)
+    assert step["matmul_s"] == pytest.approx((gemm + triton) / peak + fp8 / (H100.fp8_flops * 0.5))
     assert step["attention_s"] == pytest.approx(attention / peak)
     # the elementwise fusion's input and output; the counter's adds (3 s32) and compares (2 s32, a pred)
     assert step["memory_s"] == pytest.approx((2 * 1024 * 4 + 4 * 12 + 5 * 9) / H100.hbm_bw)

@@ -6,17 +6,17 @@ figure is per device and per step: a `while` body counts as many times as XLA's 
 (`meshpar.compiler.hlo`).
 
 Kernels: cuDNN's fused attention (`__cudnn$fmha*` custom calls, forward and backward), cuBLAS GEMMs
-(`__cublas$gemm`, `__cublas$lt$matmul*`), Triton GEMMs (fusions whose computation holds a `dot`) and the
-other fusions (XLA's generated elementwise and reduction kernels).
+(`__cublas$gemm`, `__cublas$lt$matmul`; FP8 ones, `__cublas$lt$matmul$f8`, apart), Triton GEMMs (fusions
+whose computation holds a `dot`) and the other fusions (XLA's generated elementwise and reduction kernels).
 
 Collectives: count, result bytes by dtype, how many the scheduler made asynchronous (a `-start`/`-done`
 pair) and how many of those have compute kernels scheduled between their start and done (`overlapped`).
 
 The step time is a roofline of the program as scheduled, the planner's assumptions (`meshpar.plan.time`)
 applied to what XLA emitted instead of to the model:
-- a GEMM or an attention call costs its FLOPs over the target's peak for its dtype times `efficiency` (the
-  planner's); causal cuDNN attention computes half its score square (with a sliding window of W keys, query
-  t's min(t + 1, W) keys); its backward pass 2.5 forwards;
+- a GEMM or an attention call costs its FLOPs over the target's peak for its dtype (an FP8 GEMM: the FP8
+  peak) times `efficiency` (the planner's); causal cuDNN attention computes half its score square (with a
+  sliding window of W keys, query t's min(t + 1, W) keys); its backward pass 2.5 forwards;
 - any other kernel costs the bytes it reads and writes over HBM bandwidth;
 - a collective costs its ring time (all-gather and all-to-all (S−1)/S of the result, reduce-scatter (S−1)
   times its result, all-reduce twice (S−1)/S, a permute the result) over NVLink or, where its group spans
@@ -42,7 +42,8 @@ from meshpar.hardware import Hardware
 
 CUDNN_ATTENTION = "__cudnn$fmha"
 CUBLAS = ("__cublas$gemm", "__cublas$lt$matmul")
-KERNELS = ("attention", "gemm", "triton_gemm", "fusion", "memory", "host_copy")  # the kinds `read` counts
+CUBLAS_FP8 = "__cublas$lt$matmul$f8"  # cuBLASLt's FP8 GEMM (Hopper and later): what `train.fp8` matmuls become
+KERNELS = ("attention", "gemm", "fp8_gemm", "triton_gemm", "fusion", "memory", "host_copy")  # the kinds `read` counts
 # Instructions that move no data of their own (control flow: what they call is counted).
 _FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
          "replica-id", "opt-barrier", "add-dependency", "while", "call", "conditional", "async-start",
@@ -62,7 +63,8 @@ class Costs:
     efficiency: float  # the fraction of peak matmuls reach (`meshpar.plan.Run.efficiency`)
 
     def matmul_s(self, flops: float, dtype: str) -> float:
-        return flops / (self.hw.peak(4 if dtype == "f32" else 2) * self.efficiency)
+        """A matmul's seconds at the peak for its operands' `dtype` (the output's, but FP8 GEMMs': "f8")."""
+        return flops / (self.hw.peak({"f32": 4, "f8": 1}.get(dtype, 2)) * self.efficiency)
 
     def collective_s(self, kind: str, result_bytes: int, groups: list[list[int]]) -> float:
         groups = groups or [list(range(len(self.hosts)))]
@@ -190,6 +192,8 @@ def _kernel(instruction: Instruction, defined: dict[str, Instruction],
         target = _TARGET.search(instruction.attributes)["target"]
         if target.startswith(CUDNN_ATTENTION):
             return "attention", _attention_flops(instruction, target), out[0].dtype
+        if target == CUBLAS_FP8:
+            return "fp8_gemm", _gemm_flops(instruction, defined), "f8"
         if target.startswith(CUBLAS):
             return "gemm", _gemm_flops(instruction, defined), out[0].dtype
     if instruction.opcode == "fusion":
@@ -212,7 +216,7 @@ def _kernel(instruction: Instruction, defined: dict[str, Instruction],
 
 def read(hlo_text: str, costs: Costs) -> dict:
     """The kernels, collectives and roofline step time of one run of a compiled GPU module (see the module
-    docstring): {"kernels", "collectives", "flops_per_device", "step_time"}."""
+    docstring): {"kernels", "collectives", "flops_per_device", "flops_by_kernel", "step_time"}."""
     computations, entry = parse_module(hlo_text)
 
     @functools.cache
@@ -255,7 +259,7 @@ def read(hlo_text: str, costs: Costs) -> dict:
                     seconds = amount / (costs.hw.host_bw * costs.hw.net_efficiency) if costs.hw.host_bw else 0.0
                     pending[instruction.name] = (what, seconds, clock, tally.computed)
                     continue
-                if what in ("attention", "gemm", "triton_gemm"):
+                if what in ("attention", "gemm", "fp8_gemm", "triton_gemm"):
                     tally.counts["flops", what] += amount
                     seconds = costs.matmul_s(amount, dtype)
                     tally.seconds["attention" if what == "attention" else "matmul"] += seconds
@@ -279,4 +283,5 @@ def read(hlo_text: str, costs: Costs) -> dict:
     step["step_s"] = tally.clocked
     return {"kernels": {what: counts["kernels", what] for what in KERNELS}, "collectives": collectives,
             "flops_per_device": sum(value for (group, _), value in counts.items() if group == "flops"),
+            "flops_by_kernel": {what: counts["flops", what] for (group, what) in list(counts) if group == "flops"},
             "step_time": step}

@@ -54,7 +54,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from meshpar import context, sharding
+from meshpar import context, fp8, sharding
 
 # The logical axes of the experts' weights, their biases (gpt-oss), and of the tokens the dispatch reads.
 GATE_UP = ("experts", "embed", "expert_mlp")
@@ -102,7 +102,7 @@ def experts_ffn(x_BTD: jax.Array, experts_BTk: jax.Array, weights_BTk: jax.Array
     local = functools.partial(_local, capacity=capacity, experts=w_gate_EDF.shape[0], gated=gated)
     weights = (w_gate_EDF, w_up_EDF, w_down_EFD, biases)
     if compute is None:
-        return local(x_BTD, experts_BTk, weights_BTk, *weights, expert_axis=None, model=())
+        return local(x_BTD, experts_BTk, weights_BTk, *weights, expert_axis=None, model=(), recipe=None)
     mesh, table = compute.mesh, compute.rules.table("activations")
     spec = lambda logical, x: sharding.spec_for(logical, x.shape, table, mesh.shape, f"MoE input {logical}")
     tokens, gate_up, down = spec(TOKENS, x_BTD), spec(GATE_UP, w_gate_EDF), spec(DOWN, w_down_EFD)
@@ -110,11 +110,13 @@ def experts_ffn(x_BTD: jax.Array, experts_BTk: jax.Array, weights_BTk: jax.Array
     routes, rows = P(*tokens[:2], None), P(tokens[0])
     names = set(sharding.spec_axes(tokens) + sharding.spec_axes(gate_up) + compute.vmapped)
     if not names:
-        return local(x_BTD, experts_BTk, weights_BTk, *weights, expert_axis=None, model=())
+        return local(x_BTD, experts_BTk, weights_BTk, *weights, expert_axis=None, model=(), recipe=fp8.for_experts(()))
     expert_axis = "expert" if "expert" in sharding.spec_axes(gate_up) else None
     model = tuple(a for a in sharding.spec_axes(gate_up[2:]))
     body = functools.partial(local, expert_axis=expert_axis, model=model, positions=sharding.spec_axes(tokens[1:2]),
-                             vmapped=bool(compute.vmapped))
+                             vmapped=bool(compute.vmapped),
+                             recipe=fp8.for_experts(tuple(sorted(names - set(compute.vmapped))),
+                                                    checked=not compute.vmapped))
     # Manual over the size-1 axes too: in a partly manual region jax pins the psums' reducers with sharding
     # constraints, which XLA:CPU's widening of bfloat16 all-reduces cannot clone (a crash at compile time).
     names |= {axis for axis, size in mesh.shape.items() if size == 1}
@@ -124,13 +126,16 @@ def experts_ffn(x_BTD: jax.Array, experts_BTk: jax.Array, weights_BTk: jax.Array
                                                                                   *weights)
 
 
-def grouped_matmul(x_ID: jax.Array, w_EDF: jax.Array, sizes_E: jax.Array, vmapped: bool) -> jax.Array:
+def grouped_matmul(x_ID: jax.Array, w_EDF: jax.Array, sizes_E: jax.Array, vmapped: bool,
+                   recipe: fp8.Recipe | None = None) -> jax.Array:
     """Rows [I, D] in groups of `sizes_E` consecutive rows, group e times w_EDF[e] (rows past the groups: 0):
     `jax.lax.ragged_dot`. Under a vmap (`vmapped`: the pipeline's lanes, accumulation's replicas), whose
     batching rule ragged_dot lacks for these layouts, a loop over the experts, each multiplying every row
     and keeping its own group's: what XLA:CPU runs for ragged_dot anyway, El times the FLOPs of a GPU's
     grouped kernel, but one [I, F] product at a time (one matmul of the rows masked per group would hold
-    El copies of the rows: 17 GB per GPU at `qwen3_30b_a3b` in a pipeline)."""
+    El copies of the rows: 17 GB per GPU at `qwen3_30b_a3b` in a pipeline). In FP8 under `recipe`."""
+    if recipe is not None:
+        return fp8.grouped(functools.partial(grouped_matmul, vmapped=vmapped), x_ID, w_EDF, sizes_E, recipe=recipe)
     if not vmapped:
         return jax.lax.ragged_dot(x_ID, w_EDF, sizes_E)
     group_I = jnp.searchsorted(jnp.cumsum(sizes_E), jnp.arange(x_ID.shape[0]), side="right")
@@ -148,9 +153,10 @@ def grouped_matmul(x_ID: jax.Array, w_EDF: jax.Array, sizes_E: jax.Array, vmappe
 
 def _local(x_btD, experts_btk, weights_btk, w_gate_EDF, w_up_EDF, w_down_EFD, biases, *, capacity: float,
            experts: int, gated, expert_axis: str | None, model: tuple[str, ...], positions: tuple[str, ...] = (),
-           vmapped: bool = False) -> tuple[jax.Array, jax.Array]:
+           vmapped: bool = False, recipe: fp8.Recipe | None = None) -> tuple[jax.Array, jax.Array]:
     """One device's dispatch (module docstring): its El experts' weights, E / El = ep expert shards; the
-    mesh axes in `positions` split the rows' positions (context parallelism), and their drops are summed."""
+    mesh axes in `positions` split the rows' positions (context parallelism), and their drops are summed;
+    the experts' matmuls in FP8 under `recipe`."""
     b, t, D = x_btD.shape
     k, E, El = experts_btk.shape[-1], experts, w_gate_EDF.shape[0]
     ep, n = E // El, b * t
@@ -179,10 +185,10 @@ def _local(x_btD, experts_btk, weights_btk, w_gate_EDF, w_up_EDF, w_down_EFD, bi
         down_bias_ED = jnp.where(jax.lax.axis_index(model) == 0, down_bias_ED, 0)
     if capacity:  # [ep, El, U, D] → [El, ep·U, D]: one batched matmul per expert
         x_EUD = recv_xrD.reshape(ep, El, U, D).swapaxes(0, 1).reshape(El, ep * U, D)
-        gate, up = (jnp.einsum("eud,edf->euf", x_EUD, w) for w in (w_gate_EDF, w_up_EDF))
+        gate, up = (fp8.matmul(x_EUD, w, batch=1, recipe=recipe) for w in (w_gate_EDF, w_up_EDF))
         if biases:
             gate, up = gate + gate_bias_EF[:, None], up + up_bias_EF[:, None]
-        y_EUD = jnp.einsum("euf,efd->eud", gated(gate, up), w_down_EFD)
+        y_EUD = fp8.matmul(gated(gate, up), w_down_EFD, batch=1, recipe=recipe)
         y_EUD = y_EUD + down_bias_ED[:, None] if biases else y_EUD
         y_xrD = y_EUD.reshape(El, ep, U, D).swapaxes(0, 1).reshape(ep, r, D)
     else:  # rows from every device, sorted by local expert (unfilled rows: El, last), grouped matmuls
@@ -191,11 +197,11 @@ def _local(x_btD, experts_btk, weights_btk, w_gate_EDF, w_up_EDF, w_down_EFD, bi
         arrival_I = jnp.argsort(local_I, stable=True)
         sizes_E = jnp.zeros((El + 1,), jnp.int32).at[local_I].add(1)[:El]
         x_ID = recv_xrD.reshape(ep * r, D)[arrival_I]
-        gate, up = (grouped_matmul(x_ID, w, sizes_E, vmapped) for w in (w_gate_EDF, w_up_EDF))
+        gate, up = (grouped_matmul(x_ID, w, sizes_E, vmapped, recipe) for w in (w_gate_EDF, w_up_EDF))
         if biases:  # each row's expert (the unfilled rows past the groups take the last one: never read back)
             expert_I = jnp.minimum(jnp.searchsorted(jnp.cumsum(sizes_E), jnp.arange(ep * r), side="right"), El - 1)
             gate, up = gate + gate_bias_EF[expert_I], up + up_bias_EF[expert_I]
-        y_ID = grouped_matmul(gated(gate, up), w_down_EFD, sizes_E, vmapped)
+        y_ID = grouped_matmul(gated(gate, up), w_down_EFD, sizes_E, vmapped, recipe)
         y_ID = y_ID + down_bias_ED[expert_I] if biases else y_ID
         y_xrD = jnp.zeros_like(y_ID).at[arrival_I].set(y_ID).reshape(ep, r, D)
     back_xrD = swap(y_xrD)

@@ -9,8 +9,9 @@ collective-permute size.
   `expert`, over data × fsdp × sequence only): ZeRO 0 all-reduce of 4Ψ_l; ZeRO 1
   all-reduce + all-gather of the updated float32 params over fsdp; ZeRO 2 reduce-scatter over fsdp,
   all-reduce over data × sequence, all-gather of params; ZeRO 3 reduce-scatter + all-reduce and the
-  weights all-gathered for compute (in e bytes): once per step for embedding/head, per microbatch for the
-  layers, again in the backward pass with remat (XLA re-gathers instead of keeping them). The output
+  weights all-gathered for compute (in e bytes; the layers' in 1 byte under `train.fp8 = tensorwise`, their
+  norm scales counted with them): once per step for embedding/head, per microbatch for the layers, again in
+  the backward pass with remat (XLA re-gathers instead of keeping them). The output
   head's gradient leaves the chunked loss already reduced (a reduce-scatter over the batch axes under
   ZeRO-2/3). Gradient accumulation keeps the accumulator in the gradients' layout and syncs the pure
   replica axes once per step. Overlapped with compute (XLA's async collectives); only the excess over
@@ -59,6 +60,7 @@ from meshpar.plan.memory import host_layer_bytes_per_token
 from meshpar.plan.shape import Shape
 
 TP_ALL_REDUCES = (2, 5)  # per layer: forward, backward (measured in the compiled step, see the docstring)
+FP8_AMAXES = 11  # per layer and microbatch pass: the matmuls' 4 inputs (q, k, v share one) and 7 output gradients
 SP_ALL_TO_ALL = 1.28  # per layer, × a: GSPMD's attention reshards under Megatron SP (measured, model=8)
 
 
@@ -68,7 +70,7 @@ class Collective:
     op: str  # all-reduce, all-gather, reduce-scatter, all-to-all, collective-permute
     bytes: float  # result bytes per device, one call (what meshpar.compiler.hlo counts)
     count: float
-    kind: str  # dp (overlapped), tp, ep, cp, ring (overlapped with its blocks), pp
+    kind: str  # dp (overlapped), tp, ep, cp, ring (overlapped with its blocks), pp, fp8
 
 
 def weight_passes(lay: Layout) -> int:
@@ -105,6 +107,9 @@ def collectives(shape: Shape, lay: Layout, run: Run, *, cpu: bool = False) -> li
         out += _expert_parallel(shape, lay, run, cpu)
     if lay.mesh.sequence > 1:
         out += _context_parallel(shape, lay, run)
+    batch = tuple(a for a in ("data", "fsdp", "expert", "sequence") if lay.sizes[a] > 1)
+    if run.fp8 != "none" and batch:  # each activation's FP8 scale is the whole tensor's (meshpar.fp8)
+        out.append(Collective(batch, "all-reduce", 4, FP8_AMAXES * layer_applications(shape, lay), "fp8"))
     if lay.mesh.stage > 1:  # gpipe.py's table: the shifts, the result leaving stage 0 (and its gradient)
         b, t, *_ = local_dims(shape, lay, run)
         a = b * t * shape.d_model * run.e
@@ -153,7 +158,8 @@ def _data_parallel(shape: Shape, lay: Layout, run: Run, cpu: bool) -> list[Colle
     if fsdp and zero == 3:
         g = pb if cpu else min(run.e, pb)
         out.append(Collective(fsdp, "all-gather", g * (whole - layer_whole), 1, "dp"))  # embedding and head
-        out.append(Collective(fsdp, "all-gather", g * layer_whole, weight_passes(lay), "dp"))
+        layer_g = 1 if run.fp8 == "tensorwise" and not cpu else g  # gathered as FP8 (meshpar.fp8)
+        out.append(Collective(fsdp, "all-gather", layer_g * layer_whole, weight_passes(lay), "dp"))
     return out
 
 

@@ -110,12 +110,13 @@ class Run:
     precision: str = "fp32"
     efficiency: float = EFFICIENCY
     flash_attention: bool = True  # the kernel keeps no score matrix (blockwise, meshpar's on GPUs); False: dense
+    fp8: str = "none"  # the projections' and MLPs' matmuls in FP8 (`train.fp8`, meshpar.fp8)
 
     @classmethod
     def of(cls, train, platform: str = "gpu", precision: str = "fp32", efficiency: float = EFFICIENCY) -> Run:
         """The run of a `train.TrainConfig`; the attention kernel is resolved for `platform`."""
         flash = resolve_kernel(train.attention_kernel, train.seq_len, platform, train.dtype) != "dense"
-        return cls(train.global_batch, train.seq_len, train.compute_dtype, precision, efficiency, flash)
+        return cls(train.global_batch, train.seq_len, train.compute_dtype, precision, efficiency, flash, train.fp8)
 
     @property
     def e(self) -> int:

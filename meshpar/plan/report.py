@@ -13,7 +13,7 @@ from meshpar.rules import ParallelConfig
 
 GB = 1e9
 KINDS = {"tp": "tensor-parallel", "ep": "expert-parallel", "cp": "context-parallel", "pp": "pipeline",
-         "dp": "data-parallel/ZeRO"}
+         "dp": "data-parallel/ZeRO", "fp8": "FP8 scales' amax"}
 
 
 def _attention(lay: Layout) -> str:
@@ -40,11 +40,12 @@ def header(shape: Shape, run: Run, hw: Hardware, devices: int, devices_per_host:
     active = f", {shape.matmul_params / 1e9:.2f}B active per token" if shape.experts else ""
     return (f"{name} ({shape.params / 1e9:.2f}B parameters{active}) on {devices} × {hw.name} ({hosts} host(s) of "
             f"{min(devices, devices_per_host)}), global batch {run.global_batch} × {run.seq_len} tokens, "
-            f"{run.compute_dtype} compute, "
+            f"{run.compute_dtype} compute{f' (FP8 matmuls: {run.fp8})' if run.fp8 != 'none' else ''}, "
             f"{'fp32 master weights + Adam' if run.precision == 'fp32' else 'mixed precision (ZeRO paper)'}\n"
             f"memory per device in GB (1e9 bytes), usable {hw.hbm * mem_fraction / GB:.1f} "
             f"({mem_fraction:.0%} of {hw.hbm / GB:.0f}){host}; comm per mesh axis: GB on the wire / seconds per "
-            f"step; MFU: PaLM's 6Ψ + 12·L·N·H·T per token (full attention square)")
+            f"step; MFU: PaLM's 6Ψ + 12·L·N·H·T per token (full attention square), against the {run.compute_dtype} "
+            f"peak")
 
 
 def table(estimates: list[Estimate]) -> str:

@@ -29,7 +29,7 @@ import bisect
 import dataclasses
 import math
 
-from meshpar import remat as remat_lib
+from meshpar import fp8 as fp8_lib, remat as remat_lib
 from meshpar.divisors import divisors
 from meshpar.errors import InputError
 from meshpar.hardware import Hardware, parse as parse_hardware
@@ -183,11 +183,12 @@ OFFLOADED = tuple((offload, remat) for offload in OFFLOAD for remat in remat_lib
 
 def search(shape: Shape, *, devices: int, devices_per_host: int, hardware: Hardware | str, global_batch: int,
            seq_len: int, compute_dtype: str = "bfloat16", precision: str = "fp32", top: int = 10,
-           mem_fraction: float = 0.9, efficiency: float = EFFICIENCY, flash_attention: bool = True) -> SearchResult:
+           mem_fraction: float = 0.9, efficiency: float = EFFICIENCY, flash_attention: bool = True,
+           fp8: str = "none") -> SearchResult:
     """Rank the layouts that fit, fastest first. Raises NothingFits (naming the smallest need) if none does.
 
     `flash_attention`: the attention kernel keeps no score matrix (meshpar's blockwise kernel, the GPU
-    default); False models the dense kernel.
+    default); False models the dense kernel. `fp8`: the matmuls' FP8 recipe (`train.fp8`).
     Branch and bound: layouts are visited in the order of their compute time alone (no remat, no
     communication: a lower bound of every variant); the search stops when that bound passes the
     `top`-th best step time found, or reaches layouts whose model states alone do not fit. For each
@@ -203,7 +204,9 @@ def search(shape: Shape, *, devices: int, devices_per_host: int, hardware: Hardw
         raise InputError(f"compute dtype '{compute_dtype}' is not bfloat16 or float32")
     if top < 1:
         raise InputError(f"top = {top} must be >= 1")
-    run = Run(global_batch, seq_len, compute_dtype, precision, efficiency, flash_attention)
+    if problem := fp8_lib.unsupported(fp8, hw, f"hardware '{hw.name}'"):
+        raise InputError(problem)
+    run = Run(global_batch, seq_len, compute_dtype, precision, efficiency, flash_attention, fp8)
     result = _search(shape, dph, run, hw, top, mem_fraction, devices, PLAIN)
     if not result.ranked and hw.offloads:
         result = _search(shape, dph, run, hw, top, mem_fraction, devices, OFFLOADED)

@@ -13,9 +13,11 @@ weights once per row they compute per token: `layout.layer_matmul_params`; local
 attention compute the masked half too; zigzag ring only the visible blocks, ≈ half), backward twice that,
 +1 forward of the layers with full remat, +1 attention forward with dots and with ring (its steps are
 rematerialised), +1 forward with 1F1B (it recomputes each chunk in its backward; the remat applies
-inside). Time = FLOPs / (peak · efficiency) + HBM traffic of the non-matmul tensors (3 passes over the
-activations, / HBM bandwidth) per microbatch, for every pass of the pipeline schedule, plus the exposed
-communication, plus the optimizer update (memory-bound), plus the host↔device copies of offload.
+inside). Time = FLOPs / (peak · efficiency) (under `train.fp8` the projections' and MLPs' at the FP8 peak;
+MFU is still counted against the compute dtype's peak, the convention torchtitan reports FP8 runs in) + HBM
+traffic of the non-matmul tensors (3 passes over the activations, / HBM bandwidth) per microbatch, for every
+pass of the pipeline schedule, plus the exposed communication, plus the optimizer update (memory-bound), plus
+the host↔device copies of offload.
 
 Host offload's copies (`comm.host_traffic`) are charged in full at `host_bw`·`net_efficiency`, one
 direction after the other: not overlapped with compute or with each other. An upper bound, stated: the
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from meshpar.fp8 import unsupported
 from meshpar.hardware import Hardware
 from meshpar.mfu import mfu
 from meshpar.pipeline import schedule
@@ -138,6 +141,23 @@ def layer_traffic_per_token(shape: Shape, lay: Layout, run: Run) -> float:
             + attention_bytes_per_token(shape, lay, run))
 
 
+def fp8_cast_bytes(shape: Shape, lay: Layout, run: Run) -> tuple[float, float]:
+    """HBM bytes of one layer's FP8 casts (`train.fp8`; 0, 0 without): (per local token, per pass over its
+    weights). A cast reads its input twice in the compute dtype (the amax, then the scaling) and writes one
+    byte: the matmuls' inputs (x once for q, k and v, once for gate and up), their output gradients, and
+    under rowwise the inputs again, scaled along the tokens for the weights' gradients. A weight is cast
+    once a pass (forward, backward); under tensorwise its FP8-gathered copy is also widened back to the
+    compute dtype first. A mixture's expert rows are left out."""
+    if run.fp8 == "none":
+        return 0.0, 0.0
+    D, H, e, L, mlp = shape.d_model, shape.head_dim, run.e, shape.period, shape.mlp_layers
+    _, _, N, K, F, _ = local_dims(shape, lay, run)
+    rowwise = run.fp8 == "rowwise"
+    inputs, grads = L * (2 * D + N * H) + mlp * F, L * ((N + 2 * K) * H + D) + mlp * (2 * F + D)
+    weights = local_elements(shape, lay, "activations", only_layers=True) / (shape.layers / lay.mesh.stage)
+    return (2 * e + 1) * ((1 + rowwise) * inputs + grads), weights * (2 * e + 1 + (not rowwise) * (1 + e))
+
+
 def compute_seconds(shape: Shape, lay: Layout, run: Run, hw: Hardware) -> tuple[float, float]:
     """(compute seconds of the step, attention seconds): matmuls at peak·efficiency plus HBM traffic.
 
@@ -145,27 +165,33 @@ def compute_seconds(shape: Shape, lay: Layout, run: Run, hw: Hardware) -> tuple[
     on zeros); the head and loss run outside the pipeline, on every stage.
     """
     peak = hw.peak(run.e) * run.efficiency
+    # FP8 (`train.fp8`): the projections' matmuls at the FP8 peak, attention's and the head's as they were (on
+    # hardware without FP8, which `estimate` refuses, at the compute dtype's)
+    proj_peak = hw.peak(1) * run.efficiency if run.fp8 != "none" and hw.fp8_flops else peak
     b, t, _, _, _, V = local_dims(shape, lay, run)
     tokens = b * t  # one microbatch on one device
     proj, attn = layer_flops_per_token(shape, lay, run)
     ring = lay.mesh.sequence > 1 and lay.parallel.context_attention == "ring"
-    recompute = {"none": 0.0, "dots": attn, "offload": attn, "full": proj + attn}[lay.remat]
-    recompute += attn if ring and lay.remat != "full" else 0.0  # ring steps are rematerialised anyway
     one_f_one_b = lay.mesh.stage > 1 and lay.parallel.pipeline_schedule in SLOT_SCHEDULES
-    recompute += proj + attn if one_f_one_b else 0.0  # 1F1B recomputes each chunk's forward in its backward
-    flops_layer = (3 * (proj + attn) + recompute) * tokens
+    # passes over the layer: forward, backward (2), a recompute of the projections (full remat, 1F1B's chunks)
+    # and of attention (any remat; ring's steps, rematerialised anyway, unless full remat recomputes them)
+    proj_passes = 3 + (lay.remat == "full") + one_f_one_b
+    attn_passes = 3 + (lay.remat != "none") + (ring and lay.remat != "full") + one_f_one_b
     # zero-bubble: the deferred weights' gradients (one matmul per weight) run in R·M of the R·M + P − 1 slots
     if lay.mesh.stage > 1 and lay.parallel.pipeline_schedule == "zero_bubble":
         weight_share = lay.R * lay.M / schedule.iterations(lay.mesh.stage, lay.M, lay.R)
-        flops_layer -= (1 - weight_share) * deferred_share(shape, lay, run) * proj * tokens
+        proj_passes -= (1 - weight_share) * deferred_share(shape, lay, run)
+    matmul_layer = (proj_passes * proj / proj_peak + attn_passes * attn / peak) * tokens
     act = layer_traffic_per_token(shape, lay, run)
     if ring and not run.flash_attention:  # every step's [t, t] score block goes through HBM, not just one
         N, n = shape.heads / lay.mesh.model, lay.mesh.sequence
         act += N * (attn / (4 * N * shape.head_dim) - run.seq_len / n) * (4 + run.e)
     hbm_layer = 3 * act * tokens * (2 if lay.remat == "full" or one_f_one_b else 1) / hw.hbm_bw
+    per_token, per_weight_pass = fp8_cast_bytes(shape, lay, run)
+    hbm_layer += (per_token * tokens + per_weight_pass * (2 + (lay.remat == "full"))) / hw.hbm_bw
     layer_steps = layer_applications(shape, lay)
     head = (3 * 2 * shape.d_model * V / peak + 3 * 4 * V / hw.hbm_bw) * tokens * lay.grad_accum * lay.M
-    return layer_steps * (flops_layer / peak + hbm_layer) + head, 3 * attn * tokens / peak * layer_steps
+    return layer_steps * (matmul_layer + hbm_layer) + head, 3 * attn * tokens / peak * layer_steps
 
 
 def estimate(shape: Shape, lay: Layout, run: Run, hw: Hardware, devices_per_host: int, *,
@@ -179,13 +205,15 @@ def estimate(shape: Shape, lay: Layout, run: Run, hw: Hardware, devices_per_host
     if offloads and not hw.offloads:
         problems += (f"hardware '{hw.name}' does not give host_bw and host_mem, which host offload needs: add "
                      f"e.g. host_bw=64e9,host_mem=250e9 (PCIe Gen5 x16, 2 TB for 8 GPUs) to the spec",)
+    if fp8_problem := unsupported(run.fp8, hw, f"hardware '{hw.name}'"):
+        problems += (fp8_problem,)
     mem = memory(shape, lay, run)
     compute, attn_s = compute_seconds(shape, lay, run, hw)
     timed = [(x, *collective_time(x, lay, hw, devices_per_host)) for x in collectives(shape, lay, run)]
     kind_s = {kind: sum(sec * x.count for x, _, sec in timed if x.kind == kind)
-              for kind in ("dp", "tp", "ep", "cp", "ring", "pp")}
+              for kind in ("dp", "tp", "ep", "cp", "ring", "pp", "fp8")}
     exposed = {"tp": kind_s["tp"], "ep": kind_s["ep"], "cp": kind_s["cp"] + max(0.0, kind_s["ring"] - attn_s),
-               "pp": kind_s["pp"]}
+               "pp": kind_s["pp"], "fp8": kind_s["fp8"]}
     critical = sum(exposed.values())
     dp = kind_s["dp"]
     exposed["dp"] = max(dp / max(1.0, shape.layers / lay.mesh.stage), dp - compute - critical)

@@ -1,0 +1,35 @@
+"""FP8 training against bf16 (meshpar.fp8): 300 steps of `tiny` in bf16 compute, with and without FP8 matmuls,
+through `launch.train` as a user runs it; the final losses (`launch.curves.final`: the mean of the last 20
+steps') within 2% of bf16's. The README's curves of `small` come from the same commands (its section on FP8)."""
+
+import subprocess
+import sys
+
+import pytest
+
+from launch import curves
+
+pytestmark = pytest.mark.slow
+STEPS = 300
+
+
+def run(directory, fp8: str) -> list[tuple[int, float]]:
+    metrics = directory / f"{fp8}.jsonl"
+    subprocess.run([sys.executable, "-m", "launch.train", "--config", "tiny", "--cpu-devices", "1", "--mesh", "fsdp=1",
+                    "--steps", str(STEPS), "--set", "train.compute_dtype=bfloat16", "--set", f"train.fp8={fp8}",
+                    "--metrics-file", str(metrics)], check=True, capture_output=True)
+    return curves.losses(str(metrics))
+
+
+@pytest.fixture(scope="module")
+def bf16(tmp_path_factory) -> list[tuple[int, float]]:
+    return run(tmp_path_factory.mktemp("bf16"), "none")
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_300_steps_with_fp8_end_within_2_percent_of_bf16(tmp_path, bf16, recipe):
+    fp8 = run(tmp_path, recipe)
+    assert len(bf16) == len(fp8) == STEPS
+    start, end = bf16[0][1], curves.final(bf16)
+    assert end < 0.5 * start  # it trained
+    assert abs(curves.final(fp8) / end - 1) < 0.02, (curves.final(fp8), end)
