@@ -2,7 +2,7 @@
 
     python -m launch.curves runs/bf16.jsonl runs/fp8.jsonl --labels bf16,"FP8 tensorwise" --out curves.png
 
-Each curve is the per-step training loss; the legend gives each run's final loss (the mean of its last
+Each curve is the per-step training loss (on a log scale); the legend gives each run's final loss (the mean of its last
 `WINDOW` steps: one step's loss is one batch's) and its difference from the first run's. Needs matplotlib
 (a test extra).
 """
@@ -53,6 +53,7 @@ def plot(paths: list[str], labels: list[str], out: str, title: str) -> list[floa
         ax.plot(steps, loss, label=f"{label} (final {ends[i]:.3f}{change})", linewidth=1)
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
+    ax.set_yscale("log")  # a run's first steps can be orders of magnitude above where it settles
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
