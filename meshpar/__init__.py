@@ -8,6 +8,7 @@ The map (one idea per module; a wing is a folder):
     pipeline/                  schedule arithmetic, shared stage machinery, order at rest, GPipe, 1F1B
     moe/                       routing and the router's losses; the dispatch to the experts over `expert`
     loss, offload, train       chunked cross-entropy; host memory; the state, init and the jitted step
+    fp8, lora, frozen, dpo     FP8 matmuls; adapters on a frozen base; frozen weights; the preference loss
     run, data, checkpoint      the loop and its hooks; batches; orbax save/restore onto any mesh
     distributed, generate      several processes; a KV-cache decoder
     metrics, mfu, hardware     what a run reports; MFU; the accelerators' datasheet figures
