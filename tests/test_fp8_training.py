@@ -1,6 +1,7 @@
 """FP8 training against bf16 (meshpar.fp8): 300 steps of `tiny` in bf16 compute, with and without FP8 matmuls
-(tensorwise), through `launch.train` as a user runs it; the final losses (`launch.curves.final`: the mean of the last 20
-steps') within 2% of bf16's. The README's curves of `small` come from the same commands (its section on FP8)."""
+(tensorwise), through `launch.train` as a user runs it; the final losses (`launch.curves.final`: the mean of
+the last 20 steps') within 2% of bf16's. The README's curves of `small` come from the same commands (its
+section on FP8)."""
 
 import subprocess
 import sys
