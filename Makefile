@@ -38,17 +38,25 @@ CUDNN_WHEEL := nvidia-cudnn-cu12==9.28.0.42
 train: $(VENV)/core
 	$(PY) -m launch.train --config tiny --cpu-devices 8 --mesh fsdp=8
 
+# Each test leg ends with its wall time (the install before it apart).
+timed = start=$$(date +%s); $(1); rc=$$?; echo "make $@: $$(( $$(date +%s) - start )) s"; exit $$rc
+
 test: $(VENV)/installed
-	$(PY) -m pytest -m "not slow"
+	@$(call timed,$(PY) -m pytest -m "not slow")
 
 test-slow: $(VENV)/installed
-	$(PY) -m pytest -m slow
+	@$(call timed,$(PY) -m pytest -m slow)
 
 test-newest: $(VENV312)/installed $(VENV)/installed
-	MESHPAR_TORCH_PYTHON=$(abspath $(PY)) $(VENV312)/bin/python -m pytest -W error::DeprecationWarning $(NEWEST_TESTS)
+	@$(call timed,MESHPAR_TORCH_PYTHON=$(abspath $(PY)) $(VENV312)/bin/python -m pytest -W error::DeprecationWarning \
+		$(NEWEST_TESTS))
 
+# XLA_FLAGS set (empty unless the caller's): the GPU program compiled as users compile it, without the tests'
+# fast XLA:CPU flags (tests/conftest.py). Scheduled by xdist group: the tests that read one program run in one
+# process (test_gpu_fit's groups are its programs; test_gpu_compile.py is one), so both workers finish together.
 test-gpu-compile: $(VENV312)/gpu-compile
-	$(VENV312)/bin/python -m pytest -W error::DeprecationWarning tests/test_gpu_compile.py tests/test_gpu_fit.py
+	@$(call timed,XLA_FLAGS="$${XLA_FLAGS:-}" $(VENV312)/bin/python -m pytest -W error::DeprecationWarning \
+		--dist loadgroup tests/test_gpu_compile.py tests/test_gpu_fit.py)
 
 gpu-compile-deps: $(VENV312)/gpu-compile
 

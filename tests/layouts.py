@@ -64,6 +64,11 @@ class MeshRun:
         return jax.device_put(tokens(step, self.cfg), self.tokens_sharding)
 
     def loss_and_grads(self) -> tuple[float, nnx.State]:
+        """The loss and gradients of the first batch, as host arrays (computed once: the state never changes)."""
+        return self._loss_and_grads
+
+    @functools.cached_property
+    def _loss_and_grads(self) -> tuple[float, nnx.State]:
         loss, grads = train.loss_and_grads(self.sharded, self.tokens_sharding, self.cfg)(self.state, self.batch(0))
         return float(loss), jax.tree.map(np.asarray, grads)
 
@@ -73,7 +78,9 @@ class MeshRun:
         step = train.make_step(self.sharded, self.tokens_sharding, self.cfg)
         return compiler.compile_report(step, self.state, self.batch(0))
 
+    @functools.cache
     def losses(self, steps: int) -> list[float]:
+        """The losses of `steps` training steps from the initial state (run once per count)."""
         step = self.compiled_step[0]
         state, out = jax.tree.map(lambda x: x.copy(), self.state), []  # the step donates its input
         for i in range(steps):
@@ -86,6 +93,14 @@ class MeshRun:
 
     def step_hlo(self) -> str:
         return self.compiled_step[0].as_text()
+
+
+@functools.cache
+def shared_run(spec: str = "single", cfg: train.TrainConfig = TRAIN, model: TransformerConfig = MODEL,
+               parallel: rules_lib.ParallelConfig = rules_lib.ParallelConfig()) -> MeshRun:
+    """One `MeshRun` per layout in a test process, shared by every test (of any file) that asks for it: a
+    one-device reference or a common layout is traced and run once, its results kept."""
+    return MeshRun(spec, cfg, model, parallel)
 
 
 def max_relative_error(tree, reference) -> float:

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from conftest import require_devices
-from layouts import CORPUS, MODEL, TRAIN, MeshRun
+from layouts import CORPUS, MODEL, TRAIN, shared_run
 from meshpar import checkpoint, mesh as mesh_lib, rules
 from meshpar.data import DataConfig
 from meshpar.errors import TrainingStopped
@@ -132,7 +132,7 @@ def test_a_checkpoint_of_another_model_is_refused_by_field(tmp_path):
 
 
 def test_a_checkpoint_whose_shapes_differ_is_refused_by_path(tmp_path):
-    saved, other = MeshRun("single"), MeshRun("single", model=dataclasses.replace(MODEL, d_ff=256))
+    saved, other = shared_run("single"), shared_run("single", model=dataclasses.replace(MODEL, d_ff=256))
     ckpt = checkpoint.Checkpointer(tmp_path)
     ckpt.save(1, saved.state, {"data": {}})
     ckpt.wait()
@@ -162,10 +162,10 @@ def test_a_directory_with_only_a_save_cut_off_starts_afresh(tmp_path):
 
 def test_exported_parameters_load_onto_any_mesh(tmp_path):
     require_devices(8)
-    source = MeshRun("fsdp=8")
+    source = shared_run("fsdp=8")
     params = source.state["model"]
     checkpoint.export_params(tmp_path / "export", params, CONFIG)
-    target = MeshRun("data=2,model=4")
+    target = shared_run("data=2,model=4")
     loaded = checkpoint.load_params(tmp_path / "export", target.sharded.abstract["model"],
                                     target.sharded.shardings["model"])
     w = loaded["blocks"]["mlp"]["w_up_DF"][...]

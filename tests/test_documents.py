@@ -17,7 +17,7 @@ import pytest
 from flax import nnx
 
 from conftest import require_devices
-from layouts import CORPUS, MODEL, TRAIN, MeshRun, max_relative_error
+from layouts import CORPUS, MODEL, TRAIN, max_relative_error, shared_run
 from meshpar import context, train
 from meshpar.attention import flash, kernels, zigzag
 from meshpar.batch import Batch, document_positions
@@ -143,7 +143,7 @@ def reference_run():
     """(packed batch, its documents, the loss and gradients of the documents run one per row on one device)."""
     batch, documents = packed_batch(CFG)
     rows = len(documents) + (-len(documents)) % CFG.global_batch  # whole batches of rows (empty rows weigh 0)
-    single = MeshRun("single", dataclasses.replace(CFG, global_batch=rows), DOCUMENTS)
+    single = shared_run("single", dataclasses.replace(CFG, global_batch=rows), DOCUMENTS)
     reference = alone(batch, documents + [(0, 0, 0)] * (rows - len(documents)), CFG.seq_len + 1)
     loss, grads = train.loss_and_grads(single.sharded, single.tokens_sharding, single.cfg)(single.state, reference)
     return batch, documents, float(loss), jax.tree.map(np.asarray, grads)
@@ -154,7 +154,7 @@ def test_packed_logits_equal_each_document_alone(reference_run):
     the start of its own row (float32, 1e-5), with the dense and the blockwise kernel; without the ids
     the packed rows give other logits (the check can fail)."""
     batch, documents, _, _ = reference_run
-    single = MeshRun("single", CFG, DOCUMENTS)
+    single = shared_run("single", CFG, DOCUMENTS)
     model = nnx.merge(single.sharded.graphdef, single.state).model
     inputs_BT, segments_BT = jnp.asarray(batch.tokens[:, :-1]), jnp.asarray(batch.segments[:, :-1])
     positions_BT = document_positions(segments_BT)
@@ -190,7 +190,7 @@ def test_a_packed_batch_trains_as_its_documents_alone(reference_run, layout):
     spec, parallel, accumulation = LAYOUTS[layout]
     require_devices(1 if spec == "single" else 8)
     batch, _, ref_loss, ref_grads = reference_run
-    run = MeshRun(spec, dataclasses.replace(CFG, grad_accum=accumulation), DOCUMENTS, parallel)
+    run = shared_run(spec, dataclasses.replace(CFG, grad_accum=accumulation), DOCUMENTS, parallel)
     placed = jax.tree.map(lambda x: jax.device_put(x, run.tokens_sharding), batch)
     loss, grads = train.loss_and_grads(run.sharded, run.tokens_sharding, run.cfg)(run.state, placed)
     assert abs(float(loss) - ref_loss) / ref_loss < 1e-5

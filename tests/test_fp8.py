@@ -16,7 +16,7 @@ import pytest
 
 import layouts
 from conftest import require_devices
-from layouts import MODEL, TRAIN, MeshRun, max_relative_error
+from layouts import MODEL, TRAIN, max_relative_error, shared_run
 from meshpar import fp8, train
 from meshpar.errors import InputError
 from meshpar.rules import ParallelConfig
@@ -202,11 +202,11 @@ def one_device(cfg: train.TrainConfig, model, parallel: dict, lanes: list[np.nda
     capacity = {k: v for k, v in parallel.items() if k == "expert_capacity"}
     cfg = dataclasses.replace(cfg, grad_accum=len(lanes) if lanes else 1, remat="none")
     if lanes is None:
-        return MeshRun("single", cfg=cfg, model=model, parallel=ParallelConfig(**capacity)).loss_and_grads()
+        return shared_run("single", cfg=cfg, model=model, parallel=ParallelConfig(**capacity)).loss_and_grads()
     order, tokens = np.concatenate(lanes), layouts.tokens
     layouts.tokens = lambda step, c=TRAIN: tokens(step, c)[order]
     try:
-        return MeshRun("single", cfg=cfg, model=model).loss_and_grads()
+        return shared_run("single", cfg=cfg, model=model).loss_and_grads()
     finally:
         layouts.tokens = tokens
 
@@ -218,7 +218,7 @@ def test_fp8_on_a_mesh_matches_one_device(name, recipe):
     require_devices(8)
     spec, parallel, fields, model, lanes = LAYOUTS[name]
     cfg = dataclasses.replace(TRAIN, fp8=recipe, **fields)
-    loss, grads = MeshRun(spec, cfg=cfg, model=model, parallel=ParallelConfig(**parallel)).loss_and_grads()
+    loss, grads = shared_run(spec, cfg=cfg, model=model, parallel=ParallelConfig(**parallel)).loss_and_grads()
     ref_loss, ref_grads = one_device(cfg, model, parallel, lanes)
     assert abs(loss - ref_loss) / ref_loss < 1e-5
     assert max_relative_error(grads, ref_grads) < 1e-5
@@ -233,7 +233,7 @@ def test_ring_attention_with_fp8_matches_one_device_to_an_fp8_rounding():
     so ring is held to 1e-4 (measured: 1.3e-5), the loss to 1e-5."""
     require_devices(8)
     cfg = dataclasses.replace(TRAIN, fp8="tensorwise")
-    loss, grads = MeshRun("sequence=4,fsdp=2", cfg=cfg).loss_and_grads()
+    loss, grads = shared_run("sequence=4,fsdp=2", cfg=cfg).loss_and_grads()
     ref_loss, ref_grads = one_device(cfg, MODEL, {}, None)
     assert abs(loss - ref_loss) / ref_loss < 1e-5
     assert max_relative_error(grads, ref_grads) < 1e-4

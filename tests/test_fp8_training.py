@@ -8,6 +8,7 @@ import sys
 
 import pytest
 
+from conftest import long_run_env
 from launch import curves
 
 pytestmark = pytest.mark.slow
@@ -18,7 +19,7 @@ def run(directory, fp8: str) -> list[tuple[int, float]]:
     metrics = directory / f"{fp8}.jsonl"
     subprocess.run([sys.executable, "-m", "launch.train", "--config", "tiny", "--cpu-devices", "1", "--mesh", "fsdp=1",
                     "--steps", str(STEPS), "--set", "train.compute_dtype=bfloat16", "--set", f"train.fp8={fp8}",
-                    "--metrics-file", str(metrics)], check=True, capture_output=True)
+                    "--metrics-file", str(metrics)], check=True, capture_output=True, env=long_run_env())
     return curves.losses(str(metrics))
 
 

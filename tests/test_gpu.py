@@ -16,7 +16,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_python(code: str, xla_flags: str, tmp_path: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "XLA_FLAGS": xla_flags, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    """`code` run with these XLA_FLAGS, compiling every program (a dump needs a compile: the persistent
+    cache's key leaves the dump flags out)."""
+    env = {**os.environ, "XLA_FLAGS": xla_flags, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT),
+           "JAX_ENABLE_COMPILATION_CACHE": "false"}
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=tmp_path,
                           timeout=300)
 

@@ -19,7 +19,7 @@ from flax import nnx
 
 from conftest import require_devices
 from hf_reference import SMALL, call
-from layouts import MeshRun, max_relative_error
+from layouts import max_relative_error, shared_run
 from meshpar import generate, plan, rules as rules_lib
 from meshpar.errors import InputError
 from models import hf
@@ -141,7 +141,7 @@ def test_a_mixed_stack_pipelines_as_one_device(kind, R, M):
     """Loss and every gradient within 1e-5 of one device pooling each microbatch's router losses
     (test_pipeline_moe's reference), under each schedule on `stage=2,expert=2,data=2`."""
     require_devices(8)
-    layout = MeshRun("stage=2,expert=2,data=2", PER_MICROBATCH, MIXED, rules_lib.ParallelConfig(
+    layout = shared_run("stage=2,expert=2,data=2", PER_MICROBATCH, MIXED, rules_lib.ParallelConfig(
         microbatches=M, pipeline_schedule=kind, pipeline_repeats=R))
     ref_loss, ref_grads = reference(np.asarray(layout.batch(0)), M, model=MIXED)
     loss, grads = layout.loss_and_grads()
@@ -153,7 +153,7 @@ def test_a_mixed_stack_pipelines_as_one_device(kind, R, M):
 
 @pytest.fixture(scope="module")
 def mixed_reference():
-    return MeshRun("single", TRAIN, MIXED).loss_and_grads()
+    return shared_run("single", TRAIN, MIXED).loss_and_grads()
 
 
 @SLOW
@@ -161,8 +161,8 @@ def test_a_mixed_stack_trains_under_ring_attention_as_on_one_device(mixed_refere
     """The windowed kind's ring skips the steps beyond its window, the full kind's runs them all (all-gather and
     Ulysses take the windows as the kernels do: tests/test_window.py)."""
     require_devices(8)
-    loss, grads = MeshRun("sequence=2,expert=2,data=2", TRAIN, MIXED,
-                          rules_lib.ParallelConfig(context_attention="ring")).loss_and_grads()
+    loss, grads = shared_run("sequence=2,expert=2,data=2", TRAIN, MIXED,
+                             rules_lib.ParallelConfig(context_attention="ring")).loss_and_grads()
     assert abs(loss - mixed_reference[0]) / mixed_reference[0] < TOLERANCE
     assert max_relative_error(grads, mixed_reference[1]) < TOLERANCE
 
@@ -194,7 +194,7 @@ def test_a_stage_split_that_cuts_a_period_is_refused():
     require_devices(8)
     with pytest.raises(InputError, match=r"L = 2 stacked layers are not divisible by P = 2 stages × R = 2 repeats "
                                          r"\(with model.layer_pattern, L counts its periods: a chunk holds whole ones"):
-        MeshRun("stage=2,data=4", TRAIN, MIXED, rules_lib.ParallelConfig(microbatches=2, pipeline_repeats=2))
+        shared_run("stage=2,data=4", TRAIN, MIXED, rules_lib.ParallelConfig(microbatches=2, pipeline_repeats=2))
 
 
 def test_a_family_that_cannot_hold_the_pattern_is_refused():

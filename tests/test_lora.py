@@ -13,7 +13,7 @@ import pytest
 from flax import nnx
 
 from conftest import require_devices
-from layouts import MODEL, TRAIN, MeshRun, max_relative_error
+from layouts import MODEL, MeshRun, TRAIN, max_relative_error, shared_run
 from meshpar import lora, sharding, train
 from meshpar.batch import Batch
 from meshpar.errors import InputError
@@ -53,7 +53,7 @@ STRATEGIES = {
 @functools.cache
 def single(model, cfg) -> tuple[float, nnx.State]:
     """One device's loss and gradients (without accumulation or remat: the same numbers)."""
-    return MeshRun("single", cfg=dataclasses.replace(cfg, grad_accum=1, remat="none"), model=model).loss_and_grads()
+    return shared_run("single", cfg=dataclasses.replace(cfg, grad_accum=1, remat="none"), model=model).loss_and_grads()
 
 
 SLOW = ("allgather", "circular", "interleaved 1f1b", "zero_bubble")  # their code runs in make test's other rows
@@ -65,7 +65,7 @@ def test_lora_matches_one_device(name):
     gradients are the adapters' alone."""
     require_devices(8)
     spec, parallel, cfg, model = STRATEGIES[name]
-    loss, grads = MeshRun(spec, cfg=cfg, model=model, parallel=ParallelConfig(**parallel)).loss_and_grads()
+    loss, grads = shared_run(spec, cfg=cfg, model=model, parallel=ParallelConfig(**parallel)).loss_and_grads()
     ref_loss, ref_grads = single(model, cfg)
     assert abs(loss - ref_loss) / ref_loss < 1e-5
     assert max_relative_error(grads, ref_grads) < 1e-5
@@ -76,7 +76,7 @@ def test_lora_matches_one_device(name):
 @pytest.fixture(scope="module")
 def fsdp_tp():
     require_devices(8)
-    return MeshRun("data=2,fsdp=2,model=2", cfg=dataclasses.replace(LORA, frozen_dtype="bfloat16"))
+    return shared_run("data=2,fsdp=2,model=2", cfg=dataclasses.replace(LORA, frozen_dtype="bfloat16"))
 
 
 def test_adapters_are_laid_out_as_the_weights_they_adapt(fsdp_tp):
@@ -120,7 +120,7 @@ def test_the_base_is_frozen_in_its_dtype_and_has_no_optimizer_state(fsdp_tp):
 def test_the_merged_model_computes_what_the_adapted_one_does():
     """`lora.merged` folds s·A·B into each weight: a plain model with those weights gives the adapted model's
     logits; with the adapters switched off (`lora.disabled`) the adapted model gives the base's."""
-    run = MeshRun("single", cfg=LORA)
+    run = shared_run("single", cfg=LORA)
     model = nnx.merge(run.sharded.graphdef, run.state).model
     tokens_BT = jnp.asarray(run.batch(0)[:2, :-1])
     with nnx.use_eager_sharding(False):
@@ -150,7 +150,7 @@ def test_bad_settings_are_refused(settings, culprit):
 
 def test_experts_target_on_a_dense_model_is_refused():
     with pytest.raises(InputError, match="train.lora_targets names experts, and this model has none"):
-        MeshRun("single", cfg=EXPERTS)
+        shared_run("single", cfg=EXPERTS)
 
 
 # --- DPO -------------------------------------------------------------------------------------------------
@@ -177,7 +177,8 @@ def test_dpo_on_a_mesh_with_accumulation_matches_one_device(kind):
     as it was and has no optimizer state."""
     require_devices(8)
     cfg = DPO[kind]
-    runs = [MeshRun("single", cfg=cfg), MeshRun("data=2,fsdp=2,model=2", cfg=dataclasses.replace(cfg, grad_accum=2))]
+    runs = [shared_run("single", cfg=cfg),
+            shared_run("data=2,fsdp=2,model=2", cfg=dataclasses.replace(cfg, grad_accum=2))]
     records = []
     for run in runs:
         step, state, out = train.make_step(run.sharded, run.tokens_sharding, run.cfg), run.state, []
@@ -193,8 +194,11 @@ def test_dpo_on_a_mesh_with_accumulation_matches_one_device(kind):
             assert all(np.array_equal(np.asarray(v[...]), np.asarray(start[p][...])) for p, v in reference.items())
             moments = sum(v.size for _, v in nnx.to_flat_state(state["opt"]) if v.ndim)
             assert moments == 2 * sum(v.size for v in start.values())
-    if kind == "full":  # the policy starts as the reference (a LoRA run's adapters start with B ≠ 0 here)
-        assert records[0][0]["loss"] == pytest.approx(np.log(2), rel=1e-6)
+    if kind == "full":  # the policy starts as the reference (a LoRA run's adapters start with B ≠ 0 here): each
+        # margin is 0 but for float32's rounding of two sums of log-probabilities, and the loss log 2 but for it
+        first = records[0][0]
+        assert abs(first["rewards/margins"]) <= 1e-5 * cfg.dpo_beta * abs(first["logps/chosen"])
+        assert first["loss"] == pytest.approx(np.logaddexp(0, -first["rewards/margins"]), rel=1e-6)
     for i, (one, mesh) in enumerate(zip(*records)):
         # a reward is β times a difference of two sums of log-probabilities: float32 rounds it to their size
         rounding = 1e-5 * cfg.dpo_beta * abs(one["logps/chosen"])
@@ -209,7 +213,7 @@ def test_dpo_on_a_mesh_with_accumulation_matches_one_device(kind):
 
 def test_dpo_refuses_the_pipeline_schedules_that_run_the_loss_inside():
     require_devices(8)
-    run = MeshRun("stage=2,data=4", cfg=DPO["lora"], model=DEEP,
-                  parallel=ParallelConfig(pipeline_schedule="1f1b", microbatches=4))
+    run = shared_run("stage=2,data=4", cfg=DPO["lora"], model=DEEP,
+                     parallel=ParallelConfig(pipeline_schedule="1f1b", microbatches=4))
     with pytest.raises(InputError, match="train.objective = dpo takes each sequence's log-probability whole"):
         train.loss_and_grads(run.sharded, run.tokens_sharding, run.cfg)(run.state, pairs(run, 0))

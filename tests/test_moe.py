@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from conftest import require_devices
-from layouts import MeshRun, max_relative_error, param_bytes
+from layouts import max_relative_error, param_bytes, shared_run
 from meshpar import context, mesh as mesh_lib, rules as rules_lib, train
 from meshpar.errors import InputError
 from meshpar.moe import dispatch, routing
@@ -216,7 +216,7 @@ def test_router_losses_and_their_gradients_equal_transformers(family):
 
 @pytest.fixture(scope="module")
 def single():
-    layout = MeshRun("single", TRAIN, MOE)
+    layout = shared_run("single", TRAIN, MOE)
     return layout, layout.loss_and_grads()
 
 
@@ -242,7 +242,7 @@ def test_expert_layouts_equal_one_device(single, spec, parallel):
     capacity (4 = E / k: no expert can be over it) that drops nothing."""
     require_devices(8)
     _, (loss, grads) = single
-    layout = MeshRun(spec, TRAIN, MOE, parallel)
+    layout = shared_run(spec, TRAIN, MOE, parallel)
     got_loss, got_grads = layout.loss_and_grads()
     assert got_loss == pytest.approx(loss, rel=TOLERANCE)
     assert max_relative_error(got_grads, grads) < TOLERANCE
@@ -253,18 +253,18 @@ def test_expert_weights_are_split_and_the_step_dispatches_by_all_to_all(single):
     half of D and half of F); the step's program swaps rows with all-to-alls, which a data-parallel mesh
     does not run; the router's statistics are in its metrics."""
     require_devices(8)
-    layout = MeshRun("data=2,expert=4", TRAIN, MOE)
+    layout = shared_run("data=2,expert=4", TRAIN, MOE)
     E, D, F, L = MOE.n_experts, MOE.d_model, MOE.expert_width, MOE.n_layers
     w_gate = layout.state["model"]["blocks"]["mlp"]["w_gate_EDF"][...]
     assert w_gate.sharding.shard_shape(w_gate.shape) == (L, E // 4, D, F)
-    tp = MeshRun("expert=2,fsdp=2,model=2", TRAIN, MOE).state["model"]["blocks"]["mlp"]["w_down_EFD"][...]
+    tp = shared_run("expert=2,fsdp=2,model=2", TRAIN, MOE).state["model"]["blocks"]["mlp"]["w_down_EFD"][...]
     assert tp.sharding.shard_shape(tp.shape) == (L, E // 2, F // 2, D // 2)
     expert_bytes = lambda run: sum(x.addressable_shards[0].data.nbytes for k, x in
                                    run.state["model"]["blocks"]["mlp"].items() if k != "w_router_DE")
     assert expert_bytes(layout) * 4 == expert_bytes(single[0])
     assert param_bytes(layout) == param_bytes(single[0])  # the global state is the same
     assert layout.report()["collectives"].get("all-to-all", {}).get("count", 0) > 0
-    assert "all-to-all" not in MeshRun("data=8", TRAIN, MOE).report()["collectives"]
+    assert "all-to-all" not in shared_run("data=8", TRAIN, MOE).report()["collectives"]
     _, metrics = layout.compiled_step[0](jax.tree.map(lambda x: x.copy(), layout.state), layout.batch(0))
     assert set(routing.ROUTER_METRICS) <= set(metrics)
     assert float(metrics["dropped_fraction"]) == 0.0
@@ -273,7 +273,7 @@ def test_expert_weights_are_split_and_the_step_dispatches_by_all_to_all(single):
 
 def test_capacity_drops_are_reported():
     require_devices(8)
-    layout = MeshRun("data=2,expert=4", TRAIN, MOE, rules_lib.ParallelConfig(expert_capacity=0.5))
+    layout = shared_run("data=2,expert=4", TRAIN, MOE, rules_lib.ParallelConfig(expert_capacity=0.5))
     _, metrics = layout.compiled_step[0](jax.tree.map(lambda x: x.copy(), layout.state), layout.batch(0))
     assert 0.5 <= float(metrics["dropped_fraction"]) < 1  # at most half the assignments fit
 
@@ -284,12 +284,12 @@ def test_accumulation_with_experts_equals_one_device_on_the_same_microbatches():
     the mesh's and the loss and gradients are the same (the cross-entropy does not depend on the order)."""
     require_devices(8)
     cfg = train.TrainConfig(**{**TRAIN.__dict__, "grad_accum": 2})
-    layout = MeshRun("data=2,expert=4", cfg, MOE)
+    layout = shared_run("data=2,expert=4", cfg, MOE)
     got_loss, got_grads = layout.loss_and_grads()
     shards, A, B = 8, cfg.grad_accum, cfg.global_batch
     b = B // (shards * A)
     order = [s * (B // shards) + a * b + i for a in range(A) for s in range(shards) for i in range(b)]
-    single = MeshRun("single", cfg, MOE)
+    single = shared_run("single", cfg, MOE)
     loss, grads = train.loss_and_grads(single.sharded, single.tokens_sharding, cfg)(
         single.state, jax.device_put(single.batch(0)[np.array(order)], single.tokens_sharding))
     assert got_loss == pytest.approx(float(loss), rel=TOLERANCE)
@@ -300,7 +300,7 @@ def test_what_cannot_run_is_refused_up_front():
     require_devices(8)
     few = TransformerConfig(**{**MOE.__dict__, "n_experts": 4})
     with pytest.raises(InputError, match=r"'experts'\) of size 4 .* not divisible by mesh axes expert=8"):
-        MeshRun("expert=8", TRAIN, few)
+        shared_run("expert=8", TRAIN, few)
     with pytest.raises(InputError, match="experts_per_token = 9 must be between 1 and model.n_experts = 8"):
         TransformerConfig(**{**MOE.__dict__, "experts_per_token": 9})
     with pytest.raises(InputError, match="expert_capacity = -1.0 must be >= 0"):

@@ -12,7 +12,7 @@ from flax import nnx
 from jax._src.ad_checkpoint import saved_residuals
 
 from conftest import require_devices
-from layouts import MODEL, TRAIN, MeshRun, max_relative_error
+from layouts import MODEL, MeshRun, TRAIN, max_relative_error, shared_run
 from meshpar import context, plan, remat, rules as rules_lib, train
 from meshpar.compiler import hlo
 from meshpar.errors import InputError
@@ -27,7 +27,7 @@ DOTS = dataclasses.replace(TRAIN, remat="dots")  # optimizer+params refuses rema
 @functools.cache
 def layout(spec: str, offload: str = "none") -> MeshRun:
     require_devices(8)
-    return MeshRun(spec, DOTS, parallel=rules_lib.ParallelConfig(offload=offload))
+    return shared_run(spec, DOTS, parallel=rules_lib.ParallelConfig(offload=offload))
 
 
 @functools.cache
@@ -102,8 +102,8 @@ def test_activation_offload_keeps_on_the_devices_what_full_remat_keeps():
     assert device == full[0] and full[1] == dots[1] == 0  # on the devices exactly what full remat keeps
     assert host == dots[0] - full[0] > 0  # what dots keeps beyond full, in host memory
     offloaded = dataclasses.replace(TRAIN, remat="offload")
-    loss, grads = MeshRun("fsdp=8", offloaded).loss_and_grads()
-    loss_ref, grads_ref = MeshRun("fsdp=8").loss_and_grads()  # TRAIN: remat none
+    loss, grads = shared_run("fsdp=8", offloaded).loss_and_grads()
+    loss_ref, grads_ref = shared_run("fsdp=8").loss_and_grads()  # TRAIN: remat none
     assert abs(loss - loss_ref) <= 1e-6 * abs(loss_ref)
     assert max_relative_error(grads, grads_ref) < 1e-5
 

@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 
 from conftest import require_devices
-from layouts import MODEL, TRAIN, MeshRun, max_relative_error, param_bytes
+from layouts import MODEL, MeshRun, TRAIN, max_relative_error, param_bytes, shared_run
 from meshpar import train
 from meshpar.rules import ParallelConfig
 
 
 @pytest.fixture(scope="module")
 def single():
-    return MeshRun("single")
+    return shared_run("single")
 
 
 @pytest.fixture(scope="module")
@@ -47,13 +47,13 @@ def test_max_relative_error_refuses_another_shape_or_another_tree():
 @pytest.mark.parametrize("spec", ["model=8", "data=2,model=4", "fsdp=2,model=4", "data=2,fsdp=2,model=2"])
 def test_tensor_parallel_matches_one_device(reference, spec, sequence_parallel):
     require_devices(8)
-    assert_matches(MeshRun(spec, parallel=ParallelConfig(sequence_parallel=sequence_parallel)), reference)
+    assert_matches(shared_run(spec, parallel=ParallelConfig(sequence_parallel=sequence_parallel)), reference)
 
 
 @pytest.fixture(scope="module")
 def tp8():
     require_devices(8)
-    return {sp: MeshRun("model=8", parallel=ParallelConfig(sequence_parallel=sp)) for sp in (False, True)}
+    return {sp: shared_run("model=8", parallel=ParallelConfig(sequence_parallel=sp)) for sp in (False, True)}
 
 
 def test_tensor_parallel_splits_heads_mlp_and_vocab(tp8):
@@ -97,7 +97,7 @@ def test_sequence_parallel_gathers_and_saves_activation_memory(tp8):
 @pytest.fixture(scope="module")
 def zero_stages():
     require_devices(8)
-    return {stage: MeshRun("fsdp=8", parallel=ParallelConfig(zero_stage=stage)) for stage in range(4)}
+    return {stage: shared_run("fsdp=8", parallel=ParallelConfig(zero_stage=stage)) for stage in range(4)}
 
 
 @pytest.mark.parametrize("stage", range(4))
@@ -133,7 +133,7 @@ def test_zero2_shards_the_gradients(zero_stages):
 def test_bfloat16_is_close_to_float32(single, reference):
     """bfloat16 matmuls and activations with float32 master weights, loss and softmax statistics: the loss
     within 1e-3 relative, the gradients within 10% of their largest element, 10 steps within 2%."""
-    bf16 = MeshRun("single", cfg=dataclasses.replace(TRAIN, compute_dtype="bfloat16"))
+    bf16 = shared_run("single", cfg=dataclasses.replace(TRAIN, compute_dtype="bfloat16"))
     floats = [x.dtype for x in jax.tree.leaves(bf16.state) if np.issubdtype(x.dtype, np.floating)]
     assert floats and set(floats) == {np.dtype(np.float32)}  # master weights and moments stay float32
     loss, grads = bf16.loss_and_grads()
@@ -151,8 +151,8 @@ def test_bfloat16_is_close_to_float32(single, reference):
 @pytest.mark.parametrize("policy", ["full", "dots"])
 def test_remat_gives_the_same_gradients_with_less_memory(reference, policy):
     require_devices(8)
-    plain = MeshRun("data=8")
-    remat = MeshRun("data=8", cfg=dataclasses.replace(TRAIN, remat=policy))
+    plain = shared_run("data=8")
+    remat = shared_run("data=8", cfg=dataclasses.replace(TRAIN, remat=policy))
     assert_matches(remat, reference)
     assert remat.report()["memory_per_device"]["temp_bytes"] < 0.7 * plain.report()["memory_per_device"]["temp_bytes"]
 
@@ -163,10 +163,10 @@ def test_remat_gives_the_same_gradients_with_less_memory(reference, policy):
 @pytest.mark.parametrize("spec", ["single", "data=8", "fsdp=8"])
 def test_grad_accumulation_equals_the_large_batch_step(reference, spec):
     require_devices(8)
-    accum = MeshRun(spec, cfg=dataclasses.replace(TRAIN, grad_accum=2))
+    accum = shared_run(spec, cfg=dataclasses.replace(TRAIN, grad_accum=2))
     assert_matches(accum, reference)
     if spec == "data=8":  # pure replicas: one gradient synchronisation per step, the same bytes as K = 1
-        plain = MeshRun(spec).report()["collectives"]["all-reduce"]["bytes"]
+        plain = shared_run(spec).report()["collectives"]["all-reduce"]["bytes"]
         assert abs(accum.report()["collectives"]["all-reduce"]["bytes"] - plain) / plain < 0.01
 
 
@@ -188,8 +188,8 @@ def test_grad_accumulation_composes_with_every_axis(reference, deep_reference, s
     with and without SP, and fsdp: the same loss and gradients as one device's large batch."""
     require_devices(8)
     model = dataclasses.replace(MODEL, n_layers=4) if deep else MODEL
-    layout = MeshRun(spec, cfg=dataclasses.replace(TRAIN, grad_accum=2), model=model,
-                    parallel=ParallelConfig(**parallel))
+    layout = shared_run(spec, cfg=dataclasses.replace(TRAIN, grad_accum=2), model=model,
+                        parallel=ParallelConfig(**parallel))
     assert_matches(layout, deep_reference if deep else reference)
 
 
@@ -200,18 +200,18 @@ def test_grad_accumulation_synchronises_replicas_once_per_step():
     bytes per step = K·(per microbatch) + (once per step): the once-per-step part is the fsdp-split
     float32 gradient, 4Ψ/4 — the data all-reduce — and it does not grow with K."""
     require_devices(8)
-    total = {K: MeshRun("data=2,fsdp=4", cfg=dataclasses.replace(TRAIN, grad_accum=K, global_batch=32)).report()
+    total = {K: shared_run("data=2,fsdp=4", cfg=dataclasses.replace(TRAIN, grad_accum=K, global_batch=32)).report()
              ["collectives"]["all-reduce"]["bytes"] for K in (2, 4)}
     per_microbatch = (total[4] - total[2]) / 2
     once = total[2] - 2 * per_microbatch
-    gradient = param_bytes(MeshRun("single"))  # float32: 4Ψ
+    gradient = param_bytes(shared_run("single"))  # float32: 4Ψ
     assert abs(once - gradient / 4) / (gradient / 4) < 0.05, (once, gradient)
     assert per_microbatch > 2 * once
 
 
 def test_grad_accumulation_must_divide_the_batch_shards():
     require_devices(8)
-    layout = MeshRun("data=8", cfg=dataclasses.replace(TRAIN, grad_accum=4))
+    layout = shared_run("data=8", cfg=dataclasses.replace(TRAIN, grad_accum=4))
     with pytest.raises(ValueError, match=r"global_batch = 16 is not divisible into train.grad_accum = 4 "
                                          r"microbatches on each of the 8 batch shards \(data\)"):
         layout.loss_and_grads()
@@ -229,7 +229,7 @@ def test_grad_accumulation_must_divide_the_batch_shards():
 def test_tensor_parallel_refuses_what_model_does_not_divide(model, culprit):
     require_devices(4)
     with pytest.raises(ValueError, match=culprit + r".* is not divisible by mesh axes model=4"):
-        MeshRun("data=2,model=4", model=model)
+        shared_run("data=2,model=4", model=model)
 
 
 @pytest.mark.parametrize(("field", "value"), [("remat", "some"), ("compute_dtype", "float16")])
@@ -250,12 +250,12 @@ def test_unknown_settings_are_refused(field, value):
 def test_context_parallel_matches_one_device(reference, spec, mode, balanced):
     require_devices(8)
     parallel = ParallelConfig(context_attention=mode, load_balance=balanced)
-    assert_matches(MeshRun(spec, parallel=parallel), reference)
+    assert_matches(shared_run(spec, parallel=parallel), reference)
 
 
 @pytest.fixture(scope="module")
 def deep_reference():
-    return MeshRun("single", model=dataclasses.replace(MODEL, n_layers=4)).loss_and_grads()
+    return shared_run("single", model=dataclasses.replace(MODEL, n_layers=4)).loss_and_grads()
 
 
 @pytest.mark.parametrize(("spec", "microbatches", "repeats", "attention"), [
@@ -266,9 +266,9 @@ def test_pipeline_matches_one_device(deep_reference, spec, microbatches, repeats
     """Also with the sequence split (context parallelism inside the stages): every attention mode with
     R = 1 and R = 2."""
     require_devices(8)
-    layout = MeshRun(spec, model=dataclasses.replace(MODEL, n_layers=4),
-                    parallel=ParallelConfig(microbatches=microbatches, pipeline_repeats=repeats,
-                                            context_attention=attention))
+    layout = shared_run(spec, model=dataclasses.replace(MODEL, n_layers=4),
+                        parallel=ParallelConfig(microbatches=microbatches, pipeline_repeats=repeats,
+                                                context_attention=attention))
     assert_matches(layout, deep_reference)
 
 
@@ -283,15 +283,16 @@ def test_fused_projections_match_one_device(spec, kv_heads, sequence_parallel):
     require_devices(8)
     model = dataclasses.replace(MODEL, n_kv_heads=kv_heads)
     dots = dataclasses.replace(TRAIN, remat="dots")
-    reference = MeshRun("single", cfg=dots, model=model).loss_and_grads()
-    assert_matches(MeshRun(spec, cfg=dots, model=model, parallel=ParallelConfig(sequence_parallel=sequence_parallel)),
+    reference = shared_run("single", cfg=dots, model=model).loss_and_grads()
+    assert_matches(shared_run(spec, cfg=dots, model=model,
+                              parallel=ParallelConfig(sequence_parallel=sequence_parallel)),
                    reference)
 
 
 def test_fused_projections_all_reduce_one_input_gradient(tp8):
     """model=8: unfused (remat none) the backward pass all-reduces x's gradient once per projection, five
     per layer (q, k, v, gate, up); fused (dots), once per group: three activations a layer fewer."""
-    fused = MeshRun("model=8", cfg=dataclasses.replace(TRAIN, remat="dots")).report()["collectives"]
+    fused = shared_run("model=8", cfg=dataclasses.replace(TRAIN, remat="dots")).report()["collectives"]
     unfused = tp8[False].report()["collectives"]
     activation = TRAIN.global_batch * TRAIN.seq_len * MODEL.d_model * 4
     saved = unfused["all-reduce"]["bytes"] - fused["all-reduce"]["bytes"]

@@ -16,7 +16,7 @@ import pytest
 from flax import nnx
 
 from conftest import readme_figure, require_devices
-from layouts import MODEL, TRAIN, MeshRun, max_relative_error
+from layouts import MODEL, TRAIN, max_relative_error, shared_run
 from meshpar import compiler, context, layers, mesh as mesh_lib, pipeline, plan, rules as rules_lib, sharding, train
 from meshpar.compiler import fit
 from meshpar.mesh import MeshConfig
@@ -176,7 +176,8 @@ PARITY = Size(V=64, D=32, F=64, L=8, T=16)
 PARITY12 = dataclasses.replace(PARITY, L=12)  # P·R divides L for R = 3 too
 B = 64  # rows: divisible by M·data·fsdp for every case below
 CFG = train.TrainConfig(global_batch=B, seq_len=PARITY.T, remat="none")
-FAST_COMPILE = {"xla_backend_optimization_level": 0}  # no LLVM optimisation: the same HLO, compiled ~2× faster
+# no LLVM optimisation (the same HLO, compiled ~2× faster), the fusion emitters of the memory figures (fit.py)
+FAST_COMPILE = {"xla_backend_optimization_level": 0, **fit.DEFAULT_EMITTERS}
 TX = optax.identity()
 
 
@@ -266,7 +267,7 @@ def poisoned_parity(spec: str, P: int, M: int, remat: str, R: int, *, zero_bubbl
 
 @pytest.fixture(scope="module")
 def deep_reference():
-    return MeshRun("single", model=dataclasses.replace(MODEL, n_layers=4)).loss_and_grads()
+    return shared_run("single", model=dataclasses.replace(MODEL, n_layers=4)).loss_and_grads()
 
 
 # (mesh, R, more settings): ring attention (zigzag) with TP; interleaved, also with FSDP, all-gather attention
@@ -297,9 +298,9 @@ def test_training_step_matches_one_device(deep_reference, spec, R, settings):
     `model`, with SP), or FSDP, inside the stages, gradient accumulation around the pipeline; plain and
     interleaved (R = 2: one layer a chunk)."""
     require_devices(8)
-    layout = MeshRun(spec, cfg=dataclasses.replace(TRAIN, grad_accum=2), model=dataclasses.replace(MODEL, n_layers=4),
-                    parallel=ParallelConfig(**{"microbatches": 2, "pipeline_schedule": "1f1b", "pipeline_repeats": R,
-                                               **settings}))
+    layout = shared_run(spec, cfg=dataclasses.replace(TRAIN, grad_accum=2), model=dataclasses.replace(MODEL, n_layers=4),
+                        parallel=ParallelConfig(**{"microbatches": 2, "pipeline_schedule": "1f1b", "pipeline_repeats": R,
+                                                   **settings}))
     loss, grads = layout.loss_and_grads()
     assert abs(loss - deep_reference[0]) / deep_reference[0] < 1e-5
     assert max_relative_error(grads, deep_reference[1]) < 1e-5
@@ -315,8 +316,8 @@ def test_interleaved_packed_documents_match_one_device(kind):
 
     model = dataclasses.replace(MODEL, n_layers=4)
     batch = packed_batch(DOCS_CFG)[0]
-    runs = {spec: MeshRun(spec, DOCS_CFG, model, ParallelConfig(microbatches=2, pipeline_schedule=kind,
-                                                                pipeline_repeats=1 if spec == "single" else 2))
+    runs = {spec: shared_run(spec, DOCS_CFG, model, ParallelConfig(microbatches=2, pipeline_schedule=kind,
+                                                                   pipeline_repeats=1 if spec == "single" else 2))
             for spec in ("single", "stage=2,data=2,model=2")}
     (ref_loss, ref_grads), (loss, grads) = (
         train.loss_and_grads(run.sharded, run.tokens_sharding, run.cfg)(
@@ -335,8 +336,8 @@ def test_interleaved_in_bfloat16_holds_bfloat16_and_matches_one_device(kind):
     gradients are 1.3e-2 from its float32 ones and GPipe's 1.8e-2 from one device's)."""
     require_devices(8)
     cfg, model = dataclasses.replace(TRAIN, compute_dtype="bfloat16"), dataclasses.replace(MODEL, n_layers=4)
-    layout = MeshRun("stage=2,data=4", cfg, model, ParallelConfig(microbatches=2, pipeline_schedule=kind,
-                                                                  pipeline_repeats=2))
+    layout = shared_run("stage=2,data=4", cfg, model, ParallelConfig(microbatches=2, pipeline_schedule=kind,
+                                                                     pipeline_repeats=2))
 
     def run(state, tokens_BT):
         with context.use(train.compute_context(layout.sharded, cfg)):
@@ -348,7 +349,7 @@ def test_interleaved_in_bfloat16_holds_bfloat16_and_matches_one_device(kind):
     assert {x.dtype for x in jax.tree.leaves(shapes.in_flight)} == {jnp.dtype(jnp.bfloat16)}
     assert {x.dtype for x in jax.tree.leaves(shapes.grads)} == {jnp.dtype(jnp.float32)}
     loss, grads = layout.loss_and_grads()
-    ref_loss, ref_grads = MeshRun("single", cfg, model).loss_and_grads()
+    ref_loss, ref_grads = shared_run("single", cfg, model).loss_and_grads()
     assert abs(loss - ref_loss) / ref_loss < 1e-4
     assert max_relative_error(grads, ref_grads) < 4e-2
 
@@ -360,8 +361,8 @@ def test_interleaved_with_the_optimizer_in_host_memory_trains_as_on_the_devices(
     stacks in their order at rest; three steps' losses as with the moments on the devices."""
     require_devices(8)
     model = dataclasses.replace(MODEL, n_layers=4)
-    losses = [MeshRun("stage=2,data=4", TRAIN, model, ParallelConfig(microbatches=2, pipeline_schedule=kind,
-                                                                     pipeline_repeats=2, offload=offload)).losses(3)
+    losses = [shared_run("stage=2,data=4", TRAIN, model, ParallelConfig(microbatches=2, pipeline_schedule=kind,
+                                                                        pipeline_repeats=2, offload=offload)).losses(3)
               for offload in ("none", "optimizer")]
     assert np.max(np.abs(np.subtract(*losses))) <= 1e-6, losses
 

@@ -8,6 +8,7 @@ schedule runs on `stage=2,expert=2,data=2`: the experts split over `expert`, a m
 `data` and `expert`, so a microbatch's pool spans devices."""
 
 import dataclasses
+import functools
 
 import jax
 import numpy as np
@@ -15,7 +16,7 @@ import pytest
 from flax import nnx
 
 from conftest import require_devices
-from layouts import MeshRun, max_relative_error
+from layouts import max_relative_error, shared_run
 from meshpar import context, pipeline, rules as rules_lib, train
 from meshpar.errors import InputError
 from meshpar.moe import routing
@@ -30,10 +31,16 @@ MESH = "stage=2,expert=2,data=2"
 def reference(tokens: np.ndarray, M: int, accumulation: int = 1, model=MODEL) -> tuple[float, nnx.State]:
     """One device's loss and gradients on each pool of rows (accumulation microbatch a: the a-th block of
     rows; pipeline microbatch m of it: rows m, M + m, …), its router losses pooled over them alone, averaged
-    over the pools."""
+    over the pools; computed once for the cases that share it."""
+    return _reference(np.asarray(tokens, np.int32).tobytes(), tokens.shape, M, accumulation, model)
+
+
+@functools.cache
+def _reference(rows: bytes, shape: tuple[int, int], M: int, accumulation: int, model) -> tuple[float, nnx.State]:
+    tokens = np.frombuffer(rows, np.int32).reshape(shape)
     A, B = accumulation, tokens.shape[0]
     cfg = dataclasses.replace(TRAIN, global_batch=B // (A * M))
-    single = MeshRun("single", cfg, model)
+    single = shared_run("single", cfg, model)
     step = train.loss_and_grads(single.sharded, single.tokens_sharding, cfg)
     blocks = [tokens[a * B // A:(a + 1) * B // A] for a in range(A)]
     outs = [step(single.state, jax.device_put(block[m::M], single.tokens_sharding)) for block in blocks
@@ -60,7 +67,7 @@ def test_schedules_equal_one_device_pooling_each_microbatch(kind, R, M, spec, se
     """Loss and every gradient within 1e-5 of the reference; 1F1B called with its bubbles fed NaN (none reaches
     the loss or a gradient); pooling the whole batch instead is measurably another loss."""
     require_devices(8)
-    layout = MeshRun(spec, PER_MICROBATCH, MODEL, rules_lib.ParallelConfig(
+    layout = shared_run(spec, PER_MICROBATCH, MODEL, rules_lib.ParallelConfig(
         microbatches=M, pipeline_schedule=kind, pipeline_repeats=R, **settings))
     tokens = np.asarray(layout.batch(0))
     ref_loss, ref_grads = reference(tokens, M)
@@ -80,7 +87,7 @@ def test_schedules_equal_one_device_pooling_each_microbatch(kind, R, M, spec, se
     assert all(np.isfinite(leaf).all() for leaf in jax.tree.leaves(grads))
     assert abs(loss - ref_loss) / ref_loss < TOLERANCE
     assert max_relative_error(grads, ref_grads) < TOLERANCE
-    whole_loss, whole_grads = MeshRun("single", TRAIN, MODEL).loss_and_grads()
+    whole_loss, whole_grads = shared_run("single", TRAIN, MODEL).loss_and_grads()
     assert max_relative_error(whole_grads, ref_grads) > 100 * TOLERANCE
 
 
@@ -92,8 +99,8 @@ def test_training_step_with_accumulation_reports_the_pools():
     that order), and the step's router metrics are the mean of the pools' losses."""
     require_devices(8)
     cfg, M = dataclasses.replace(TRAIN, grad_accum=2), 2
-    layout = MeshRun(MESH, cfg, MODEL, rules_lib.ParallelConfig(microbatches=M, pipeline_schedule="1f1b",
-                                                              pipeline_repeats=2))
+    layout = shared_run(MESH, cfg, MODEL, rules_lib.ParallelConfig(microbatches=M, pipeline_schedule="1f1b",
+                                                                 pipeline_repeats=2))
     shards, A, B = 4, cfg.grad_accum, cfg.global_batch  # data × expert
     b = B // (shards * A)
     order = [s * (B // shards) + a * b + i for a in range(A) for s in range(shards) for i in range(b)]
@@ -102,7 +109,7 @@ def test_training_step_with_accumulation_reports_the_pools():
     assert abs(loss - ref_loss) / ref_loss < TOLERANCE
     assert max_relative_error(grads, ref_grads) < TOLERANCE
     _, metrics = layout.compiled_step[0](jax.tree.map(lambda x: x.copy(), layout.state), layout.batch(0))
-    single = MeshRun("single", TRAIN, MODEL)
+    single = shared_run("single", TRAIN, MODEL)
     model = nnx.merge(single.sharded.graphdef, single.state).model
     ordered = np.asarray(layout.batch(0))[order]
     # pipeline microbatch m of each accumulation microbatch (rows m, M + m, … of its block), summed over them
@@ -114,7 +121,7 @@ def test_training_step_with_accumulation_reports_the_pools():
 def test_pooling_the_batch_under_1f1b_is_refused():
     require_devices(8)
     cfg = dataclasses.replace(TRAIN, router_loss_scope="batch")
-    layout = MeshRun("stage=2,data=4", cfg, MOE, rules_lib.ParallelConfig(pipeline_schedule="1f1b"))
+    layout = shared_run("stage=2,data=4", cfg, MOE, rules_lib.ParallelConfig(pipeline_schedule="1f1b"))
     with pytest.raises(InputError, match=r"train.router_loss_scope = batch pools .* over the whole batch, and "
                                          r"parallel.pipeline_schedule = 1f1b runs a microbatch's backward pass "
                                          r"before the last one's forward pass: use router_loss_scope=microbatch"):

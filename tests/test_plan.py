@@ -13,7 +13,7 @@ import jax
 import pytest
 from conftest import require_devices
 from flax import nnx
-from layouts import MODEL, TRAIN, MeshRun
+from layouts import MODEL, TRAIN, shared_run
 
 import configs
 from launch import plan as plan_cli
@@ -98,7 +98,7 @@ def compiler_report(name: str) -> dict:
     require_devices(8)
     if name not in _compiled:
         spec, par, tr = CASES[name]
-        run = MeshRun(spec, cfg=dataclasses.replace(TRAIN, **tr), parallel=rules_lib.ParallelConfig(**par))
+        run = shared_run(spec, cfg=dataclasses.replace(TRAIN, **tr), parallel=rules_lib.ParallelConfig(**par))
         _compiled[name] = run.report()
     return _compiled[name]
 

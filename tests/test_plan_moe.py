@@ -7,7 +7,7 @@ import math
 import jax
 import pytest
 from conftest import require_devices
-from layouts import MODEL, TRAIN, MeshRun
+from layouts import MODEL, TRAIN, shared_run
 from test_config import abstract_param_count
 
 import configs
@@ -63,7 +63,7 @@ def test_a_mixture_needs_its_k():
 def test_model_states_are_the_shards_of_the_state(spec):
     """Per-device parameter and Adam bytes: the experts split over expert (× fsdp at rest, × model for F)."""
     require_devices(8)
-    run = MeshRun(spec, model=MOE)
+    run = shared_run(spec, model=MOE)
     states = jax.tree.leaves(run.sharded.abstract)
     shards = jax.tree.leaves(run.sharded.shardings)
     measured = sum(math.prod(s.shard_shape(x.shape)) * x.dtype.itemsize for x, s in zip(states, shards)
@@ -82,7 +82,7 @@ def test_all_to_alls_match_the_compiled_step(spec, capacity, remat):
     arguments (model states and tokens) to the byte."""
     require_devices(8)
     par = ParallelConfig(expert_capacity=capacity)
-    run = MeshRun(spec, cfg=dataclasses.replace(TRAIN, remat=remat), model=MOE, parallel=par)
+    run = shared_run(spec, cfg=dataclasses.replace(TRAIN, remat=remat), model=MOE, parallel=par)
     report = run.report()
     lay = layout(spec, remat, expert_capacity=capacity)
     shape = shape_of(MOE)

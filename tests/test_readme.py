@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import require_devices
+from conftest import long_run_env, require_devices
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -117,7 +117,8 @@ def test_the_tiny_layouts_give_the_losses_the_readme_states(tmp_path):
     def losses(steps: int, *flags: str) -> list[float]:
         metrics = tmp_path / f"{len(os.listdir(tmp_path))}.jsonl"
         proc = subprocess.run([sys.executable, "-m", "launch.train", "--config", "tiny", *flags, "--steps", str(steps),
-                               "--metrics-file", str(metrics)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+                               "--metrics-file", str(metrics)], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                              env=long_run_env())
         assert proc.returncode == 0, proc.stderr[-3000:]
         return [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
 

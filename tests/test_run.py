@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from conftest import require_devices
-from layouts import CORPUS, MODEL, TRAIN, MeshRun
+from layouts import CORPUS, MODEL, TRAIN, shared_run
 from meshpar import checkpoint, mesh as mesh_lib, remat, rules, train
 from meshpar.errors import TrainingStopped
 from meshpar.run import Checkpoints, Outputs, run
@@ -121,7 +121,7 @@ def test_evaluation_compiles_once_and_is_the_training_loss():
     batches), and it computes the training step's loss on the training layout, with the batch's count of
     targets (every token of a batch without weights)."""
     require_devices(8)
-    layout = MeshRun("data=2,fsdp=2,model=2")
+    layout = shared_run("data=2,fsdp=2,model=2")
     evaluate = train.make_eval_step(layout.sharded, layout.tokens_sharding, layout.cfg)
     results = [evaluate(layout.state, layout.batch(step)) for step in range(3)]
     losses = [float(loss) for loss, _ in results]

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import pytest
 from flax import nnx
 
-from layouts import MODEL, TRAIN, MeshRun, max_relative_error
+from layouts import MODEL, TRAIN, max_relative_error, shared_run
 from meshpar import context, plan, train
 from meshpar.mesh import MeshConfig
 from meshpar.moe import routing
@@ -99,7 +99,7 @@ def test_the_boundary_is_what_the_planner_holds(cfg, dtype):
     dtype (the norms' in float32). A mixture's experts' gradients come early, out of the dispatch's
     shard_map, so their rows are not in it."""
     cfg_train = dataclasses.replace(TRAIN, compute_dtype=dtype)
-    layout = MeshRun("expert=2,data=4", cfg_train, cfg)
+    layout = shared_run("expert=2,data=4", cfg_train, cfg)
     with nnx.use_eager_sharding(False):
         graphdef, w = nnx.split(Block(cfg, cfg_train.dtype, nnx.Rngs(0)))
     B, T = 8, 16

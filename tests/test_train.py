@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from conftest import require_devices
-from layouts import MODEL, TRAIN, MeshRun, max_relative_error, param_bytes
+from layouts import MODEL, MeshRun, TRAIN, max_relative_error, param_bytes, shared_run
 from meshpar import rules, train
 
 MESHES = ["data=8", "fsdp=8", "data=2,fsdp=4"]
@@ -19,13 +19,13 @@ MESHES = ["data=8", "fsdp=8", "data=2,fsdp=4"]
 
 @pytest.fixture(scope="module")
 def single():
-    return MeshRun("single")
+    return shared_run("single")
 
 
 @pytest.mark.parametrize("spec", MESHES)
 def test_layout_matches_one_device(single, spec):
     require_devices(8)
-    layout = MeshRun(spec)
+    layout = shared_run(spec)
     # the same seed gives the same initial weights on every mesh, made there (MeshRun shares one device's)
     born = train.init_state(layout.make_model, layout.tx, layout.sharded, layout.cfg.seed)
     for a, b in zip(jax.tree.leaves(born), jax.tree.leaves(single.state), strict=True):
@@ -45,14 +45,14 @@ def test_layout_matches_one_device(single, spec):
 ], ids=["tp", "tp+sp", "cp-ring", "pp"])
 def test_ten_steps_match_one_device(single, spec, parallel):
     require_devices(8)
-    np.testing.assert_allclose(MeshRun(spec, parallel=parallel).losses(10), single.losses(10), rtol=1e-4)
+    np.testing.assert_allclose(shared_run(spec, parallel=parallel).losses(10), single.losses(10), rtol=1e-4)
 
 
 def test_bfloat16_on_a_mesh_matches_bfloat16_on_one_device():
     """The same bf16 program split over data × fsdp × model: only the order of the reductions differs."""
     require_devices(8)
     cfg = dataclasses.replace(TRAIN, compute_dtype="bfloat16")
-    one, mesh = MeshRun("single", cfg=cfg).losses(10), MeshRun("data=2,fsdp=2,model=2", cfg=cfg).losses(10)
+    one, mesh = shared_run("single", cfg=cfg).losses(10), shared_run("data=2,fsdp=2,model=2", cfg=cfg).losses(10)
     np.testing.assert_allclose(mesh, one, rtol=2e-3)
 
 
@@ -64,7 +64,7 @@ def test_losses_fall(single):
 @pytest.fixture(scope="module")
 def compiled_steps():
     require_devices(8)
-    layouts = {spec: MeshRun(spec) for spec in ("data=8", "fsdp=8")}
+    layouts = {spec: shared_run(spec) for spec in ("data=8", "fsdp=8")}
     return {spec: (layout, layout.report()) for spec, layout in layouts.items()}
 
 
@@ -88,7 +88,7 @@ def test_fsdp_without_remat_keeps_no_gathered_weights_and_no_checkpoint(compiled
     L, D, F = MODEL.n_layers, MODEL.d_model, MODEL.d_ff
     stacks = [f"{dtype}[{L},{a},{b}]" for dtype in ("f32", "bf16") for a, b in ((D, F), (F, D))]
     f32 = compiled_steps["fsdp=8"][0].step_hlo()
-    bf16 = MeshRun("fsdp=8", cfg=dataclasses.replace(TRAIN, compute_dtype="bfloat16")).step_hlo()
+    bf16 = shared_run("fsdp=8", cfg=dataclasses.replace(TRAIN, compute_dtype="bfloat16")).step_hlo()
     assert "/checkpoint/" not in f32 and "reduce-precision" not in f32 and "/checkpoint/" in bf16
     assert not [stack for stack in stacks if stack in f32 or stack in bf16]
 
@@ -136,6 +136,6 @@ def test_clipping_costs_no_pass_over_the_gradients(compiled_steps, monkeypatch):
     compiler writes the clipped gradients out and reads them back: twice the parameters' bytes at least."""
     layout, _ = compiled_steps["data=8"]
     monkeypatch.setattr(train, "clip_by_global_norm", optax.clip_by_global_norm)
-    with_optax = MeshRun("data=8")
+    with_optax = MeshRun("data=8")  # built under the monkeypatch: not the shared one
     bytes_accessed = lambda lay: lay.compiled_step[0].cost_analysis()["bytes accessed"]
     assert bytes_accessed(with_optax) - bytes_accessed(layout) >= 2 * param_bytes(layout)

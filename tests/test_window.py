@@ -19,7 +19,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from conftest import require_devices
-from layouts import MODEL, MeshRun, max_relative_error
+from layouts import MODEL, max_relative_error, shared_run
 from meshpar import compiler, generate, mesh as mesh_lib, rules as rules_lib
 from meshpar.attention import context_parallel, flash, kernels, zigzag
 from meshpar.rules import ParallelConfig
@@ -151,7 +151,7 @@ def test_blockwise_work_is_linear_in_T_at_a_fixed_window_and_memory_no_more():
 
 @pytest.fixture(scope="module")
 def windowed_reference():
-    return MeshRun("single", model=WINDOWED).loss_and_grads()
+    return shared_run("single", model=WINDOWED).loss_and_grads()
 
 
 LAYOUTS = [("sequence=4,data=2", ParallelConfig(context_attention="ring")),
@@ -166,7 +166,7 @@ def test_a_windowed_model_trains_on_any_layout_as_on_one_device(windowed_referen
     """The model with `sliding_window` = 11 (T = 32, 4 layers): the loss and every gradient of one device's
     (float32, 1e-5) with the sequence split (ring in both orders) and in both pipeline schedules."""
     require_devices(8)
-    loss, grads = MeshRun(spec, model=WINDOWED, parallel=parallel).loss_and_grads()
+    loss, grads = shared_run(spec, model=WINDOWED, parallel=parallel).loss_and_grads()
     ref_loss, ref_grads = windowed_reference
     assert abs(loss - ref_loss) / ref_loss < 1e-5
     assert max_relative_error(grads, ref_grads) < 1e-5
@@ -174,7 +174,7 @@ def test_a_windowed_model_trains_on_any_layout_as_on_one_device(windowed_referen
 
 def test_the_window_is_seen(windowed_reference):
     """Without the window the same weights give other gradients: the layouts above compare a windowed model."""
-    _, unwindowed = MeshRun("single", model=dataclasses.replace(WINDOWED, sliding_window=0)).loss_and_grads()
+    _, unwindowed = shared_run("single", model=dataclasses.replace(WINDOWED, sliding_window=0)).loss_and_grads()
     assert max_relative_error(unwindowed, windowed_reference[1]) > 1e-2
 
 

@@ -7,6 +7,7 @@ compiled module's text (`meshpar.compiler.hlo`).
 import time
 from typing import Any
 
+from meshpar.compiler import program_store
 from meshpar.compiler.hlo import collectives, host_entry_bytes
 from meshpar.errors import InputError
 
@@ -54,13 +55,17 @@ def flops_per_device(compiled: Any) -> float | None:
     return float(cost.get("flops", 0.0))
 
 
-def compile_report(jitted: Any, *args: Any, compiler_options: dict | None = None,
+def compile_report(jitted: Any, *args: Any, compiler_options: dict | None = None, gpu_devices: Any = None,
                    **kwargs: Any) -> tuple[Any, dict[str, Any]]:
     """Lowers and compiles `jitted` for these arguments (concrete, or `jax.ShapeDtypeStruct`s with
-    shardings: nothing is allocated); returns the compiled step and its report."""
+    shardings: nothing is allocated); returns the compiled step and its report. For `gpu_devices` (a GPU
+    program only read, never run) through the store of GPU programs (`program_store`)."""
     lowered = jitted.lower(*args, **kwargs)
     start = time.perf_counter()
-    compiled = lowered.compile(compiler_options=compiler_options)
+    if gpu_devices is None:
+        compiled = lowered.compile(compiler_options=compiler_options)
+    else:
+        compiled = program_store.compile(lowered, gpu_devices, compiler_options)
     compile_s = time.perf_counter() - start
     hlo_text = compiled.as_text()
     if hlo_text is None:
