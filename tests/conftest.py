@@ -21,6 +21,7 @@ Each run ends with one line of what the cache served: hits, misses and the secon
 """
 
 import collections
+import gc
 import importlib.metadata
 import importlib.util
 import os
@@ -97,6 +98,18 @@ LONGEST_FIRST = ("test_pipeline_1f1b.py", "test_parallel.py", "test_hf_training.
                  "test_split_backward.py", "test_distributed.py", "test_peft.py", "test_lora_cli.py",
                  "test_fp8_training.py")
 HEAVY_S = 20
+
+
+# Tracing makes millions of short-lived objects, and Python's collector, at its default thresholds, walks the whole
+# heap (jax, torch, transformers, the shared references) often: collecting less often, and never walking what
+# the imports and the collection made (`gc.freeze`), cuts a tenth of the suite's time (test_parallel.py on one
+# core: 45.6 s → 39.6 s) for about 3% more memory.
+gc.set_threshold(50_000, 20, 100)
+
+
+def pytest_collection_finish(session):
+    gc.collect()
+    gc.freeze()
 
 
 def pytest_collection_modifyitems(items):

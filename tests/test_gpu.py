@@ -79,7 +79,9 @@ for dtype in ("float32", "bfloat16"):
     state, tokens = fit.abstract_inputs(sharded, cfg.train)
     train.make_step(sharded, tokens.sharding, cfg.train).lower(state, tokens).compile()
 """
-    result = run_python(code, f"--xla_dump_to={tmp_path} --xla_dump_hlo_pass_re=spmd-partitioning", tmp_path)
+    # the tests' XLA_FLAGS (XLA:CPU compiling for speed: the partitioner's output is the same) and the dump's
+    dump = f"--xla_dump_to={tmp_path} --xla_dump_hlo_pass_re=spmd-partitioning"
+    result = run_python(code, f"{os.environ.get('XLA_FLAGS', '')} {dump}", tmp_path)
     assert result.returncode == 0, result.stderr[-2000:]
     dumps = sorted(tmp_path.glob("*jit_step*after_spmd-partitioning*.txt"))
     assert len(dumps) == 2, [path.name for path in tmp_path.iterdir()]  # the float32 step's, then the bf16 one's
