@@ -430,6 +430,7 @@ def test_search_respects_what_the_model_cannot_split():
         assert 12 % (lay.batch_ways * lay.M * lay.grad_accum) == 0
 
 
+@pytest.mark.slow  # 5 s of search: `make test-slow` (the README's picks hold the search's results in make test)
 def test_search_of_4096_devices_prunes():
     """What keeps a large search fast (timed by `launch.plan`, not here): many layouts are never sized."""
     model = configs.load("llama_70b").model
