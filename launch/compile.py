@@ -48,23 +48,35 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--config", default="tiny", help="preset name in configs/ (default: tiny)")
     p.add_argument("--devices", type=int, help="fake CPU devices to compile for (default 8; not with --target)")
     p.add_argument("--target", help="compile XLA:GPU's program for a cluster of these GPUs: h100, h200, a100, b200")
-    p.add_argument("--hosts", type=int, default=1, help="with --target: hosts (default 1)")
-    p.add_argument("--devices-per-host", type=int, default=8, help="with --target: GPUs per host (default 8)")
+    p.add_argument("--hosts", type=int, help="with --target: hosts (default 1)")
+    p.add_argument("--devices-per-host", type=int, help="with --target: GPUs per host (default 8)")
     p.add_argument("--topology", help="with --target: 1xHOSTSxGPUS_PER_HOST instead of --hosts/--devices-per-host")
     p.add_argument("--mesh", help="axis sizes, e.g. fsdp=8,model=8 (default: the preset's mesh); 'auto': the "
                                   "planner's --top layouts")
-    p.add_argument("--hardware", default="h100", help="with --mesh auto and no --target: the planner's hardware "
-                                                     "and the memory the layouts must fit (default h100)")
-    p.add_argument("--top", type=int, default=5, help="with --mesh auto: how many layouts (default 5)")
+    p.add_argument("--hardware", help="with --mesh auto and no --target: the planner's hardware and the memory "
+                                      "the layouts must fit (default h100)")
+    p.add_argument("--top", type=int, help="with --mesh auto: how many layouts (default 5)")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config field, e.g. train.remat=full (repeatable)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     args = p.parse_args(argv)
-    if args.target is None and (args.topology or args.hosts != 1 or args.devices_per_host != 8):
-        p.error("--hosts, --devices-per-host and --topology describe a GPU cluster: give --target too")
-    if args.target is not None and args.devices is not None:
-        p.error("--devices counts fake CPU devices; with --target give --hosts and --devices-per-host (or --topology)")
-    return args
+    flag = lambda name: f"--{name.replace('_', '-')}"
+    given = lambda *names: next((flag(name) for name in names if getattr(args, name) is not None), None)
+    if args.target is None and given("hosts", "devices_per_host", "topology"):
+        p.error(f"{given('hosts', 'devices_per_host', 'topology')} describes the GPU cluster of --target: give "
+                f"--target too")
+    if args.target is not None and given("devices"):
+        p.error("--devices counts fake CPU devices: with --target the cluster is --hosts and --devices-per-host "
+                "(or --topology)")
+    if args.target is not None and given("hardware"):
+        p.error(f"--hardware names the planner's hardware without --target: with --target it is {args.target}")
+    if args.topology is not None and given("hosts", "devices_per_host"):
+        p.error(f"--topology {args.topology} gives the hosts and the GPUs per host: drop "
+                f"{given('hosts', 'devices_per_host')}")
+    if args.mesh != "auto" and given("top", "hardware"):
+        p.error(f"{given('top', 'hardware')} is for --mesh auto (the planner's layouts): give --mesh auto too")
+    defaults = {"hosts": 1, "devices_per_host": 8, "hardware": "h100", "top": 5}
+    return argparse.Namespace(**{**vars(args), **{k: v for k, v in defaults.items() if getattr(args, k) is None}})
 
 
 def main(argv: list[str] | None = None) -> None:

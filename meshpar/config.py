@@ -41,13 +41,48 @@ def _parse(text: str, kind: type, key: str) -> Any:
         except ValueError:
             raise InputError(f"--set {key}={text}: expected {kind.__name__}") from None
     record = typing.get_args(kind)[0] if typing.get_origin(kind) is tuple else None
-    if hasattr(record, "from_dict"):  # a tuple of records (model.layer_pattern's LayerKinds)
+    if dataclasses.is_dataclass(record):  # a tuple of records (model.layer_pattern's LayerKinds)
         try:
-            return tuple(record.from_dict(fields) for fields in json.loads(text))
-        except (json.JSONDecodeError, TypeError, AttributeError) as err:
+            items = json.loads(text)
+        except json.JSONDecodeError:
+            items = None
+        if not isinstance(items, list):
             raise InputError(f"--set {key}={text}: expected a JSON list of {record.__name__} fields, e.g. "
-                             f"[{{\"window\": 4096}}, {{}}] ({err})") from None
+                             f"[{{\"window\": 4096}}, {{}}]")
+        return tuple(_record(record, fields, f"{key}[{j}]") for j, fields in enumerate(items))
     raise InputError(f"--set {key}: fields of type {kind} cannot be set from the command line")
+
+
+def _record(record: type, fields: Any, where: str) -> Any:
+    """A record built from its JSON fields, each checked against the type its dataclass declares (a nested
+    record from a JSON object), so `"window": "4"` fails here by name, not later in a comparison."""
+    if not isinstance(fields, dict):
+        raise InputError(f"--set {where} = {json.dumps(fields)}: expected a JSON object of {record.__name__} fields")
+    hints = typing.get_type_hints(record)
+    values = {}
+    for name, value in fields.items():
+        if name not in hints:
+            raise InputError(f"--set {where}.{name}: {record.__name__} has no field '{name}'; its fields: "
+                             f"{', '.join(hints)}")
+        args = typing.get_args(hints[name])  # (T, None) for an optional field
+        optional, kind = type(None) in args, next(k for k in args or (hints[name],) if k is not type(None))
+        if value is None and optional:
+            values[name] = None
+        elif dataclasses.is_dataclass(kind):
+            values[name] = _record(kind, value, f"{where}.{name}")
+        elif _is(value, kind):
+            values[name] = kind(value)
+        else:
+            raise InputError(f"--set {where}.{name} = {json.dumps(value)}: expected {kind.__name__}"
+                             + (" or null" if optional else ""))
+    return record(**values)
+
+
+def _is(value: Any, kind: type) -> bool:
+    """JSON's `value` fits a field of type `kind`: a float field takes a whole number too; true is no number."""
+    if isinstance(value, bool):
+        return kind is bool
+    return isinstance(value, (int, float)) if kind is float else isinstance(value, kind)
 
 
 def _replace(cfg: Any, changes: dict[str, Any]) -> Any:

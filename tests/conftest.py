@@ -49,9 +49,17 @@ from meshpar.compiler import program_store  # noqa: E402
 jax.config.update("jax_num_cpu_devices", 8)
 
 # XLA's GPU compiler needs jax's CUDA plugin and cuDNN's wheel, which `make test-gpu-compile` adds to .venv312;
-# the other legs never download them.
+# the other legs never download them, and run what needs no GPU compiler (test_gpu_cluster.py). The run's
+# header says which files it leaves out.
 if not (importlib.util.find_spec("jax_cuda12_plugin") and importlib.util.find_spec("nvidia.cudnn")):
     collect_ignore = ["test_gpu_compile.py", "test_gpu_fit.py"]
+
+
+def pytest_report_header() -> str | None:
+    if "collect_ignore" in globals():
+        return (f"not collected: {', '.join(collect_ignore)}, the GPU program's checks (no jax CUDA plugin or cuDNN "
+                f"wheel in this Python: `make test-gpu-compile` runs them)")
+    return None
 
 
 def long_run_env() -> dict[str, str]:

@@ -109,17 +109,32 @@ def test_apply_surfaces_validation_errors(tiny, item, message):
 
 
 def test_a_layer_pattern_is_set_as_a_json_list(tiny):
-    """`--set model.layer_pattern=` takes a JSON list of LayerKind fields; a field it lacks is refused by name,
-    and the pattern is checked against the layers."""
+    """`--set model.layer_pattern=` takes a JSON list of LayerKind fields (a nested record as a JSON object), and
+    the pattern is checked against the layers."""
     cfg = config_lib.apply(tiny, ['model.layer_pattern=[{"window": 64}, {"rope_theta": 5e5}]'])
     assert cfg.model.layer_pattern == (LayerKind(window=64), LayerKind(rope_theta=5e5))
     assert config_lib.apply(cfg, ["model.layer_pattern=[]"]).model.layer_pattern == ()
-    with pytest.raises(ValueError, match=r"expected a JSON list of LayerKind fields.*unexpected keyword argument "
-                                         r"'windw'"):
-        config_lib.apply(tiny, ['model.layer_pattern=[{"windw": 64}]'])
+    assert config_lib.apply(tiny, ['model.layer_pattern=[{"rope_scaling": {"kind": "linear", "factor": 2}}]']
+                            ).model.layer_pattern[0].rope_scaling.factor == 2.0
     with pytest.raises(ValueError, match=r"model.n_layers = 2 is not a whole number of model.layer_pattern's periods "
                                          r"of 3 layers"):
         config_lib.apply(tiny, ["model.layer_pattern=[{}, {}, {}]"])
+
+
+@pytest.mark.parametrize("pattern, message", [
+    ('[{"windw": 64}]', r"model.layer_pattern\[0\].windw: LayerKind has no field 'windw'; its fields: window, "),
+    ('[{}, {"window": "4"}]', r"model.layer_pattern\[1\].window = \"4\": expected int$"),
+    ('[{"dense": 1}]', r"model.layer_pattern\[0\].dense = 1: expected bool$"),
+    ('[{"rope_theta": true}]', r"model.layer_pattern\[0\].rope_theta = true: expected float$"),
+    ('[{"rope_scaling": {"factor": "2"}}]', r"model.layer_pattern\[0\].rope_scaling.factor = \"2\": expected float$"),
+    ('[{"rope_scaling": 2}]', r"model.layer_pattern\[0\].rope_scaling = 2: expected a JSON object of RopeScaling"),
+    ('[4]', r"model.layer_pattern\[0\] = 4: expected a JSON object of LayerKind fields$"),
+    ('{"window": 4}', r"expected a JSON list of LayerKind fields"),
+    ('[{"window": 4}', r"expected a JSON list of LayerKind fields"),
+])
+def test_a_layer_pattern_field_of_the_wrong_type_is_refused_by_name(tiny, pattern, message):
+    with pytest.raises(ValueError, match=message):
+        config_lib.apply(tiny, [f"model.layer_pattern={pattern}"])
 
 
 def test_apply_validates_the_overrides_together(tiny):
@@ -196,6 +211,7 @@ def test_param_count_matches_the_formula(name):
     ("llama3_8b", 8.03e9, 0.001), ("qwen2_5_7b", 7.62e9, 0.001), ("qwen3_8b", 8.19e9, 0.001), ("mistral_7b", 7.25e9, 0.001),
     ("mixtral_8x7b", 46.70e9, 0.001), ("qwen3_30b_a3b", 30.53e9, 0.001),  # mixtures of experts: every expert counted
     ("gpt_oss_20b", 20.91e9, 0.001),  # gpt-oss's model card: 20.91B, its biases and sinks included
+    ("gemma3_12b", 11.77e9, 4e-4),  # the README's figure, to its two decimals (Gemma 3 12B's text decoder alone)
 ])
 def test_param_count_of_the_named_shapes(name, expected, rel):
     assert abstract_param_count(configs.load(name).model) == pytest.approx(expected, rel=rel)

@@ -120,13 +120,14 @@ def test_training_step_with_accumulation_reports_the_pools():
     assert float(metrics["router_aux_loss"]) != pytest.approx(float(routing.losses(stats.grouped(1))[0]), rel=1e-5)
 
 
-def test_pooling_the_batch_under_1f1b_is_refused():
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
+def test_pooling_the_batch_under_1f1b_or_zero_bubble_is_refused(schedule):
     require_devices(8)
     cfg = dataclasses.replace(TRAIN, router_loss_scope="batch")
-    layout = shared_run("stage=2,data=4", cfg, MOE, rules_lib.ParallelConfig(pipeline_schedule="1f1b"))
-    with pytest.raises(InputError, match=r"train.router_loss_scope = batch pools .* over the whole batch, and "
-                                         r"parallel.pipeline_schedule = 1f1b runs a microbatch's backward pass "
-                                         r"before the last one's forward pass: use router_loss_scope=microbatch"):
+    layout = shared_run("stage=2,data=4", cfg, MOE, rules_lib.ParallelConfig(pipeline_schedule=schedule))
+    with pytest.raises(InputError, match=rf"train.router_loss_scope = batch pools .* over the whole batch, and "
+                                         rf"parallel.pipeline_schedule = {schedule} runs a microbatch's backward pass "
+                                         rf"before the last one's forward pass: use router_loss_scope=microbatch"):
         layout.loss_and_grads()
     with pytest.raises(InputError, match="train.router_loss_scope = 'layer' is not one of auto, batch, microbatch"):
         train.TrainConfig(router_loss_scope="layer")
