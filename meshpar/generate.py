@@ -12,9 +12,10 @@ every row is.
 
 Sharding: the parameters keep the layout they have (FSDP gathers each layer's weights in compute, TP keeps
 heads and the MLP split over `model`); the cache is split like attention's keys (rows over the batch
-axes, kv heads over `model`). Rows are split over `data`/`fsdp` when the batch divides over them, else
-every device works on all rows (one prompt). `sequence` and `stage` are refused: a decode step has one
-position and no pipeline.
+axes, kv heads over `model`). Rows are split over `data`/`fsdp`/`expert` when the batch divides over them,
+else every device works on all rows (one prompt): a mixture of experts then computes on each device its own
+experts' share of every row, summed over `expert` (`meshpar.moe.dispatch`). `sequence` and `stage` are
+refused: a decode step has one position and no pipeline.
 
 Sampling: greedy by default (temperature 0); else logits / temperature, restricted to the `top_k` most
 likely tokens and to the smallest set whose probability reaches `top_p`, then drawn with a key from `seed`.
@@ -77,13 +78,14 @@ def _check_mesh(mesh: Mesh) -> None:
                              f"{mesh.shape[axis]}")
 
 
-def _rules_for_batch(rules: Rules, mesh: Mesh, batch: int) -> Rules:
-    """`rules`, with the rows whole on every device when `batch` does not divide over the batch axes."""
+def compute_context(mesh: Mesh, rules: Rules, batch: int) -> context.Compute:
+    """How generation computes `batch` rows on `mesh` under `rules`: no remat, the dense kernel, the rows
+    whole on every device when `batch` does not divide over the batch axes."""
     axes = rules.table("activations")["batch"]
-    if batch % int(np.prod([mesh.shape[a] for a in axes])) == 0:
-        return rules
-    activations = tuple((name, () if name == "batch" else a) for name, a in rules.activations)
-    return dataclasses.replace(rules, activations=activations)
+    if batch % int(np.prod([mesh.shape[a] for a in axes])):
+        activations = tuple((name, () if name == "batch" else a) for name, a in rules.activations)
+        rules = dataclasses.replace(rules, activations=activations)
+    return context.Compute(mesh, rules, "none", "dense")
 
 
 @functools.lru_cache(maxsize=16)
@@ -146,7 +148,7 @@ def generate(model: nnx.Module, prompt_BT: np.ndarray, new_tokens: int, mesh: Me
     if S > model.cfg.max_seq_len:
         raise InputError(f"prompt ({T_prompt}) + new tokens ({new_tokens}) = {S} exceeds the model's "
                          f"max_seq_len = {model.cfg.max_seq_len}")
-    compute = context.Compute(mesh, _rules_for_batch(rules, mesh, B), "none", "dense")
+    compute = compute_context(mesh, rules, B)
     graphdef, state = nnx.split(model)
     replicated = lambda ids: jax.device_put(ids.astype(np.int32), NamedSharding(mesh, P()))
     program = _program(graphdef, B, T_prompt, new_tokens, sampling, compute)

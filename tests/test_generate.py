@@ -1,6 +1,7 @@
 """Generation with a KV cache: the same tokens as recomputing the whole prefix each step, on one device and
-on data, fsdp and model meshes; sampling settings; stopping at stop ids; the CLI, with a model family's
-tokenizer files; samples during training; --init-from."""
+on data, fsdp and model meshes; a mixture of experts' rows whole on every device of `expert`; sampling settings;
+stopping at stop ids; the CLI, with a model family's tokenizer files; samples during training; --init-from.
+Imported mixtures of experts against transformers' generate: test_hf_moe.py."""
 
 import dataclasses
 import json
@@ -15,7 +16,9 @@ from jax.sharding import PartitionSpec as P
 from conftest import require_devices
 from meshpar import checkpoint, context, generate, mesh as mesh_lib, rules as rules_lib, sharding
 from meshpar.errors import InputError
+from meshpar.moe import dispatch
 from models.transformer import Transformer, TransformerConfig
+from test_moe import assert_group_equals_the_loop, assert_reported_drops, random_routes
 
 CFG = TransformerConfig(vocab_size=256, d_model=64, n_layers=2, n_heads=8, n_kv_heads=4, d_ff=128, max_seq_len=64)
 PROMPT = np.array([[1, 2, 3, 4, 5], [9, 8, 7, 6, 5]])
@@ -57,6 +60,27 @@ def test_the_same_tokens_on_a_mesh(model, recomputed, mesh_text):
     require_devices(8)
     mesh, rules = mesh_lib.build(mesh_lib.parse(mesh_text)), rules_lib.make()
     np.testing.assert_array_equal(generate.generate(placed(model, mesh, rules), PROMPT, NEW, mesh, rules), recomputed)
+
+
+@pytest.mark.parametrize("capacity", [0.0, 0.5])
+def test_experts_of_rows_the_mesh_cannot_split_are_summed_over_expert(capacity):
+    """Three rows on expert=4,model=2 (which the batch axes do not divide: generation's case): every device holds
+    them all, computes its own experts' share and the shares are summed over `expert` and `model` with no
+    all-to-all. The outputs and drops are the loop's over all the rows, capacity counted over them all."""
+    require_devices(8)
+    x, experts, weights, w = random_routes(3, 6, 8, 8, 16, 2, seed=1)
+    mesh = mesh_lib.build(mesh_lib.parse("expert=4,model=2"))
+    compute = generate.compute_context(mesh, rules_lib.make(rules_lib.ParallelConfig(expert_capacity=capacity)), 3)
+
+    def run(*args):
+        with context.use(compute):
+            return dispatch.experts_ffn(*args, dispatch.capacity())
+
+    compiled = jax.jit(run).lower(x, experts, weights, *w).compile()
+    y, dropped_b = compiled(x, experts, weights, *w)
+    dropped = assert_group_equals_the_loop(y, dropped_b, x, experts, weights, w, capacity)
+    assert_reported_drops(experts, dropped_b, dropped, capacity, w[0].shape[0])
+    assert "all-to-all" not in compiled.as_text() and "all-reduce" in compiled.as_text()
 
 
 def test_the_cache_is_split_like_the_keys(model):

@@ -5,15 +5,17 @@ SwiGLU; alternating windows, YaRN; MXFP4 experts dequantised on import), `hf_ref
 Imported weights give transformers' logits on one device and on an expert-parallel mesh (float32, relative
 1e-5), greedy generation gives transformers' tokens, the checkpoint meshpar writes holds the tensors it read
 (the Hub's per-expert layout, which transformers' save_pretrained also writes; gpt-oss's fused one) and loads
-into transformers as the same family; what meshpar's MoE cannot compute is refused by name. One step's loss
-and every gradient, the shared expert's and gpt-oss's sinks, biases and clamped experts among them, are
-PyTorch's (Qwen2-MoE, gpt-oss; relative 1e-5). Training step for step against PyTorch, the load-balancing
-loss included: test_hf_training.py.
+into transformers as the same family; what meshpar's MoE cannot compute is refused by name. One prompt, which
+no batch axis splits, generates the same on an expert mesh, and evaluation there gives transformers'
+cross-entropy. One step's loss and every gradient, the shared expert's and gpt-oss's sinks, biases and
+clamped experts among them, are PyTorch's (Qwen2-MoE, gpt-oss; relative 1e-5). Training step for step against
+PyTorch, the load-balancing loss included: test_hf_training.py.
 
 Measured here (max |meshpar − transformers| / max |transformers|), one device / expert=2,fsdp=2,model=2:
 mixtral 1.6e-6 / 1.9e-6, qwen3_moe 9.6e-7 / 8.4e-7, unnormalised 8.5e-7 / 8.9e-7, qwen2_moe 1.4e-6 / 1.1e-6,
 gpt_oss 2.1e-6 / 1.9e-6 (1.8e-6 on ring CP with TP; with MXFP4 experts 1.1e-6 on the expert mesh, its
-weights exactly transformers' dequantised ones); exports give transformers' logits exactly (0.0). Gradients
+weights exactly transformers' dequantised ones); one prompt's first pass in generation on expert=2,model=2:
+mixtral 1.1e-6, gpt_oss 1.7e-6; exports give transformers' logits exactly (0.0). Gradients
 (expert=2,fsdp=2,model=2), tensor by tensor: Qwen2-MoE at most 6.5e-6 (an expert's), 2.7e-6 of the shared
 expert and its gate; gpt-oss at most 6.3e-6 (a layer's sinks; with jax 0.12 a q projection); a bias measured
 with its weight (`affine_map_error`); the losses within 2e-7."""
@@ -33,7 +35,7 @@ from safetensors.numpy import load_file
 from conftest import require_devices
 from hf_reference import MOE_FAMILIES, SMALL, call
 from launch import convert
-from meshpar import sharding, train
+from meshpar import context, generate, sharding, train
 from meshpar.errors import InputError
 from models import hf
 from models.transformer import Transformer
@@ -118,8 +120,6 @@ def test_gpt_oss_logits_under_ring_attention_with_tensor_parallelism(tmp_path):
 def test_greedy_generation_matches_transformers(moe):
     """meshpar's KV-cache generation with the experts split over `expert` continues prompts token for token as
     transformers' greedy generate."""
-    from meshpar import generate
-
     _, directory, _ = moe
     mesh = build_mesh("expert=2,model=2")
     cfg = hf.load_config(directory)
@@ -127,6 +127,54 @@ def test_greedy_generation_matches_transformers(moe):
     prompt_BT = TOKENS_BT[:2, :6]
     expected = call("greedy", directory, prompt_BT.tolist(), 12)
     np.testing.assert_array_equal(generate.generate(model, prompt_BT, 12, mesh, RULES), expected)
+
+
+def prefill_logits(model: nnx.Module, tokens_BT: np.ndarray, mesh) -> np.ndarray:
+    """The logits of `tokens_BT` as generation's first pass computes them on `mesh`, into an empty cache."""
+    graphdef, state = nnx.split(model)
+    B, T = tokens_BT.shape
+
+    @jax.jit
+    def prefill(state, tokens_BT):
+        with context.use(generate.compute_context(mesh, RULES, B)):
+            model = nnx.merge(graphdef, state)
+            return model.decode(tokens_BT, jnp.arange(T), *model.init_cache(B, T))[0]
+
+    return np.asarray(prefill(state, tokens_BT))
+
+
+@pytest.mark.parametrize("moe", ["mixtral", "gpt_oss"], indirect=True)
+def test_one_prompt_on_an_expert_mesh_is_transformers(moe):
+    """One prompt, which the batch axes cannot split (as `launch.generate` gives it): every device of `expert`
+    holds it and computes its own experts' share, summed over `expert` and `model`. Its first pass's logits are
+    transformers' (float32, relative 1e-5) and greedy generation continues it token for token as transformers'
+    generate does (Mixtral's sliding window; gpt-oss's biased experts, whose down bias one share adds)."""
+    model_type, directory, reference = moe
+    mesh = build_mesh("expert=2,model=2")
+    cfg = hf.load_config(directory)
+    model = nnx.merge(Transformer.abstract(cfg)[0], hf.import_params(directory, cfg, mesh, RULES))
+    error = relative_error(prefill_logits(model, TOKENS_BT[:1], mesh), reference[:1])
+    print(f"{model_type}, one prompt on expert=2,model=2: max relative logits difference {error:.2e}")
+    assert error < 1e-5
+    prompt_BT = TOKENS_BT[:1, :6]
+    expected = call("greedy", directory, prompt_BT.tolist(), 12)
+    np.testing.assert_array_equal(generate.generate(model, prompt_BT, 12, mesh, RULES), expected)
+
+
+@pytest.mark.parametrize("moe", ["mixtral"], indirect=True)
+def test_evaluation_on_an_expert_mesh_is_transformers_cross_entropy(moe):
+    """The eval step (`train.make_eval_step`: the training step's loss and layout, without the router's losses)
+    on an expert-parallel mesh gives the mean cross-entropy of transformers' logits (float32, relative 1e-5)."""
+    _, directory, reference_BTV = moe
+    B, T = TOKENS_BT.shape
+    settings = train.TrainConfig(global_batch=B, seq_len=T - 1, remat="none")
+    sharded, state, tokens = imported_state(directory, build_mesh(EXPERT_MESH), settings)
+    loss, count = train.make_eval_step(sharded, tokens, settings)(state, jax.device_put(TOKENS_BT, tokens))
+    logits_BTV = reference_BTV[:, :-1].astype(np.float64)
+    log_probs_BTV = logits_BTV - np.log(np.exp(logits_BTV).sum(-1, keepdims=True))
+    expected = -np.take_along_axis(log_probs_BTV, TOKENS_BT[:, 1:, None], -1).mean()
+    assert int(count) == B * (T - 1)
+    assert abs(float(loss) - expected) < 1e-5 * expected
 
 
 def test_export_writes_the_tensors_it_read(moe, tmp_path):
@@ -173,6 +221,16 @@ def test_mxfp4_experts_are_dequantised_on_import(tmp_path):
     assert error < 1e-5
 
 
+def imported_state(directory: str, mesh, settings: train.TrainConfig):
+    """(the sharded abstract state, a training state holding the checkpoint in `directory`, the tokens'
+    sharding) on `mesh`."""
+    cfg = hf.load_config(directory)
+    make_model, tx = Transformer.factory(cfg), train.optimizer(settings)
+    sharded = train.sharded_abstract(make_model, tx, mesh, RULES, settings.seed)
+    state = train.init_state(make_model, tx, sharded, settings.seed, hf.import_params(directory, cfg, mesh, RULES))
+    return sharded, state, sharding.batch_sharding(mesh, RULES, (settings.global_batch, settings.seq_len + 1))
+
+
 # Per family, the tensors whose gradients the test names: Qwen2-MoE's shared expert and its gate; gpt-oss's sinks,
 # biases and experts (its clamped SwiGLU, at a bound of 1 the gates reach)
 OWN_TENSORS = {"qwen2_moe": ("shared_expert",), "gpt_oss": ("sinks", "bias", "experts")}
@@ -202,12 +260,9 @@ def test_one_step_gradients_match_pytorch(tmp_path, model_type):
     call("save_random", directory, model_type, MOE_FAMILIES[model_type], 0)
     tokens_BT = np.random.default_rng(1).integers(0, SMALL["vocab_size"], (8, 17)).astype(np.int32)
     reference = call("save_gradients", directory, tokens_BT.tolist(), coef, str(tmp_path / "torch"))
-    mesh, cfg = build_mesh(EXPERT_MESH), hf.load_config(directory)
+    cfg = hf.load_config(directory)
     settings = train.TrainConfig(global_batch=8, seq_len=16, router_aux_loss_coef=coef, remat="none")
-    make_model, tx = Transformer.factory(cfg), train.optimizer(settings)
-    sharded = train.sharded_abstract(make_model, tx, mesh, RULES, settings.seed)
-    state = train.init_state(make_model, tx, sharded, settings.seed, hf.import_params(directory, cfg, mesh, RULES))
-    tokens = sharding.batch_sharding(mesh, RULES, tokens_BT.shape)
+    sharded, state, tokens = imported_state(directory, build_mesh(EXPERT_MESH), settings)
     loss, grads = train.loss_and_grads(sharded, tokens, settings)(state, jax.device_put(tokens_BT, tokens))
     hf.export(grads, cfg, tmp_path / "meshpar")  # the gradients as a checkpoint: PyTorch's names and layouts
     ours, theirs = (load_file(tmp_path / side / hf.SINGLE_FILE) for side in ("meshpar", "torch"))

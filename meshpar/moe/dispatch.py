@@ -17,6 +17,11 @@ the results back, where each assignment's output is weighed and added to its tok
 parallelism each `model` shard computes its F / model slice of every expert and the token outputs are
 summed over `model` (one all-reduce of [n, D]).
 
+Rows whole on every device. Outside the training step the batch may not divide over the batch axes
+(generation's one prompt): every device of `expert` then holds the same n tokens, so none is sent. Each
+device computes the assignments of its own El experts (its block of the send buffer) and the token outputs
+are summed over `expert`, with the `model` sum when there is one: one all-reduce of [n, D], no all-to-all.
+
 Two ways to size r (`parallel.expert_capacity`):
 - dropless (0, the default): no assignment is ever dropped. The rows a device sends to one expert shard
   are at most n · min(k, El) (a token's k experts are distinct), so r is that, the rows are packed in
@@ -30,12 +35,13 @@ Two ways to size r (`parallel.expert_capacity`):
 
 Collectives per MoE layer per device (a remat policy other than `none` runs the forward ones again in the
 backward pass; `meshpar.plan.comm` counts them so, and the tests hold it to the compiled step):
-| what                                | collective           | count fwd + bwd | bytes each                        |
-|-------------------------------------|----------------------|-----------------|-----------------------------------|
-| rows to their experts, back         | all-to-all (expert)  | 2 + 2           | ep · r · D · bytes (a 1/ep stays) |
-| the rows' expert ids                | all-to-all (expert)  | 1 + 0           | ep · r · 4 (dropless only)        |
-| TP: the experts' outputs            | all-reduce (model)   | 1 + 0           | n · D · bytes                     |
-| TP: the received rows' gradient     | all-reduce (model)   | 0 + 2           | ep · r · D · bytes (gate, up)     |
+| what                             | collective                 | fwd + bwd | bytes each                        |
+|----------------------------------|----------------------------|-----------|-----------------------------------|
+| rows to their experts, back      | all-to-all (expert)        | 2 + 2     | ep · r · D · bytes (a 1/ep stays) |
+| the rows' expert ids             | all-to-all (expert)        | 1 + 0     | ep · r · 4 (dropless only)        |
+| TP: the experts' outputs         | all-reduce (model)         | 1 + 0     | n · D · bytes                     |
+| TP: the received rows' gradient  | all-reduce (model)         | 0 + 2     | ep · r · D · bytes (gate, up)     |
+| rows whole: the experts' outputs | all-reduce (expert, model) | 1 + 0     | n · D · bytes (no all-to-all)     |
 
 When it pays. An expert's weights (3·D·F) stay on their devices and only tokens move: per token and layer
 2·k·D values each way, against 6·k·D·F FLOPs of expert compute, so the all-to-all hides behind the
@@ -114,6 +120,7 @@ def experts_ffn(x_BTD: jax.Array, experts_BTk: jax.Array, weights_BTk: jax.Array
     expert_axis = "expert" if "expert" in sharding.spec_axes(gate_up) else None
     model = tuple(a for a in sharding.spec_axes(gate_up[2:]))
     body = functools.partial(local, expert_axis=expert_axis, model=model, positions=sharding.spec_axes(tokens[1:2]),
+                             whole=expert_axis is not None and expert_axis not in sharding.spec_axes(tokens),
                              vmapped=bool(compute.vmapped),
                              recipe=fp8.for_experts(tuple(sorted(names - set(compute.vmapped))),
                                                     checked=not compute.vmapped))
@@ -153,10 +160,12 @@ def grouped_matmul(x_ID: jax.Array, w_EDF: jax.Array, sizes_E: jax.Array, vmappe
 
 def _local(x_btD, experts_btk, weights_btk, w_gate_EDF, w_up_EDF, w_down_EFD, biases, *, capacity: float,
            experts: int, gated, expert_axis: str | None, model: tuple[str, ...], positions: tuple[str, ...] = (),
-           vmapped: bool = False, recipe: fp8.Recipe | None = None) -> tuple[jax.Array, jax.Array]:
+           whole: bool = False, vmapped: bool = False,
+           recipe: fp8.Recipe | None = None) -> tuple[jax.Array, jax.Array]:
     """One device's dispatch (module docstring): its El experts' weights, E / El = ep expert shards; the
     mesh axes in `positions` split the rows' positions (context parallelism), and their drops are summed;
-    the experts' matmuls in FP8 under `recipe`."""
+    `whole`: every device of `expert_axis` holds these same tokens (`_exchange`); the experts' matmuls in
+    FP8 under `recipe`."""
     b, t, D = x_btD.shape
     k, E, El = experts_btk.shape[-1], experts, w_gate_EDF.shape[0]
     ep, n = E // El, b * t
@@ -178,39 +187,58 @@ def _local(x_btD, experts_btk, weights_btk, w_gate_EDF, w_up_EDF, w_down_EFD, bi
         kept_Q = row_Q < r  # r holds a shard's every row: counted all the same, so a short buffer shows as drops
     x_nD = x_btD.reshape(n, D)
     send_xrD = jnp.zeros((ep, r, D), x_btD.dtype).at[shard_Q, row_Q].set(x_nD[token_Q], mode="drop")
-    swap = (lambda a: jax.lax.all_to_all(a, expert_axis, 0, 0)) if expert_axis else (lambda a: a)
-    recv_xrD = swap(send_xrD)
+    there, back = _exchange(expert_axis, whole, ep)
+    recv_xrD = there(send_xrD)
+    senders = recv_xrD.shape[0]  # the devices whose rows arrive: ep, or this one alone (`whole`)
     gate_bias_EF, up_bias_EF, down_bias_ED = biases or (None, None, None)
     if model and biases:  # the model shards' outputs are summed: one of them adds the down bias
         down_bias_ED = jnp.where(jax.lax.axis_index(model) == 0, down_bias_ED, 0)
     if capacity:  # [ep, El, U, D] → [El, ep·U, D]: one batched matmul per expert
-        x_EUD = recv_xrD.reshape(ep, El, U, D).swapaxes(0, 1).reshape(El, ep * U, D)
+        x_EUD = recv_xrD.reshape(senders, El, U, D).swapaxes(0, 1).reshape(El, senders * U, D)
         gate, up = (fp8.matmul(x_EUD, w, batch=1, recipe=recipe) for w in (w_gate_EDF, w_up_EDF))
         if biases:
             gate, up = gate + gate_bias_EF[:, None], up + up_bias_EF[:, None]
         y_EUD = fp8.matmul(gated(gate, up), w_down_EFD, batch=1, recipe=recipe)
         y_EUD = y_EUD + down_bias_ED[:, None] if biases else y_EUD
-        y_xrD = y_EUD.reshape(El, ep, U, D).swapaxes(0, 1).reshape(ep, r, D)
+        y_xrD = y_EUD.reshape(El, senders, U, D).swapaxes(0, 1).reshape(senders, r, D)
     else:  # rows from every device, sorted by local expert (unfilled rows: El, last), grouped matmuls
-        local_xr = swap(jnp.full((ep, r), El, jnp.int32).at[shard_Q, row_Q].set(local_Q, mode="drop"))
-        local_I = local_xr.reshape(ep * r)
+        local_xr = there(jnp.full((ep, r), El, jnp.int32).at[shard_Q, row_Q].set(local_Q, mode="drop"))
+        local_I = local_xr.reshape(senders * r)
         arrival_I = jnp.argsort(local_I, stable=True)
         sizes_E = jnp.zeros((El + 1,), jnp.int32).at[local_I].add(1)[:El]
-        x_ID = recv_xrD.reshape(ep * r, D)[arrival_I]
+        x_ID = recv_xrD.reshape(senders * r, D)[arrival_I]
         gate, up = (grouped_matmul(x_ID, w, sizes_E, vmapped, recipe) for w in (w_gate_EDF, w_up_EDF))
         if biases:  # each row's expert (the unfilled rows past the groups take the last one: never read back)
-            expert_I = jnp.minimum(jnp.searchsorted(jnp.cumsum(sizes_E), jnp.arange(ep * r), side="right"), El - 1)
+            expert_I = jnp.minimum(jnp.searchsorted(jnp.cumsum(sizes_E), jnp.arange(senders * r), side="right"), El - 1)
             gate, up = gate + gate_bias_EF[expert_I], up + up_bias_EF[expert_I]
         y_ID = grouped_matmul(gated(gate, up), w_down_EFD, sizes_E, vmapped, recipe)
         y_ID = y_ID + down_bias_ED[expert_I] if biases else y_ID
-        y_xrD = jnp.zeros_like(y_ID).at[arrival_I].set(y_ID).reshape(ep, r, D)
-    back_xrD = swap(y_xrD)
+        y_xrD = jnp.zeros_like(y_ID).at[arrival_I].set(y_ID).reshape(senders, r, D)
+    back_xrD = back(y_xrD)
     y_QD = back_xrD.at[shard_Q, row_Q].get(mode="fill", fill_value=0)
     y_QD = y_QD * weights_btk.reshape(Q)[order_Q][:, None].astype(y_QD.dtype)
     y_nD = jnp.zeros((n, D), y_QD.dtype).at[token_Q].add(y_QD)
-    if model:  # each model shard summed its F slice
-        y_nD = jax.lax.psum(y_nD, model)
+    summed = model + ((expert_axis,) if whole else ())
+    if summed:  # each model shard summed its F slice; with `whole` tokens each expert shard its experts'
+        y_nD = jax.lax.psum(y_nD, summed)
     dropped_b = jnp.zeros((b,), jnp.float32).at[token_Q // t].add((~kept_Q).astype(jnp.float32))
     if positions:  # a row's drops, over all of its positions
         dropped_b = jax.lax.psum(dropped_b, positions)
     return y_nD.reshape(b, t, D), dropped_b
+
+
+def _exchange(expert_axis: str | None, whole: bool, ep: int):
+    """(there, back): how a device's buffer [ep, r, ...] of rows for each expert shard reaches those experts'
+    devices, and their outputs [senders, r, D] come back into such a buffer. Over `expert_axis`, all-to-alls;
+    with its tokens `whole` on every device of it (generation's rows, which the batch axes do not divide),
+    a device keeps only the block of its own experts and finds zeros in the others' place (the caller sums
+    the outputs over the axis); with no expert axis, nothing moves."""
+    if expert_axis is None:
+        return (lambda a: a), (lambda a: a)
+    if not whole:
+        swap = lambda a: jax.lax.all_to_all(a, expert_axis, 0, 0)
+        return swap, swap
+    own = jax.lax.axis_index(expert_axis)
+    keep = lambda a: jax.lax.dynamic_index_in_dim(a, own, 0)
+    put = lambda y: jax.lax.dynamic_update_index_in_dim(jnp.zeros((ep,) + y.shape[1:], y.dtype), y, own, 0)
+    return keep, put
