@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 import configs
-from meshpar import config as config_lib, lora, mesh as mesh_lib, plan, remat as remat_lib, rules as rules_lib
+from meshpar import config as config_lib, dpo, lora, mesh as mesh_lib, plan, remat as remat_lib, rules as rules_lib
 from meshpar.attention import kernels
 from meshpar.compiler import fit, gpu
 from meshpar.errors import InputError
@@ -39,29 +39,35 @@ def configure(name: str, mesh_text: str | None, overrides: list[str], hardware: 
             raise InputError(f"--init-from {init_from} sets the model; {', '.join(changed)} cannot change it")
         saved = weights.saved_config(init_from)[0]
         cfg = dataclasses.replace(cfg, model=TransformerConfig.from_dict(saved["model"]))
-        cfg = _adapters_of(cfg, weights.train_config(saved).lora, init_from, overrides)
+        cfg = with_saved_adapters(cfg, weights.train_config(saved).lora, init_from, overrides)
     if mesh_text == "auto":
         cfg = auto_layout(cfg, hardware, cluster=cluster)
     mesh = mesh_lib.build(cfg.mesh, gpu.devices(cluster) if cluster else None)
+    if cfg.train.objective == "dpo":  # before any state is made
+        dpo.check_schedule(cfg.parallel.pipeline_schedule, mesh.shape["stage"])
     return cfg, mesh, rules_lib.make(cfg.parallel), cfg.model_factory()
 
 
-def _adapters_of(cfg: configs.Config, source: lora.LoraConfig | None, init_from: str,
-                 overrides: list[str]) -> configs.Config:
-    """`cfg` training the LoRA adapters `init_from` holds (`source`): their settings, unless `--set` gives LoRA
-    settings of its own (train.lora_rank=0: the adapters merged in, every weight trained)."""
+def with_saved_adapters(cfg: configs.Config, source: lora.LoraConfig | None, init_from: str,
+                        overrides: list[str]) -> configs.Config:
+    """`cfg` training the LoRA adapters `init_from` holds (`source`), with their own settings; `--set
+    train.lora_rank=0` merges them in and trains every weight. Another `train.lora_*` would train other adapters
+    (or, merged, none), never these: it is refused by name."""
     if source is None:
         return cfg
-    if not any(o.startswith("train.lora_") for o in overrides):
-        return config_lib.apply(cfg, [f"train.lora_rank={source.rank}", f"train.lora_alpha={source.alpha}",
-                                      f"train.lora_targets={','.join(source.targets)}",
-                                      f"train.lora_rslora={source.rslora}"])
-    if cfg.train.lora not in (None, source):
-        raise InputError(f"--init-from {init_from} holds LoRA adapters of rank {source.rank} on "
-                         f"{','.join(source.targets)} (alpha {source.alpha}): train.lora_* cannot make them others; "
-                         f"leave them out to train these, or set train.lora_rank=0 to merge them and train every "
-                         f"weight")
-    return cfg
+    own = {field.name: getattr(source, field.name) for field in dataclasses.fields(source)}
+    text = lambda value: ",".join(value) if isinstance(value, tuple) else value  # as --set writes it
+    given = [o for o in overrides if o.startswith("train.lora_")]
+    held = config_lib.apply(cfg, [f"train.lora_{k}={text(v)}" for k, v in own.items()] + given)  # given ones win
+    chosen = held.train.lora
+    differ = ([o for o in given if not o.startswith("train.lora_rank=")] if chosen is None else  # merged: moot
+              [f"train.lora_{k}={text(getattr(chosen, k))}" for k, v in own.items() if getattr(chosen, k) != v])
+    if differ:
+        raise InputError(f"--init-from {init_from} holds LoRA adapters of rank {source.rank}, alpha {source.alpha} on "
+                         f"{','.join(source.targets)} (rslora {source.rslora}): {', '.join(differ)} cannot make them "
+                         f"others; leave train.lora_* out to train these, or set only train.lora_rank=0 to merge them "
+                         f"and train every weight")
+    return held
 
 
 def shape(cfg: configs.Config) -> plan.Shape:

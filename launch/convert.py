@@ -19,9 +19,10 @@ options name (`models.hf.families.family_of`); a LoRA run's with its adapters me
 (`--merge-lora`). `to-peft` writes a LoRA run's adapters as a PEFT adapter directory (`models.hf.peft`),
 which `peft.PeftModel.from_pretrained` loads over the base; `from-peft` reads one over a base meshpar
 imported (`from-hf`'s output) into an adapters directory, which `launch.train --init-from` trains on and
-`launch.generate` runs. The mesh (default: fsdp over all devices) only decides
-where the parameters live while converting. A mixture of experts' `router_aux_loss_coef` is a training
-setting in meshpar (`train.router_aux_loss_coef`): `from-hf` prints the `--set` that trains with it.
+`launch.generate` runs. A LoRA checkpoint's base is made again from the directory the run began from and
+checked against the fingerprint the run took of it (`launch.weights`). The mesh (default: fsdp over all
+devices) only decides where the parameters live while converting. A mixture of experts' `router_aux_loss_coef`
+is a training setting in meshpar (`train.router_aux_loss_coef`): `from-hf` prints the `--set` that trains with it.
 
 Errors found by meshpar's own checks (an unsupported config option, a missing tensor, a wrong shape)
 print as one line and exit 1.

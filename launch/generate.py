@@ -37,8 +37,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tokenizer", help="a Hugging Face tokenizer.json to encode the prompt and decode the output, "
                                        "with the config files beside it (default: bytes)")
-    p.add_argument("--mesh", help="axis sizes (data, fsdp, model), e.g. fsdp=2,model=4 (default: fsdp over all "
-                                  "devices)")
+    p.add_argument("--mesh", help="axis sizes (data, fsdp, expert, model), e.g. fsdp=2,model=4 (default: fsdp "
+                                  "over all devices)")
     p.add_argument("--cpu-devices", type=int, help="run on this many fake CPU devices")
     p.add_argument("--json", action="store_true", help='print {"ids": [...], "text": ...}')
     p.add_argument("--merge-lora", action="store_true", help="fold LoRA adapters into the weights first")

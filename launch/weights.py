@@ -8,7 +8,8 @@ Three kinds of directory hold them, and `load` reads any:
 All keep the run's config in their metadata; its `model` section rebuilds the model. A LoRA run's checkpoint
 and an adapters directory hold the adapters alone (`meshpar.lora`); their base comes from the directory
 their config names (`init_from`: the run's `--init-from`, the adapters' base), else, for a run that started
-from random weights, from its seed.
+from random weights, from its seed; a training checkpoint's is checked against the fingerprint the run took of
+it (`meshpar.frozen`), so that a base changed since is refused, not silently used.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from flax import nnx
 from jax.sharding import Mesh
@@ -69,34 +71,47 @@ def load(directory: str | Path, mesh: Mesh, rules: Rules, merge_lora: bool = Fal
     `merge_lora`, a LoRA model's adapters folded into its weights (`lora.merged`)."""
     config, whole_state = saved_config(directory)
     cfg, settings = TransformerConfig.from_dict(config["model"]), train_config(config)
-    adapters = settings.lora
+    adapters, trained_over = settings.lora, {}
     if whole_state:
-        params = _restored_model(directory, cfg, settings, mesh, rules)
+        params, trained_over = _restored_model(directory, cfg, settings, mesh, rules)
     else:
         abstract = Transformer.abstract(cfg, adapters)[1]
         abstract = abstract if adapters is None else lora.adapters(abstract)  # an adapters directory's
         params = checkpoint.load_params(directory, abstract, sharding.state_shardings(abstract, mesh, rules))
     if adapters is not None:  # the adapters alone were saved: the base is that of where the run began
-        base = (lora.base(load(config["init_from"], mesh, rules).params) if config.get("init_from") else
-                _seeded_base(cfg, settings, mesh, rules))
+        began = config.get("init_from")
+        base = lora.base(load(began, mesh, rules).params) if began else _seeded_base(cfg, settings, mesh, rules)
+        if trained_over:  # a training checkpoint's fingerprint of its base (an adapters directory has none)
+            _check_base(base, trained_over, settings.frozen, directory,
+                        f"{began} (init_from)" if began else f"made from train.seed = {settings.seed}")
         params = nnx.merge_state(base, params)
         if merge_lora:
             params, adapters = lora.merged(params, adapters), None
     return Weights(cfg, params, adapters)
 
 
+def _check_base(base: nnx.State, trained_over: dict, dtype: jnp.dtype, directory: str | Path, whose: str) -> None:
+    """Refuse a base other than the one a LoRA checkpoint was trained over: the fingerprint the run took of its
+    frozen weights (`meshpar.frozen`; "model/…" paths, in `train.frozen_dtype`) against the base made again."""
+    held = nnx.from_flat_state({path: v.replace(v[...].astype(dtype)) for path, v in nnx.to_flat_state(base)})
+    frozen.check({path.removeprefix("model/"): sums for path, sums in trained_over.items()},
+                 frozen.fingerprint(held), str(directory),
+                 fix=f"its base, {whose}, is not the one it was trained over: put back those weights")
+
+
 def _restored_model(directory: str | Path, cfg: TransformerConfig, settings: train.TrainConfig, mesh: Mesh,
-                    rules: Rules) -> nnx.State:
-    """The model's saved parameters of a training checkpoint (a LoRA run's: its adapters)."""
+                    rules: Rules) -> tuple[nnx.State, dict]:
+    """(the model's saved parameters (a LoRA run's: its adapters), the fingerprint of the frozen weights it was
+    trained over) of a training checkpoint."""
     make_model = settings.frozen_base(Transformer.factory(cfg, adapters=settings.lora))
     sharded = train.sharded_abstract(make_model, train.optimizer(settings), mesh, rules, reference=settings.reference)
     saved, _ = frozen.split(sharded.abstract)
     ckpt = checkpoint.Checkpointer(directory)
     try:
-        state, _ = ckpt.restore(saved, frozen.split(sharded.shardings)[0])
+        state, meta = ckpt.restore(saved, frozen.split(sharded.shardings)[0])
     finally:
         ckpt.close()
-    return nnx.state(state["model"], nnx.Param)
+    return nnx.state(state["model"], nnx.Param), meta.get("frozen", {})
 
 
 def _seeded_base(cfg: TransformerConfig, settings: train.TrainConfig, mesh: Mesh, rules: Rules) -> nnx.State:

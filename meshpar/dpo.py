@@ -29,6 +29,7 @@ from meshpar.batch import Batch
 from meshpar.errors import InputError
 from meshpar.loss import final_hidden_states, next_token_inputs, token_log_probs
 from meshpar.moe import routing
+from meshpar.rules import SLOT_SCHEDULES
 
 METRICS = ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
            "logps/rejected")
@@ -48,6 +49,15 @@ class Rewards(NamedTuple):
 def metrics(rewards: Rewards) -> dict[str, jax.Array]:
     return dict(zip(METRICS, (rewards.chosen, rewards.rejected, rewards.chosen - rewards.rejected,
                               rewards.accuracies, rewards.logps_chosen, rewards.logps_rejected)))
+
+
+def check_schedule(schedule: str, stages: int) -> None:
+    """Refuse a pipeline schedule that computes the loss inside the pipeline, per microbatch and position: DPO
+    takes each sequence's log-probability whole."""
+    if stages > 1 and schedule in SLOT_SCHEDULES:
+        raise InputError(f"train.objective = dpo takes each sequence's log-probability whole, which "
+                         f"parallel.pipeline_schedule = {schedule} cannot give (it computes the next-token loss inside "
+                         f"the pipeline): use pipeline_schedule=gpipe")
 
 
 def _per_target(model, batch: Batch, chunk: int) -> tuple[jax.Array, jax.Array, routing.RouterStats | None]:

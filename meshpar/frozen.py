@@ -69,14 +69,15 @@ def fingerprint(state: nnx.State) -> dict[str, list[float]]:
     return {path: [float(s) for s in np.asarray(pair.addressable_data(0))] for path, pair in pairs.items()}
 
 
-def check(saved: dict[str, list[float]], now: dict[str, list[float]], where: str, rtol: float = 1e-4) -> None:
+def check(saved: dict[str, list[float]], now: dict[str, list[float]], where: str, rtol: float = 1e-4,
+          fix: str = "start it from the weights it began from (--init-from)") -> None:
     """Refuse frozen weights other than those a checkpoint was trained over: their sums must agree to `rtol` (a
-    mesh of another shape adds them up in another order)."""
+    mesh of another shape adds them up in another order). `fix` says what to do instead."""
     if set(saved) != set(now):
         raise InputError(f"{where} was trained over other frozen weights: {sorted(set(saved) ^ set(now))[0]} is in "
-                         f"one and not the other")
+                         f"one and not the other; {fix}")
     for path, sums in saved.items():
         if any(abs(a - b) > rtol * abs(b) for a, b in zip(now[path], sums)):
             raise InputError(f"{where} was trained over other frozen weights: {path} differs (Σ|x|, Σx² "
                              f"{sums[0]:.6g}, {sums[1]:.6g} saved; {now[path][0]:.6g}, {now[path][1]:.6g} now); "
-                             f"start it from the weights it began from (--init-from)")
+                             f"{fix}")

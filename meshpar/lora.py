@@ -54,6 +54,8 @@ class LoraConfig:
         if unknown or not self.targets:
             culprit = f"{unknown[0]!r} is not" if unknown else "name at least"
             raise InputError(f"train.lora_targets = '{','.join(self.targets)}': {culprit} one of {', '.join(TARGETS)}")
+        # in one order, however they are written: settings that name the same targets are equal
+        object.__setattr__(self, "targets", tuple(t for t in TARGETS if t in self.targets))
 
     @property
     def scale(self) -> float:

@@ -150,12 +150,8 @@ class TrainConfig:
         """The LoRA adapters' settings (None: every weight trains)."""
         if not self.lora_rank:
             return None
-        named = [t.strip() for t in self.lora_targets.split(",") if t.strip()]
-        if unknown := [t for t in named if t not in lora_lib.TARGETS] or ([] if named else [""]):
-            raise InputError(f"train.lora_targets = '{self.lora_targets}': {unknown[0]!r} is not one of "
-                             f"{', '.join(lora_lib.TARGETS)}")
-        targets = tuple(t for t in lora_lib.TARGETS if t in named)  # in one order, however they are written
-        return lora_lib.LoraConfig(self.lora_rank, self.lora_alpha, targets, self.lora_rslora)
+        named = tuple(t.strip() for t in self.lora_targets.split(",") if t.strip())
+        return lora_lib.LoraConfig(self.lora_rank, self.lora_alpha, named, self.lora_rslora)
 
     @property
     def frozen(self) -> jnp.dtype:
@@ -421,9 +417,7 @@ def _loss_and_grads(sharded: Sharded, cfg: TrainConfig, loss: Loss | None, model
     pools = router_pools(cfg.router_loss_scope, parallel, stages) if experts else 1
     if stages > 1 and parallel.pipeline_schedule in SLOT_SCHEDULES:  # the loss runs inside, pooled per microbatch
         if cfg.objective == "dpo":
-            raise InputError(f"train.objective = dpo takes each sequence's log-probability whole, which "
-                             f"parallel.pipeline_schedule = {parallel.pipeline_schedule} cannot give (it computes the "
-                             f"next-token loss inside the pipeline): use pipeline_schedule=gpipe")
+            dpo.check_schedule(parallel.pipeline_schedule, stages)
         value_and_grad = one_f_one_b.value_and_grad(graphdef, rest, loss, cfg.loss_chunk, *router_coefficients(cfg))
     else:
         loss = loss or default_loss(cfg, pools=pools)

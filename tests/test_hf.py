@@ -283,3 +283,6 @@ def test_convert_cli_from_hf_then_to_hf_keeps_the_family(tmp_path, capsys):
     with pytest.raises(SystemExit, match=r"^error: model.qkv_bias = false: a qwen2 checkpoint cannot hold it"):
         convert.main(["to-hf", "--checkpoint", str(tmp_path / "params"), "--out", str(tmp_path / "qwen"),
                       "--family", "qwen2"])
+    with pytest.raises(SystemExit, match=rf"^error: {tmp_path / 'params'} holds no LoRA adapters \(train.lora_rank = "
+                                         rf"0\): to-hf writes its weights$"):
+        convert.main(["to-peft", "--checkpoint", str(tmp_path / "params"), "--out", str(tmp_path / "adapter")])

@@ -1,7 +1,8 @@
 """LoRA (meshpar.lora) on every parallel layout and DPO (meshpar.dpo) on one, against one device: the same weights
 (adapters' B drawn non-zero: `layouts.initial_state`) and batch, the loss and every adapter's gradient
 (float32); the adapters laid out by the rules; the frozen base untouched by training and without optimizer
-state; the merged model equal to the adapted one. Against PEFT and TRL: test_peft.py."""
+state; the merged model equal to the adapted one; DPO's loss and gradients against its formula; the settings
+refused by name. Against PEFT and TRL: test_peft.py."""
 
 import dataclasses
 import functools
@@ -12,9 +13,11 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import configs
 from conftest import require_devices
+from launch import configure
 from layouts import MODEL, MeshRun, TRAIN, max_relative_error, shared_run
-from meshpar import lora, sharding, train
+from meshpar import config as config_lib, lora, sharding, train
 from meshpar.batch import Batch
 from meshpar.errors import InputError
 from meshpar.frozen import Frozen
@@ -142,12 +145,60 @@ def test_the_merged_model_computes_what_the_adapted_one_does():
     ({"lora_rank": 4, "lora_targets": "q,attention"}, "train.lora_targets = 'q,attention': 'attention' is not one of"),
     ({"lora_rank": -1}, "train.lora_rank = -1 must be >= 0"),
     ({"lora_rank": 4, "lora_alpha": 0.0}, "train.lora_alpha = 0.0 must be > 0"),
+    ({"lora_rank": 4, "lora_targets": " , "}, "train.lora_targets = '': name at least one of q, k, v, o"),
     ({"frozen_dtype": "float16"}, "train.frozen_dtype = 'float16' is not one of"),
     ({"objective": "dpo", "global_batch": 6, "grad_accum": 2}, "must be an even number of rows per microbatch"),
+    ({"objective": "sft"}, "train.objective = 'sft' is not one of lm, dpo"),
+    ({"objective": "dpo", "dpo_beta": 0.0}, "train.dpo_beta = 0.0 must be > 0"),
 ])
 def test_bad_settings_are_refused(settings, culprit):
     with pytest.raises(InputError, match=culprit):
         train.TrainConfig(**settings)
+
+
+SAVED = lora.LoraConfig(4, 8.0, ("q", "v", "down"), rslora=True)  # adapters an --init-from directory holds
+
+
+@pytest.mark.parametrize(("overrides", "culprit"), [
+    (["train.lora_alpha=32"], "train.lora_alpha=32.0 cannot make them others"),
+    (["train.lora_rank=8"], "train.lora_rank=8 cannot"),
+    (["train.lora_targets=q,v"], "train.lora_targets=q,v cannot"),
+    (["train.lora_rslora=false", "train.lora_alpha=8"], "train.lora_rslora=False cannot"),
+    (["train.lora_rank=0", "train.lora_alpha=32"], "train.lora_alpha=32 cannot"),  # merged: alpha means nothing
+])
+def test_other_lora_settings_over_saved_adapters_are_refused_by_name(overrides, culprit):
+    """`--init-from ADAPTERS --set train.lora_*`: another adapter setting would train other adapters (or, under
+    launch.train, merge them and train every weight), so it is refused, naming the setting."""
+    cfg = config_lib.apply(configs.load("tiny"), overrides)
+    with pytest.raises(InputError, match=rf"--init-from adapters holds LoRA adapters of rank 4, alpha 8.0 on q,v,down "
+                                         rf"\(rslora True\): {culprit}"):
+        configure.with_saved_adapters(cfg, SAVED, "adapters", overrides)
+
+
+@pytest.mark.parametrize("overrides", [[], ["train.lora_targets=down, q,v", "train.lora_rank=4"]])
+def test_saved_adapters_train_with_their_own_settings(overrides):
+    """The adapters' own settings, whatever the preset's, and those written again (in any order) are accepted;
+    train.lora_rank=0 alone merges them (every weight trains)."""
+    cfg = config_lib.apply(configs.load("tiny"), ["train.lora_rank=16", "train.lora_alpha=1", *overrides])
+    assert configure.with_saved_adapters(cfg, SAVED, "adapters", overrides).train.lora == SAVED
+    merged = config_lib.apply(cfg, ["train.lora_rank=0"])
+    assert configure.with_saved_adapters(merged, SAVED, "adapters", ["train.lora_rank=0"]).train.lora is None
+
+
+def test_the_planner_counts_a_frozen_weights_matmuls_at_4_flops_per_token():
+    """Model FLOPs of a LoRA run (the planner's, and what MFU counts: `configure.flops_per_token`): each base weight's
+    matmuls, counted here from the model's shape, at 4 per parameter and token (forward, input gradient: no weight
+    gradient), the adapters' at 6 as trained weights', attention's as a full run's."""
+    full, adapted = (config_lib.apply(configs.load("tiny"), o) for o in ([], ["train.lora_rank=4"]))
+    m, T = full.model, full.train.seq_len
+    D, N, K, H, F = m.d_model, m.n_heads, m.n_kv_heads, m.head_size, m.d_ff
+    base = m.n_layers * (D * (N + 2 * K) * H + N * H * D + 3 * D * F) + D * m.vocab_size  # untied: the head
+    full_shape, adapted_shape = configure.shape(full), configure.shape(adapted)
+    assert full_shape.matmul_params == base
+    adapters = adapted_shape.matmul_params - base
+    assert adapters > 0
+    assert configure.flops_per_token(adapted) == adapted_shape.model_flops_per_token(T) == pytest.approx(
+        full_shape.model_flops_per_token(T) - 2 * base + 6 * adapters, rel=1e-12)
 
 
 def test_experts_target_on_a_dense_model_is_refused():
@@ -213,9 +264,64 @@ def test_dpo_on_a_mesh_with_accumulation_matches_one_device(kind):
     assert records[0][-1]["rewards/margins"] > records[0][0]["rewards/margins"] + 0.01  # it learns to prefer them
 
 
+@pytest.mark.slow  # two compiles of DPO's step: `make test-slow`
+def test_dpo_under_gpipe_matches_one_device():
+    """GPipe computes the loss after the pipeline, so DPO runs on it: the loss and every adapter's gradient equal one
+    device's (float32, 1e-5)."""
+    require_devices(8)
+    results = []
+    for spec, parallel in (("single", ParallelConfig()), ("stage=2,data=4", ParallelConfig(microbatches=2))):
+        run = shared_run(spec, cfg=DPO["lora"], model=DEEP, parallel=parallel)
+        loss, grads = train.loss_and_grads(run.sharded, run.tokens_sharding, run.cfg)(run.state, pairs(run, 0))
+        results.append((float(loss), jax.tree.map(np.asarray, grads)))
+    (ref_loss, ref_grads), (loss, grads) = results
+    assert abs(loss - ref_loss) / ref_loss < 1e-5
+    assert max_relative_error(grads, ref_grads) < 1e-5
+
+
 def test_dpo_refuses_the_pipeline_schedules_that_run_the_loss_inside():
     require_devices(8)
     run = shared_run("stage=2,data=4", cfg=DPO["lora"], model=DEEP,
                      parallel=ParallelConfig(pipeline_schedule="1f1b", microbatches=4))
     with pytest.raises(InputError, match="train.objective = dpo takes each sequence's log-probability whole"):
         train.loss_and_grads(run.sharded, run.tokens_sharding, run.cfg)(run.state, pairs(run, 0))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zero_bubble"])
+def test_dpo_under_a_schedule_that_runs_the_loss_inside_is_refused_up_front(schedule):
+    """Refused where the launch commands read the config, before a state is made; GPipe is accepted."""
+    require_devices(8)
+    settings = ["train.objective=dpo", "train.lora_rank=4", "parallel.microbatches=4"]
+    with pytest.raises(InputError, match=rf"parallel.pipeline_schedule = {schedule} cannot give .*: use "
+                                         r"pipeline_schedule=gpipe"):
+        configure.configure("tiny", "stage=2,data=4", [*settings, f"parallel.pipeline_schedule={schedule}"])
+    assert configure.configure("tiny", "stage=2,data=4", settings)[0].parallel.pipeline_schedule == "gpipe"
+
+
+def test_dpo_loss_and_gradients_are_the_formulas():
+    """DPO's loss and the adapters' gradients (`train.loss_and_grads`: chunked log-probabilities, the reference
+    with the adapters off, the mean over pairs) against the formula written here on the model's logits:
+    −log σ(β·((π_c − ref_c) − (π_r − ref_r))), each π the sum of log-softmax over its response's targets."""
+    run, cfg = shared_run("single", cfg=LORA), DPO["lora"]  # the adapters' B ≠ 0: the policy is not the reference
+    batch = pairs(run, 0)
+    loss, grads = train.loss_and_grads(run.sharded, run.tokens_sharding, cfg)(run.state, batch)
+    graphdef, params, rest = nnx.split(nnx.merge(run.sharded.graphdef, run.state).model, nnx.Param, ...)
+    tokens_BT1, weights_BT = np.asarray(batch.tokens), np.asarray(batch.weights)[:, 1:]
+
+    def log_probs_P2(model) -> jax.Array:
+        logp_BTV = jax.nn.log_softmax(model(tokens_BT1[:, :-1]).astype(jnp.float32))
+        logp_BT = jnp.take_along_axis(logp_BTV, tokens_BT1[:, 1:, None], axis=-1)[..., 0]
+        return (logp_BT * weights_BT).sum(axis=1).reshape(-1, 2)  # (chosen, rejected) per pair
+
+    @jax.jit
+    def formula(params):
+        model = nnx.merge(graphdef, params, rest)
+        with lora.disabled():
+            reference_P2 = jax.lax.stop_gradient(log_probs_P2(model))
+        reward_P2 = cfg.dpo_beta * (log_probs_P2(model) - reference_P2)
+        return -jax.nn.log_sigmoid(reward_P2[:, 0] - reward_P2[:, 1]).mean()
+
+    expected, expected_grads = jax.value_and_grad(formula)(params)
+    assert abs(float(loss) - np.log(2)) > 1e-3  # not the policy-is-the-reference value
+    assert float(loss) == pytest.approx(float(expected), rel=1e-5)
+    assert max_relative_error(grads, jax.tree.map(np.asarray, expected_grads)) < 1e-5

@@ -1,10 +1,12 @@
 """LoRA and DPO through the commands, end to end: a PEFT adapter in (`launch.convert from-peft`), trained by
-`launch.train` on one mesh with checkpoints that hold the adapters alone, resumed on another mesh (and refused
-over another base), written out for PEFT (`to-peft`) and merged for transformers (`to-hf --merge-lora`), and run
-by `launch.generate` with the adapters on and merged; a DPO run on preference pairs `launch.prepare` wrote."""
+`launch.train` on one mesh with checkpoints that hold the adapters alone, resumed on another mesh as if never
+stopped (and refused over another base), written out for PEFT (`to-peft`) and merged for transformers (`to-hf
+--merge-lora`), and run by `launch.generate` with the adapters on and merged; a DPO run on preference pairs
+`launch.prepare` wrote."""
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +19,7 @@ from flax import nnx
 
 from conftest import require_devices
 from hf_reference import FAMILIES, call
+from layouts import max_relative_error
 from launch import weights
 from meshpar import frozen, lora, mesh as mesh_lib, rules as rules_lib
 from models.transformer import Transformer
@@ -40,9 +43,9 @@ def ok(proc: subprocess.CompletedProcess) -> str:
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    """A PEFT adapter over a random llama, imported and trained 2 steps on fsdp=2,model=2, then 2 more on
-    data=2,fsdp=2 from its checkpoint."""
+def trained(tmp_path_factory) -> Path:
+    """A PEFT adapter over a random llama, imported and trained 4 steps on fsdp=2,model=2 with checkpoints at steps 2
+    and 4 (`straight`); that run's step-2 checkpoint alone (`ckpt`) trained on to step 4 on data=2,fsdp=2."""
     require_devices(4)
     d = tmp_path_factory.mktemp("lora_cli")
     call("save_random", str(d / "hf"), "llama", BASE, 0)
@@ -50,29 +53,57 @@ def trained(tmp_path_factory):
     ok(command("convert", "from-hf", "--hf-dir", str(d / "hf"), "--out", str(d / "base"), "--cpu-devices", "4"))
     ok(command("convert", "from-peft", "--peft-dir", str(d / "peft"), "--base", str(d / "base"), "--out",
                str(d / "adapters"), "--cpu-devices", "4"))
-    first = ok(command("train", *TRAIN, "--init-from", str(d / "adapters"), "--mesh", "fsdp=2,model=2", "--steps", "2",
-                       "--checkpoint-dir", str(d / "ckpt")))
-    second = ok(command("train", *TRAIN, "--init-from", str(d / "adapters"), "--mesh", "data=2,fsdp=2", "--steps", "4",
-                        "--checkpoint-dir", str(d / "ckpt")))
-    return d, first, second
+    run = [*TRAIN, "--init-from", str(d / "adapters"), "--steps", "4", "--set", "checkpoint.every=2"]
+    ok(command("train", *run, "--mesh", "fsdp=2,model=2", "--checkpoint-dir", str(d / "straight"),
+               "--metrics-file", str(d / "straight.jsonl")))
+    shutil.copytree(d / "straight", d / "ckpt")
+    shutil.rmtree(d / "ckpt" / "4")
+    ok(command("train", *run, "--mesh", "data=2,fsdp=2", "--checkpoint-dir", str(d / "ckpt"),
+               "--metrics-file", str(d / "resumed.jsonl")))
+    return d
 
 
-def test_checkpoints_hold_the_adapters_and_resume_on_another_mesh(trained):
-    d, first, second = trained
-    assert "resumed from" in second and "at step 2" in second
+def load(checkpoint: Path) -> weights.Weights:
+    """A LoRA checkpoint's model config, parameters (the base made again from --init-from) and adapters' settings."""
+    return weights.load(checkpoint, mesh_lib.build(mesh_lib.parse("fsdp=4"), jax.devices()[:4]), rules_lib.default())
+
+
+@pytest.fixture(scope="module")
+def adapted(trained):
+    """meshpar's model of the resumed run's step 4, its adapters beside the base."""
+    cfg, params, adapters = load(trained / "ckpt")
+    return nnx.merge(Transformer.abstract(cfg, adapters)[0], params)
+
+
+def test_a_run_resumed_on_another_mesh_is_the_uninterrupted_run(trained):
+    """Resumed from step 2 on another mesh, steps 3 and 4 are the uninterrupted run's: their losses, and every
+    adapter at step 4, to float32's rounding (the meshes add up in other orders)."""
+    straight, resumed = ([json.loads(line) for line in (trained / f"{name}.jsonl").read_text().splitlines()]
+                         for name in ("straight", "resumed"))
+    assert [r["step"] for r in resumed] == [3, 4]
+    for one, other in zip(straight[2:], resumed):
+        assert other["loss"] == pytest.approx(one["loss"], rel=1e-5)
+    adapters = [jax.tree.map(np.asarray, lora.adapters(load(trained / name).params)) for name in ("ckpt", "straight")]
+    assert max_relative_error(*adapters) < 1e-5
+    assert max_relative_error(adapters[1], lora.adapters(load(trained / "adapters").params)) > 1e-3  # they trained
+
+
+def test_checkpoints_hold_the_adapters_and_the_bases_fingerprint(trained, adapted):
     handlers = {"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
-    with ocp.CheckpointManager(d / "ckpt", item_handlers=handlers) as manager:
+    with ocp.CheckpointManager(trained / "ckpt", item_handlers=handlers) as manager:
         saved = manager.item_metadata(4)["state"].tree["model"]
         meta = manager.restore(4, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
     leaves = jax.tree_util.tree_leaves_with_path(saved, is_leaf=lambda m: hasattr(m, "shape"))
     names = [jax.tree_util.keystr(path) for path, _ in leaves]
     assert names and all("_lora" in name for name in names), names  # no base weight
-    assert "['blocks']['attn']['wq_DNH']" in " ".join(meta["frozen"]) or any("wq_DNH" in k for k in meta["frozen"])
-    assert meta["config"]["init_from"] == str(d / "adapters")
+    base = lora.base(nnx.state(adapted, (nnx.Param, frozen.Frozen)))
+    frozen.check({path.removeprefix("model/"): sums for path, sums in meta["frozen"].items()}, frozen.fingerprint(base),
+                 "the resumed run")  # every base weight's, and no other
+    assert meta["config"]["init_from"] == str(trained / "adapters")
 
 
 def test_resuming_over_another_base_is_refused(trained, tmp_path):
-    d, *_ = trained
+    d = trained
     call("save_random", str(tmp_path / "hf"), "llama", BASE, 1)
     ok(command("convert", "from-hf", "--hf-dir", str(tmp_path / "hf"), "--out", str(tmp_path / "base"),
                "--cpu-devices", "4"))
@@ -83,8 +114,8 @@ def test_resuming_over_another_base_is_refused(trained, tmp_path):
     assert proc.returncode == 1 and "was trained over other frozen weights" in proc.stderr, proc.stderr[-2000:]
 
 
-def test_the_trained_adapters_go_out_to_peft_and_merged_to_transformers(trained):
-    d, *_ = trained
+def test_the_trained_adapters_go_out_to_peft_and_merged_to_transformers(trained, adapted):
+    d = trained
     ok(command("convert", "to-peft", "--checkpoint", str(d / "ckpt"), "--out", str(d / "peft_out"),
                "--cpu-devices", "4"))
     ok(command("convert", "to-hf", "--checkpoint", str(d / "ckpt"), "--out", str(d / "merged"), "--merge-lora",
@@ -94,26 +125,32 @@ def test_the_trained_adapters_go_out_to_peft_and_merged_to_transformers(trained)
     assert refused.returncode == 1 and "holds LoRA adapters: --merge-lora" in refused.stderr
     config = json.loads((d / "peft_out" / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == str(d / "hf") and config["use_rslora"] is True
-    mesh, rules = mesh_lib.build(mesh_lib.parse("fsdp=4"), jax.devices()[:4]), rules_lib.default()
-    cfg, params, adapters = weights.load(d / "ckpt", mesh, rules)
     tokens = (np.arange(2 * 20).reshape(2, 20) * 7 % 256).astype(np.int32)
-    ours = np.asarray(nnx.merge(Transformer.abstract(cfg, adapters)[0], params)(tokens))
+    ours = np.asarray(adapted(tokens))
+    with lora.disabled():
+        base = np.asarray(adapted(tokens))
     scale = np.max(np.abs(ours))
     peft_logits = np.asarray(call("logits", str(d / "hf"), tokens.tolist(), str(d / "peft_out")))
     merged_logits = np.asarray(call("logits", str(d / "merged"), tokens.tolist()))
     imported = np.asarray(call("logits", str(d / "hf"), tokens.tolist(), str(d / "peft")))
     assert np.max(np.abs(peft_logits - ours)) < 1e-5 * scale
     assert np.max(np.abs(merged_logits - ours)) < 1e-5 * scale
+    assert np.max(np.abs(base - ours)) > 1e-2 * scale  # the adapters change the output: PEFT's and the merged too
     assert np.max(np.abs(imported - ours)) > 1e-3 * scale  # 4 steps moved the adapters
 
 
-def test_generation_with_the_adapters_on_and_merged(trained):
-    d, *_ = trained
-    args = ["--checkpoint", str(d / "ckpt"), "--prompt-ids", "5,6,7,8", "--max-new-tokens", "8", "--json",
+def test_generation_with_the_adapters_on_and_merged(trained, adapted):
+    """launch.generate's greedy ids, with the adapters beside the base and merged into it, are the adapted model's
+    choices (its argmax at each position of prompt and output, in one pass), which the base's alone are not."""
+    args = ["--checkpoint", str(trained / "ckpt"), "--prompt-ids", "5,6,7,8", "--max-new-tokens", "8", "--json",
             "--cpu-devices", "4", "--mesh", "fsdp=4"]
     on, merged = (json.loads(ok(command("generate", *args, *extra)).splitlines()[-1])["ids"]
                   for extra in ([], ["--merge-lora"]))
-    assert len(on) == 8 and on == merged
+    tokens = np.asarray([[5, 6, 7, 8, *on[:-1]]], np.int32)
+    greedy = lambda: np.asarray(adapted(tokens))[0, 3:].argmax(-1).tolist()
+    assert len(on) == 8 and on == merged == greedy()
+    with lora.disabled():
+        assert greedy() != on  # the adapters change what is generated
 
 
 def test_dpo_on_prepared_preference_pairs(tmp_path):

@@ -182,13 +182,13 @@ def _weight_map(hf_dir: Path) -> dict[str, Path]:
                      f"re-save them with transformers' save_pretrained, which writes safetensors)")
 
 
-def _every(cfg: TransformerConfig) -> dict[str, range]:
+def stacked_ranges(cfg: TransformerConfig) -> dict[str, range]:
     """The indices each stacked axis of a parameter takes (`families.STACKED`): every entry of the layer stack
     (a period of `layer_pattern` each), every expert."""
     return dict(zip(STACKED, (range(cfg.periods), range(cfg.n_experts))))
 
 
-def _names_of(tensor: Tensor, ranges: dict[str, range]) -> list[tuple[str, tuple[int, ...]]]:
+def hf_names(tensor: Tensor, ranges: dict[str, range]) -> list[tuple[str, tuple[int, ...]]]:
     """The Hugging Face tensors of `tensor`'s placeholders over `ranges` (indices on the leading axes of the
     meshpar parameter), each with its index ((): one tensor, the whole parameter)."""
     indices = itertools.product(*(ranges[p] for p in tensor.stacked))
@@ -208,8 +208,8 @@ def import_params(hf_dir: str | Path, cfg: TransformerConfig, mesh: Mesh, rules:
     _, abstract = Transformer.abstract(cfg)
     shardings = dict(nnx.to_flat_state(state_shardings(abstract, mesh, rules)))
     rows = tensors(cfg, _family(hf_dir))
-    everything = _every(cfg)
-    expected = {name for t in rows for name, _ in _names_of(t, everything)}
+    everything = stacked_ranges(cfg)
+    expected = {name for t in rows for name, _ in hf_names(t, everything)}
     present = _tensor_names(weight_map)
     missing = sorted(expected - present)
     ignored = {"lm_head.weight"} if cfg.tie_embeddings else set()  # tied: the embedding is the head
@@ -226,7 +226,7 @@ def import_params(hf_dir: str | Path, cfg: TransformerConfig, mesh: Mesh, rules:
         files = {f: stack.enter_context(_open(f)) for f in set(weight_map.values())}
         for t in rows:
             layer_shape = flat[t.path].shape[len(t.stacked):]
-            for name, _ in _names_of(t, everything):
+            for name, _ in hf_names(t, everything):
                 part = _part(files, weight_map, name)
                 if tuple(part.get_shape()) != _hf_shape(t.kind, layer_shape):
                     raise InputError(f"{hf_dir}: tensor {name} has shape {tuple(part.get_shape())}, the model "
@@ -249,7 +249,7 @@ def _read_block(files: dict, weight_map: dict[str, Path], t: Tensor, shape: tupl
     box = [s.indices(n)[:2] for s, n in zip(index, shape)]
     n = len(t.stacked)
     ranges = {p: range(*bounds) for p, bounds in zip(t.stacked, box[:n])}
-    blocks = [_from_hf(t.kind, _part(files, weight_map, name), box[n:], shape[n:]) for name, _ in _names_of(t, ranges)]
+    blocks = [_from_hf(t.kind, _part(files, weight_map, name), box[n:], shape[n:]) for name, _ in hf_names(t, ranges)]
     return np.stack(blocks).reshape(*(len(r) for r in ranges.values()), *blocks[0].shape) if n else blocks[0]
 
 
@@ -260,7 +260,7 @@ def _replicated(x, index, to: NamedSharding):
     return jax.lax.with_sharding_constraint(x[index], to)
 
 
-def _on_host(x: jax.Array, index: tuple[int, ...]) -> np.ndarray:
+def on_host(x: jax.Array, index: tuple[int, ...]) -> np.ndarray:
     """One parameter, or its entry `index` on the stacked leading axes (a layer; an expert of a layer), whole
     on the host, in float32. Every process must call it."""
     if x.is_fully_addressable:  # one process: copy its shards
@@ -284,7 +284,7 @@ def export(params: nnx.State, cfg: TransformerConfig, out_dir: str | Path, max_s
     whole = [(t.name, t, ()) for t in rows if not t.stacked]
     per_layer = [(name, t, index) for l in range(cfg.n_layers) for t in rows
                  if t.stacked and (i := t.index_of(l)) is not None
-                 for name, index in _names_of(t, {**_every(cfg), "l": range(i, i + 1)})]
+                 for name, index in hf_names(t, {**stacked_ranges(cfg), "l": range(i, i + 1)})]
     parts = {}  # Hugging Face tensor → its meshpar parts (two for a FUSED one), in transformers' order:
     for name, t, index in whole[:1] + per_layer + whole[1:]:  # embedding, layer by layer, norm, head
         parts.setdefault(name, []).append((t, index))
@@ -306,7 +306,7 @@ def export(params: nnx.State, cfg: TransformerConfig, out_dir: str | Path, max_s
     for file, shard in zip(files, shards):
         host = {}  # one shard's tensors: at most max_shard_bytes
         for name in shard:
-            layers = [(t.kind, _on_host(flat[t.path], index)) for t, index in parts[name]]
+            layers = [(t.kind, on_host(flat[t.path], index)) for t, index in parts[name]]
             if writer:
                 host[name] = _to_hf(*layers[0]) if len(layers) == 1 else _interleaved(layers)
         if writer:

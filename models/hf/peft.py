@@ -4,13 +4,16 @@ PEFT names a layer's adapter after the module it adapts: `base_model.model.<modu
 `….lora_B.weight` [out, R], the module's weight being W [out, in] (torch's Linear). meshpar's adapter of a
 weight [in..., out...] is A [in..., R] and B [R, out...] (`meshpar.lora`), so A = lora_Aᵀ and B = lora_Bᵀ with
 the in and out axes flattened as Hugging Face flattens them (heads first: `models.hf.families`), stacked
-over the layers. The targets' module names: q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj
-(the MLP's, and Qwen2-MoE's shared expert's). Adapters on a mixture's routed experts have no PEFT module
-names (transformers fuses the experts into tensors, which PEFT adapts otherwise): refused here; export
-them merged (`launch.convert to-hf --merge-lora`).
+over the layers. A tensor goes to PEFT where meshpar's weight has an adapter (`lora.attach` decides: a
+mixture's routed experts have one only with the `experts` target), and `target_modules` names those modules:
+q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj (the MLP's, and Qwen2-MoE's shared expert's).
+Refused both ways: adapters on routed experts (transformers fuses the experts into tensors, which PEFT adapts
+by `target_parameters`; export them merged, `launch.convert to-hf --merge-lora`), and, in a model with routed
+experts, the other MLPs' (a Qwen3-MoE's layers without experts, a Qwen2-MoE's shared expert): there PEFT takes
+gate_proj, up_proj and down_proj for the fused experts.
 
-What PEFT can hold and meshpar cannot (DoRA, biases, per-layer ranks, other modules) is refused on import,
-naming the key.
+What PEFT can hold and meshpar cannot (DoRA, biases, per-layer ranks, other modules, dropout) is refused on
+import, naming the key.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from meshpar import lora
 from meshpar.errors import InputError
 from meshpar.rules import Rules
 from meshpar.sharding import state_shardings
-from models.hf.checkpoint import _every, _names_of, _on_host
+from models.hf.checkpoint import hf_names, on_host, stacked_ranges
 from models.hf.families import Tensor, family_of, tensors
 from models.transformer import Transformer, TransformerConfig
 
@@ -37,25 +40,39 @@ CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 PREFIX = "base_model.model."
 MODULES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate": "gate_proj", "up": "up_proj",
            "down": "down_proj"}
-# PEFT's settings meshpar has no counterpart for, and the value that means "not used"
-UNUSED = {"use_dora": False, "bias": "none", "modules_to_save": None, "layers_to_transform": None,
-          "rank_pattern": {}, "alpha_pattern": {}, "target_parameters": None, "fan_in_fan_out": False}
+MLP_MODULES = tuple(MODULES[t] for t in ("gate", "up", "down"))
+# PEFT's settings meshpar has no counterpart for, and the value that means "not used" (target_parameters first:
+# PEFT adapts fused experts with it, and adds the rank_pattern that follows from it)
+UNUSED = {"target_parameters": None, "use_dora": False, "bias": "none", "modules_to_save": None,
+          "layers_to_transform": None, "rank_pattern": {}, "alpha_pattern": {}, "fan_in_fan_out": False,
+          "lora_dropout": 0.0}
 
 
-def _adapted(cfg: TransformerConfig, adapters: lora.LoraConfig, model_type: str | None) -> list[Tensor]:
-    """The family's tensors whose weight has an adapter: the rows of the targets' modules."""
+def _module(t: Tensor) -> str:
+    """The module of a tensor's name, as PEFT's target_modules name it (q_proj, …)."""
+    return t.name.split(".")[-2]
+
+
+def _adapted(cfg: TransformerConfig, adapters: lora.LoraConfig, model_type: str | None, held: set[tuple],
+             setting: str) -> list[Tensor]:
+    """The family's tensors whose weight has an adapter among the flat state paths `held`; adapters PEFT cannot
+    hold are refused, naming `setting` (where their targets were asked for)."""
     if "experts" in adapters.targets:
-        raise InputError("train.lora_targets has experts: adapters on routed experts have no PEFT module names; "
-                         "write them merged into the weights instead (launch.convert to-hf --merge-lora)")
-    modules = {MODULES[t] for t in adapters.targets}
-    return [t for t in tensors(cfg, family_of(cfg, model_type)) if t.name.split(".")[-2] in modules]
+        raise InputError(f"{setting} has experts: adapters on routed experts have no PEFT module names; write them "
+                         f"merged into the weights instead (launch.convert to-hf --merge-lora)")
+    rows = [t for t in tensors(cfg, family_of(cfg, model_type)) if (*_adapter_path(t), "a") in held]
+    if cfg.n_experts and (mlp := sorted({_module(t) for t in rows} & set(MLP_MODULES))):
+        raise InputError(f"{setting} adapts {', '.join(mlp)} of the MLPs beside the routed experts (layers "
+                         f"without experts, a shared expert): PEFT takes those names for the experts' fused tensors "
+                         f"in such a model; leave gate, up and down out, or write them merged (to-hf --merge-lora)")
+    return rows
 
 
 def _names(t: Tensor, cfg: TransformerConfig) -> list[tuple[str, str, tuple[int, ...]]]:
     """(lora_A's name, lora_B's name, the layer's index on the stacked axis) of each layer of a tensor."""
     module = lambda name: PREFIX + name.removesuffix(".weight")
     return [(f"{module(name)}.lora_A.weight", f"{module(name)}.lora_B.weight", index)
-            for name, index in _names_of(t, _every(cfg))]
+            for name, index in hf_names(t, stacked_ranges(cfg))]
 
 
 def _adapter_path(t: Tensor) -> tuple[str, ...]:
@@ -68,17 +85,17 @@ def export(params: nnx.State, cfg: TransformerConfig, adapters: lora.LoraConfig,
     every process must call it, process 0 writes. Returns the files written."""
     out_dir = Path(out_dir)
     flat = {path: v.get_value() for path, v in nnx.to_flat_state(params)}
-    rows = _adapted(cfg, adapters, model_type)
+    rows = _adapted(cfg, adapters, model_type, set(flat), "train.lora_targets")
     host = {}
     for t in rows:
         a, b = flat[(*_adapter_path(t), "a")], flat[(*_adapter_path(t), "b")]
         for name_a, name_b, index in _names(t, cfg):
-            a_IR, b_RO = _on_host(a, index), _on_host(b, index)
+            a_IR, b_RO = on_host(a, index), on_host(b, index)
             host[name_a] = np.ascontiguousarray(a_IR.reshape(-1, adapters.rank).T)
             host[name_b] = np.ascontiguousarray(b_RO.reshape(adapters.rank, -1).T)
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": adapters.rank,
-              "lora_alpha": adapters.alpha, "use_rslora": adapters.rslora, "lora_dropout": 0.0,
-              "target_modules": sorted({MODULES[t] for t in adapters.targets}), "inference_mode": True, **UNUSED}
+              "lora_alpha": adapters.alpha, "use_rslora": adapters.rslora,
+              "target_modules": sorted({_module(t) for t in rows}), "inference_mode": True, **UNUSED}
     if jax.process_index() == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
@@ -116,7 +133,7 @@ def import_adapters(peft_dir: str | Path, cfg: TransformerConfig, model_type: st
     adapters = read_config(peft_dir)
     abstract = lora.adapters(Transformer.abstract(cfg, adapters)[1])
     flat = dict(nnx.to_flat_state(abstract))
-    rows = _adapted(cfg, adapters, model_type)
+    rows = _adapted(cfg, adapters, model_type, set(flat), f"{Path(peft_dir) / CONFIG_FILE}: target_modules")
     path = Path(peft_dir) / WEIGHTS_FILE
     try:
         f = safe_open(path, framework="np")
