@@ -295,6 +295,19 @@ def test_offload_moves_the_zero_offload_bytes_to_the_host(zero):
     assert none.total > opt.total > both.total
 
 
+@pytest.mark.parametrize("mesh, microbatches, repeats, seq_len, gpu_gb", [
+    ("stage=2,fsdp=2,model=2", 8, 1, 8192, 43.3), ("stage=2,fsdp=4", 4, 1, 8192, 73.3),
+    ("stage=2,fsdp=2,model=2", 8, 2, 4096, 40.6)])
+def test_1f1b_with_fsdp_holds_its_weights_gathered_on_the_gpu(mesh, microbatches, repeats, seq_len, gpu_gb):
+    """llama_8b 1F1B with fsdp, batch 16, remat full, in XLA:GPU's program (the README's GPU figures, from
+    tests/test_gpu_fit.py): its stage weights gathered in float32 for the step, their gradient accumulated in that
+    form, a chunk's stacked gradient, and no sharded gradient at the peak; the planner's GPU form within 10%."""
+    lay = layout("full", mesh=mesh, microbatches=microbatches, pipeline_repeats=repeats, pipeline_schedule="1f1b")
+    planned = memory(LLAMA_8B, lay, Run(16, seq_len))
+    assert abs(planned.total / 1e9 / gpu_gb - 1) < 0.10, planned.total / 1e9
+    assert planned.grads == 0 < memory(LLAMA_8B, lay, Run(16, seq_len), cpu=True).grads
+
+
 def test_activation_offload_keeps_full_remats_inputs_on_the_device_and_the_rest_on_the_host():
     """Remat `offload`: the device keeps each layer's input (as `full`), host memory what `dots` keeps beyond it."""
     lay = layout("offload", mesh="fsdp=8")

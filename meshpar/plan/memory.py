@@ -16,7 +16,9 @@ peak to 10% on the layouts it was fitted on and, apart, on layouts it was not):
   (`meshpar.loss`): it holds at most one chunk of logits, counted in the working set. The pipeline's
   scan keeps every iteration's stage input (`schedule.iterations` microbatch passes), plus one stage's
   layers while it recomputes them; 1F1B (`pipeline_schedule`) its stash and the two in flight whatever M
-  (`activations_1f1b`).
+  (`activations_1f1b`). XLA:GPU's 1F1B with fsdp holds its stage weights, the embedding and the head
+  gathered, their gradients accumulated in that form, and no sharded gradient at its peak
+  (`GATHERED_1F1B_GPU`).
 - other: the output head's whole float32 gradient and gathered compute copy (`HEAD_BYTES` per element),
   the int32 token batch, the pipeline's stage weights held for the step (`PIPELINE`, more with
   fsdp), and the accumulation buffer (A > 1), in the gradients' own layout: its fsdp/model/stage shard.
@@ -78,6 +80,12 @@ class PipelineBytes:
 PIPELINE = (PipelineBytes(held=3, chunk=8, chunk_per_repeat=False, one_f_one_b_fsdp=4, one_f_one_b_p2=0)
             if jax.__version_info__ >= (0, 12) else
             PipelineBytes(held=7, chunk=8, chunk_per_repeat=True, one_f_one_b_fsdp=4, one_f_one_b_p2=4))
+# XLA:GPU's 1F1B with fsdp, read in its buffers at the peak (llama_8b, stage=2 with fsdp): per element of the
+# gathered stage weights, their float32 copy gathered once for the step, the float32 gradient the slots accumulate
+# in that gathered form, and a chunk's stacked float32 gradient from its layer scan (÷ R); per element of the
+# embedding and of the head, the same copy and accumulator. The sharded gradient is reduce-scattered from the
+# accumulator after the slot loop, so it is not at the peak.
+GATHERED_1F1B_GPU = {"copy_and_accumulator": 8, "chunk_gradient": 4, "head": 16}
 # GPipe's other buffers, per element of one microbatch's activations [b, t, D]: the input/output buffer of
 # every microbatch, its cotangent and the input's gradient (3 × M of them, in the compute dtype) and, per
 # schedule iteration, the two bubble masks the backward pass reads (1 byte each).
@@ -264,10 +272,19 @@ def _saved(shape: Shape, lay: Layout, run: Run, tokens: float, cpu: bool) -> flo
     return (iterations * (per_iteration + PIPELINE_MASK_BYTES * D) + layers * per_layer + io) * tokens
 
 
-def _stage_weights(shape: Shape, lay: Layout) -> float:
-    """What a pipeline holds per device for its stage weights beyond the model states (`PIPELINE`)."""
+def _gathered_1f1b(lay: Layout, cpu: bool) -> bool:
+    """XLA:GPU's 1F1B with fsdp: the weights and their gradients held in the gathered form (`GATHERED_1F1B_GPU`)."""
+    return not cpu and lay.mesh.stage > 1 and lay.mesh.fsdp > 1 and lay.parallel.pipeline_schedule in SLOT_SCHEDULES
+
+
+def _stage_weights(shape: Shape, lay: Layout, cpu: bool) -> float:
+    """What a pipeline holds per device for its stage weights beyond the model states (`PIPELINE`;
+    `GATHERED_1F1B_GPU` for XLA:GPU's 1F1B with fsdp)."""
     if lay.mesh.stage == 1:
         return 0.0
+    if _gathered_1f1b(lay, cpu):
+        per_element = GATHERED_1F1B_GPU["copy_and_accumulator"] + GATHERED_1F1B_GPU["chunk_gradient"] / lay.R
+        return per_element * local_elements(shape, lay, "activations", only_layers=True)
     per_element, one_f_one_b = PIPELINE.held, lay.parallel.pipeline_schedule in SLOT_SCHEDULES
     if lay.mesh.fsdp > 1:
         per_element += PIPELINE.chunk / (lay.R if PIPELINE.chunk_per_repeat else 1)
@@ -303,8 +320,9 @@ def memory(shape: Shape, lay: Layout, run: Run, *, cpu: bool = False) -> Memory:
     tokens = b * t  # one microbatch on this device
     activations = _saved(shape, lay, run, tokens, cpu) + layer_bytes_per_token(shape, lay, run, saved=False) * tokens
     rows = run.global_batch / lay.batch_ways
-    other = HEAD_BYTES * shape.d_model * V + 4 * rows * (run.seq_len + 1)  # the head; the int32 token batch
-    other += _stage_weights(shape, lay)
+    head_bytes = GATHERED_1F1B_GPU["head"] if _gathered_1f1b(lay, cpu) else HEAD_BYTES
+    other = head_bytes * shape.d_model * V + 4 * rows * (run.seq_len + 1)  # the head; the int32 token batch
+    other += _stage_weights(shape, lay, cpu)
     if not cpu:  # XLA:GPU's reordered copies of the weights it gathers along a later dimension
         other += pb * transposed_for_gathers(shape, lay)
     if lay.grad_accum > 1:
@@ -322,4 +340,6 @@ def memory(shape: Shape, lay: Layout, run: Run, *, cpu: bool = False) -> Memory:
                                     + gb * local_elements(shape, lay, "grads", only_layers=True, part="trained"))
         params, grads = 0.0, grads if cpu else 0.0
     update = _update_cpu(shape, lay, run) if cpu and lay.parallel.offload != "none" else update_bytes(shape, lay, run)
+    if _gathered_1f1b(lay, cpu):  # until after the peak, the gradients are the gathered accumulators in `other`
+        grads = 0.0
     return Memory(params, grads, optimizer, activations, other, update, host_states, host_temp)
