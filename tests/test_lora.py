@@ -195,8 +195,8 @@ def test_the_planner_counts_a_frozen_weights_matmuls_at_4_flops_per_token():
     base = m.n_layers * (D * (N + 2 * K) * H + N * H * D + 3 * D * F) + D * m.vocab_size  # untied: the head
     full_shape, adapted_shape = configure.shape(full), configure.shape(adapted)
     assert full_shape.matmul_params == base
-    adapters = adapted_shape.matmul_params - base
-    assert adapters > 0
+    adapters = adapted_shape.params - full_shape.params  # every element of every A and B takes part in x·A·B
+    assert adapted_shape.matmul_params - base == adapters > 0
     assert configure.flops_per_token(adapted) == adapted_shape.model_flops_per_token(T) == pytest.approx(
         full_shape.model_flops_per_token(T) - 2 * base + 6 * adapters, rel=1e-12)
 

@@ -167,12 +167,13 @@ class Shape:
         return sum(n for n, names in self.elements() if "layers" in names) // self.layers
 
     def is_matmul(self, names: tuple[str | None, ...]) -> bool:
-        """Whether a parameter with these logical axes takes part in a matmul: it maps `embed` to another
-        axis (a projection, the output head); not a norm scale or a bias (an expert's [E, D] either), and not
-        the embedding table unless it is the output head too (tied)."""
+        """Whether a parameter with these logical axes takes part in a matmul: it maps `embed`, or an unnamed
+        axis (a LoRA adapter's rank: both A and B; a router's experts), to another axis (a projection, the output
+        head); not a norm scale or a bias (an expert's [E, D] either), and not the embedding table unless it is
+        the output head too (tied)."""
         if names == ("vocab", "embed"):
             return not any(other == ("embed", "vocab") for *_, other in self.tensors)
-        return "embed" in names and len([n for n in names if n not in ("layers", "experts")]) > 1  # a router's too
+        return ("embed" in names or None in names) and len([n for n in names if n not in ("layers", "experts")]) > 1
 
     def _matmul(self, frozen: bool | None = None) -> int:
         """Parameters that take part in a token's matmuls (of the experts, the k active); only the frozen (True)
