@@ -26,6 +26,7 @@ NEWEST_TESTS := tests/test_train.py tests/test_parallel.py tests/test_pipeline.p
 	tests/test_lora.py::test_the_merged_model_computes_what_the_adapted_one_does \
 	tests/test_fp8.py::test_one_fp8_matmul_equals_the_reference_and_stays_within_the_rounding_bound \
 	tests/test_fp8.py::test_a_mixtures_grouped_matmul_is_fp8_forward_and_backward \
+	tests/test_fp8.py::test_a_scale_is_the_smallest_power_of_two_that_fits_bit_for_bit \
 	tests/test_fp8.py::test_fp8_on_a_mesh_matches_one_device[fsdp-tensorwise] \
 	tests/test_fp8.py::test_fp8_on_a_mesh_matches_one_device[gpipe-rowwise] \
 	tests/test_distributed.py::test_each_process_reads_only_its_rows \

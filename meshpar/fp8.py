@@ -19,9 +19,9 @@ there is no state: nothing to checkpoint, nothing stale after a resume or onto a
 A tensor's scale is the whole tensor's, as one device would take it (its amax reduced over the devices that
 hold its parts), so a layout computes what one device does; a microbatch (accumulation, a pipeline's) and
 a data-parallel replica inside accumulation's vmap scale their own tensors. A scale is a power of two, the
-smallest with amax / scale ≤ the format's largest value: dividing by it is exact in any float dtype, so a
-tensor already quantised (an FP8-gathered weight) quantises to the same FP8 values again, and x / scale
-loses nothing before the cast's own rounding.
+smallest with amax / scale ≤ the format's largest value, and no smaller than 2^-63 (`scale`): dividing by
+it is exact in any float dtype, so a tensor already quantised (an FP8-gathered weight) quantises to the same
+FP8 values again, and x / scale loses nothing before the cast's own rounding.
 
 The casts, the clip and the dequantisation are Flax's (`flax.linen.fp8_ops`). Flax's FP8 dot is delayed
 scaling (an amax history per operand, updated through the gradients) and JAX's `jax.nn.scaled_dot_general`
@@ -38,6 +38,7 @@ from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax.linen import fp8_ops
 
 from meshpar import context
@@ -46,6 +47,10 @@ from meshpar.hardware import Hardware, for_device_kind
 
 RECIPES = ("none", "tensorwise", "rowwise")
 E4M3, E5M2 = jnp.float8_e4m3fn, jnp.float8_e5m2
+# The smallest scale, 2^-63: the product of two, what an FP8 GEMM's output is multiplied by, stays a float32 (and
+# bfloat16) normal, ≥ 2^-126. A tensor of amax under the format's largest value · 2^-63 (5e-17 in e4m3) is quantised
+# more coarsely than its own scale would (torchao's float8 floors the amax at 1e-12).
+MIN_EXPONENT = -63
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,12 +145,21 @@ _grouped.defvjp(_grouped_forward, _grouped_backward)
 
 def scale(t: jax.Array, fp8: jnp.dtype, over: tuple[int, ...], axes: tuple[str, ...] = ()) -> jax.Array:
     """The power-of-two scale of `t` for the `fp8` format, its amax taken over the dimensions `over` (kept as
-    size 1) and the mesh `axes`; 1 where the amax is 0 or not finite."""
+    size 1) and the mesh `axes`: the smallest 2^k with amax / 2^k ≤ the format's largest value, at least
+    2^MIN_EXPONENT (an amax / largest value below float32's normals would otherwise make a scale of 0 and
+    quantise to 0/0); 1 where the amax is 0 or not finite.
+
+    k is read from the exponents of amax and of the largest value, and 2^k built from its bits: exact on any
+    backend (XLA:CPU computes log2 and exp2 through log and exp, a few ulps off, so each program, as fused,
+    would round its own not-quite-power-of-two scales)."""
     amax = jnp.max(jnp.abs(t.astype(jnp.float32)), axis=over, keepdims=True)
     if axes:
         amax = jax.lax.pmax(amax, axes)
-    exponent = jnp.ceil(jnp.log2(amax / float(jnp.finfo(fp8).max)))
-    return jnp.where((amax > 0) & jnp.isfinite(amax), jnp.exp2(exponent), 1.0)
+    top_mantissa, top_exponent = np.frexp(np.float32(jnp.finfo(fp8).max))
+    mantissa, exponent = jnp.frexp(amax)  # amax = mantissa · 2^exponent, mantissa in [0.5, 1)
+    k = jnp.maximum(exponent - top_exponent + (mantissa > top_mantissa), MIN_EXPONENT)
+    power = jax.lax.bitcast_convert_type((k + 127) << 23, jnp.float32)  # float32's biased exponent, no mantissa
+    return jnp.where((amax > 0) & jnp.isfinite(amax), power, 1.0)
 
 
 def quantize(t: jax.Array, fp8: jnp.dtype, over: tuple[int, ...], axes: tuple[str, ...] = ()
@@ -172,7 +186,7 @@ def _scaled_dot(qa: jax.Array, sa: jax.Array, a_contract: tuple[int, ...], qb: j
     sa, sb = jnp.squeeze(sa, a_contract), jnp.squeeze(sb, b_contract)  # [batch, a free], [batch, b free]
     sa = sa.reshape(sa.shape + (1,) * b_free)
     sb = sb.reshape(sb.shape[:batch] + (1,) * a_free + sb.shape[batch:])
-    return y * (sa * sb).astype(dtype)
+    return y * (sa * sb).astype(dtype)  # sa · sb ≥ 2^-126 (`MIN_EXPONENT`): a float32 normal
 
 
 def _varying(t: jax.Array) -> frozenset[str]:
