@@ -14,12 +14,13 @@ kind), in the same sharding it would have on the devices:
 Where things run. The forward and backward passes and the update run on the devices; host memory only
 stores. Under `optimizer+params` each weight is fetched to the device where a layer uses it
 (`sharding.gathered`, inside the layer scan: one layer at a time) and its gradient, the transpose of
-that fetch, lands in host memory. The update (`update`) streams: a scan over the stacked `[L, ...]`
+that fetch, lands in host memory. The update (`update`) streams: a loop over the stacked `[L, ...]`
 weights brings one layer's moments (and weights and gradients) to the devices, updates them and writes
-them back to host memory, so the devices hold one layer's share at a time, not a whole stack; the
-embedding, head and final norm follow in one more pass. Host↔device traffic per step and device: 16Ψ/N_opt
-for `optimizer` (moments in and out); `optimizer+params` adds 8Ψ/N_params of weight fetches (forward and
-backward), 4Ψ/N of gradients out, and the weights and gradients in and weights out for the update (12Ψ/N).
+them back to host memory over that layer of the donated stacks, so the devices hold one layer's share at
+a time, never a whole stack of old or new values; the embedding, head and final norm follow in one more
+pass. Host↔device traffic per step and device: 16Ψ/N_opt for `optimizer` (moments in and out);
+`optimizer+params` adds 8Ψ/N_params of weight fetches (forward and backward), 4Ψ/N of gradients out, and
+the weights and gradients in and weights out for the update (12Ψ/N).
 `optimizer+params` needs the backward pass to fetch the weights again, so `train.remat=none`, which
 would keep every layer's fetched weights on the device until the backward pass, is refused with it.
 
@@ -94,12 +95,12 @@ def update(opt: nnx.Optimizer, model: nnx.Module, grads: nnx.State, clip_scale: 
            keep: jax.Array | None = None) -> None:
     """`opt.update(model, grads)` with the offloaded arrays brought to the devices a layer at a time.
 
-    A `lax.scan` over the stacked `[L, ...]` weights moves one layer's weights, gradients and moments in,
-    updates them and writes them back where they live, so the devices hold one layer's share, not the
-    whole stack; the other weights (embedding, head, final norm) are updated in a second pass. The
-    optimizer may clip only by the global norm (as `train.optimizer` does): the gradients are multiplied
-    by the whole tree's `clip_scale` (`train.clip_scale`) first, so each pass's own clip lets them
-    through. Where `keep` (a scalar bool) is true, every value stays as it was.
+    A loop over the stacked `[L, ...]` weights moves one layer's weights, gradients and moments in,
+    updates them and writes them back where they live, over that layer of the stacks it carries, so the
+    devices hold one layer's share, not a whole stack; the other weights (embedding, head, final norm)
+    are updated in a second pass. The optimizer may clip only by the global norm (as `train.optimizer`
+    does): the gradients are multiplied by the whole tree's `clip_scale` (`train.clip_scale`) first, so
+    each pass's own clip lets them through. Where `keep` (a scalar bool) is true, every value stays as it was.
     """
     tx = opt.tx
     params = nnx.as_pure(nnx.state(model, nnx.Param))
@@ -133,15 +134,20 @@ def update(opt: nnx.Optimizer, model: nnx.Module, grads: nnx.State, clip_scale: 
         return [next(sliced) if m is True else x if m is None else empty for x, m in zip(leaves, marks)]
 
     stacks = lambda leaves, marks: [x for x, m in zip(leaves, marks) if m is True]
+    g_stacks = stacks(g_leaves, p_marks)
 
-    def one_layer(_, layer):
-        p_l, g_l, s_l = layer
-        p_new, s_new = one_pass(group(p_leaves, p_marks, p_l), group(g_leaves, p_marks, g_l), group(s_leaves, s_marks, s_l))
-        return None, ([_like(x, ref) for x, ref in zip(stacks(p_new, p_marks), stacks(p_leaves, p_marks))],
-                      [_like(x, ref) for x, ref in zip(stacks(s_new, s_marks), stacks(s_leaves, s_marks))])
+    def one_layer(i, carry):
+        # layer i's new values overwrite it in the carried stacks, where they live: the loop updates the donated
+        # stacks in place (a scan's stacked outputs would be a second, whole stack of new values on the device)
+        p_stacks, s_stacks = carry
+        take = lambda xs: [jax.lax.dynamic_index_in_dim(x, i, keepdims=False) for x in xs]
+        p_new, s_new = one_pass(group(p_leaves, p_marks, take(p_stacks)), group(g_leaves, p_marks, take(g_stacks)),
+                                group(s_leaves, s_marks, take(s_stacks)))
+        put = lambda xs, new: [jax.lax.dynamic_update_index_in_dim(x, _like(n, x), i, 0) for x, n in zip(xs, new)]
+        return put(p_stacks, stacks(p_new, p_marks)), put(s_stacks, stacks(s_new, s_marks))
 
-    _, (p_stacked, s_stacked) = jax.lax.scan(one_layer, None, (stacks(p_leaves, p_marks), stacks(g_leaves, p_marks),
-                                                               stacks(s_leaves, s_marks)))
+    p_stacked, s_stacked = jax.lax.fori_loop(0, g_stacks[0].shape[0], one_layer,
+                                             (stacks(p_leaves, p_marks), stacks(s_leaves, s_marks)))
     p_rest, s_rest = one_pass(group(p_leaves, p_marks), group(g_leaves, p_marks), group(s_leaves, s_marks))
     p_stacked, s_stacked = iter(p_stacked), iter(s_stacked)
     new_p = [next(p_stacked) if m is True else _like(x, ref) for x, ref, m in zip(p_rest, p_leaves, p_marks)]

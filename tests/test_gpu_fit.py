@@ -13,6 +13,7 @@ import functools
 
 import pytest
 
+import configs
 from launch import configure
 from meshpar.compiler import gpu
 
@@ -93,7 +94,7 @@ def test_gpt_oss_20b_compiles_for_h100s_and_fits():
     kernel, for the reason the report gives."""
     report = compiled(*GPT_OSS)
     memory = report["memory_per_device"]
-    assert peak(report) <= report["budget_bytes"] and abs(peak(report) / GB / 51.5 - 1) < 0.02, peak(report) / GB
+    assert peak(report) <= report["budget_bytes"] and abs(peak(report) / GB / 47.0 - 1) < 0.02, peak(report) / GB
     assert abs(memory["host_arguments_bytes"] / GB / 20.95 - 1) < 0.02, memory
     assert "blockwise" in report["attention"] and "sinks" in report["attention"]
 
@@ -175,6 +176,9 @@ def test_the_memory_table_holds_on_the_gpu(row):
     assert (gb < 80) == (readme_gb < 80) and (peak(report) <= report["budget_bytes"]) == (readme_gb < 63.7)
 
 
+# Host offload (`parallel.offload`) at T = 4096, two sequences per GPU
+OFFLOADED = ("llama_8b", 8, "fsdp=8", "train.global_batch=16", "train.seq_len=4096", "train.remat=full")
+
 # The planner's GPU form against the GPU compiler. FITTED: what its coefficients were fitted to (on the CPU
 # program; the GPU's needed terms more, each read in the buffers of one layout here: 1F1B's second slot from the
 # 1F1B × model layout, 1F1B's gathered weights and gradients with fsdp from the 1F1B × fsdp × model one);
@@ -224,14 +228,14 @@ HELD_OUT = {  # the longest compiles first: `make test-gpu-compile` hands out th
     "8b data×model+SP, T=8k": ("llama_8b", 8, "data=2,model=4", "train.global_batch=4", "train.remat=full", *SP),
     "8b 1F1B × fsdp, P=2": ("llama_8b", 8, "stage=2,fsdp=4", "train.global_batch=16", "parallel.microbatches=4",
                             "parallel.pipeline_schedule=1f1b", "train.remat=full"),  # a miss (+11%) before those terms
+    # a miss (-11%) while the streamed update held a whole stack of new moments on the devices
+    "8b optimizer offloaded, T=4k": (*OFFLOADED, "parallel.offload=optimizer"),
 }
-# Offload in a described cluster's program (no host memory there): the update's new values stay on the devices
-OFFLOADED = ("llama_8b", 8, "fsdp=8", "train.global_batch=16", "train.seq_len=4096", "train.remat=full")
 MISSES = {
     "8b ZeRO-2": (("llama_8b", 8, "fsdp=8", "train.global_batch=8", "parallel.zero_stage=2", "train.remat=full"), -0.139),
-    "gpt-oss-20b, optimizer offloaded, dots": (GPT_OSS, 0.242),
-    "8b optimizer offloaded, T=4k": ((*OFFLOADED, "parallel.offload=optimizer"), -0.110),
-    "8b optimizer+params offloaded, T=4k (held out)": ((*OFFLOADED, "parallel.offload=optimizer+params"), -0.387),
+    "gpt-oss-20b, optimizer offloaded, dots": (GPT_OSS, 0.359),
+    # a described cluster's program has no host memory: the weight gradients a GPU lands there stay on the devices
+    "8b optimizer+params offloaded, T=4k (held out)": ((*OFFLOADED, "parallel.offload=optimizer+params"), -0.213),
 }
 
 
@@ -253,6 +257,17 @@ def test_planner_predicts_the_gpu_peak_within_10_percent(name):
 def test_the_planners_misses_are_the_readmes(name):
     layout, stated = MISSES[name]
     assert abs(error(compiled(*layout)) - stated) < 0.02
+
+
+@group((*OFFLOADED, "parallel.offload=optimizer"))
+def test_the_offloaded_update_holds_one_layers_moments_on_the_gpu():
+    """`llama_8b` on fsdp=8 with the Adam moments in host memory: the streamed update writes each layer's new moments
+    over the donated stacks, so the step's device temporaries exceed those of the step without offload by less
+    than one layer's moments per GPU (0.22 GB), not by a stack of new ones (7.0 GB)."""
+    shape = configure.shape(configs.load("llama_8b"))
+    extra = (compiled(*OFFLOADED, "parallel.offload=optimizer")["memory_per_device"]["temp_bytes"]
+             - compiled(*OFFLOADED)["memory_per_device"]["temp_bytes"])
+    assert extra <= 8 * shape.layer_params / 8, extra / GB  # Adam's 8 bytes an element, split over fsdp=8
 
 
 def test_zero2_beyond_the_planner_is_the_schedulers_headroom(monkeypatch):

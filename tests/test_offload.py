@@ -1,6 +1,6 @@
 """Host offload (meshpar.offload): the same losses with the optimizer state, and the weights, in host memory;
 the bytes that leave the devices for host memory against the ZeRO-Offload formula (tiny here; llama_8b in
-test_fit.py);
+test_fit.py); the streamed update's device bytes (one layer's states at most);
 activation offload's residuals against `full` remat; the settings it refuses."""
 
 import dataclasses
@@ -35,12 +35,14 @@ def losses(spec: str, offload: str = "none") -> list[float]:
     return layout(spec, offload).losses(STEPS)
 
 
-def moments_and_weights(lay: MeshRun) -> tuple[float, float]:
+def moments_and_weights(lay: MeshRun, only_layers: bool = False) -> tuple[float, float]:
     """The ZeRO-Offload formula per device: Adam moments 8Ψ/N_opt and float32 weights 4Ψ/N_params, with Ψ/N
-    the parameters per device under the `optimizer` / `params` rules (ZeRO stage, fsdp, model, stage)."""
+    the parameters per device under the `optimizer` / `params` rules (ZeRO stage, fsdp, model, stage); of the
+    stacked layers only with `only_layers`."""
     shape = plan.Shape.of_model(Transformer.factory(MODEL))
     lay_ = plan.Layout.of_run(MeshConfig(**lay.mesh.shape), lay.rules.parallel, lay.cfg, "cpu")
-    return 8 * local_elements(shape, lay_, "optimizer"), 4 * local_elements(shape, lay_, "params")
+    return (8 * local_elements(shape, lay_, "optimizer", only_layers),
+            4 * local_elements(shape, lay_, "params", only_layers))
 
 
 @pytest.mark.parametrize("spec,offload", [
@@ -63,6 +65,12 @@ def test_same_losses_and_the_offloaded_bytes_leave_the_devices(spec, offload):
                      "scalar": "device"}
     lay = layout(spec, offload)  # the state as init_state makes it: born in host memory
     assert memory_kinds(train.init_state(lay.make_model, lay.tx, lay.sharded, lay.cfg.seed)) == expected_kind
+    # the update writes each layer's new states over the donated stacks: beside the step without offload it
+    # holds one layer's share at most, not a second stack of new moments (and weights)
+    moments, weights = moments_and_weights(layout(spec), only_layers=True)
+    layers_here = MODEL.n_layers / layout(spec).mesh.shape["stage"]
+    one_layer = (moments + (weights if offload == "optimizer+params" else 0)) / layers_here
+    assert offloaded["temp_bytes"] - on_device["temp_bytes"] <= one_layer
 
 
 def test_the_update_streams_a_layer_at_a_time():

@@ -294,21 +294,10 @@ def _stage_weights(shape: Shape, lay: Layout, cpu: bool) -> float:
     return per_element * local_elements(shape, lay, "activations", only_layers=True)
 
 
-def _update_cpu(shape: Shape, lay: Layout, run: Run) -> float:
-    """XLA:CPU's form of the streamed update's device bytes: the new moments of the stacked layers are
-    temporaries there (a GPU writes them to host memory), beside the largest tensor's moments in flight.
-    The weights and gradients of `optimizer+params` add nothing there: XLA:CPU compiles the same temp bytes
-    as for `optimizer` (measured: equal to the byte, llama_8b on fsdp=8)."""
-    _, _, ob = PRECISIONS[run.precision]
-    moments_only = lay.replace(offload="optimizer")
-    return (ob * local_elements(shape, lay, "optimizer", only_layers=True, part="trained")
-            + update_bytes(shape, moments_only, run))
-
-
 def memory(shape: Shape, lay: Layout, run: Run, *, cpu: bool = False) -> Memory:
     """Per-device memory of `lay` (module docstring). `cpu=True`: the form XLA's CPU backend compiles, where
     host memory is device memory for temporaries: remat `offload` is `dots` there, offloaded gradients are
-    device temporaries, and the update holds the offloaded stacks' new values (`_update_cpu`)."""
+    device temporaries, and fetched weights are the arguments themselves."""
     if cpu and lay.remat == "offload":
         lay = lay.replace(remat="dots")
     pb, gb, ob = PRECISIONS[run.precision]
@@ -335,11 +324,13 @@ def memory(shape: Shape, lay: Layout, run: Run, *, cpu: bool = False) -> Memory:
     if lay.parallel.offload == "optimizer+params":
         host_states += params
         host_temp += 0.0 if cpu else grads
-        per_layer_share = lay.mesh.stage / shape.layers  # one layer's fetched weights and gradient on the way out
+        # one layer's fetched weights and gradient on the way out; XLA:CPU's fetch is the argument buffer itself
+        # (its temp bytes equal `optimizer`'s to the byte, llama_8b on fsdp=8, jax 0.10.2 and 0.12)
+        per_layer_share = 0.0 if cpu else lay.mesh.stage / shape.layers
         other += per_layer_share * (pb * local_elements(shape, lay, "params", only_layers=True)
                                     + gb * local_elements(shape, lay, "grads", only_layers=True, part="trained"))
         params, grads = 0.0, grads if cpu else 0.0
-    update = _update_cpu(shape, lay, run) if cpu and lay.parallel.offload != "none" else update_bytes(shape, lay, run)
+    update = update_bytes(shape, lay, run)
     if _gathered_1f1b(lay, cpu):  # until after the peak, the gradients are the gathered accumulators in `other`
         grads = 0.0
     return Memory(params, grads, optimizer, activations, other, update, host_states, host_temp)
