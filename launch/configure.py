@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 import configs
 from meshpar import config as config_lib, dpo, lora, mesh as mesh_lib, plan, remat as remat_lib, rules as rules_lib
+from meshpar import train
 from meshpar.attention import kernels
 from meshpar.compiler import fit, gpu
 from meshpar.errors import InputError
@@ -45,6 +46,7 @@ def configure(name: str, mesh_text: str | None, overrides: list[str], hardware: 
     mesh = mesh_lib.build(cfg.mesh, gpu.devices(cluster) if cluster else None)
     if cfg.train.objective == "dpo":  # before any state is made
         dpo.check_schedule(cfg.parallel.pipeline_schedule, mesh.shape["stage"])
+    train.check_mtp_schedule(getattr(cfg.model, "mtp_depth", 0), cfg.parallel.pipeline_schedule, mesh.shape["stage"])
     return cfg, mesh, rules_lib.make(cfg.parallel), cfg.model_factory()
 
 
@@ -75,8 +77,9 @@ def shape(cfg: configs.Config) -> plan.Shape:
     it."""
     model = cfg.model
     windows = tuple(kind.window for kind in model.kinds)
-    windows = windows if any(windows) else ()
-    return plan.Shape.of_model(cfg.model_factory(), model.experts_per_token if model.n_experts else 0, windows)
+    lead_windows = tuple(kind.window for kind in model.layer_prefix)
+    return plan.Shape.of_model(cfg.model_factory(), model.experts_per_token if model.n_experts else 0,
+                               windows if any(windows) else (), lead_windows if any(lead_windows) else ())
 
 
 def flops_per_token(cfg: configs.Config) -> float:

@@ -12,7 +12,11 @@ none), so the rules lay them out on every mesh as they lay W out. Everything els
 (`meshpar.frozen`): no gradient, no optimizer state, held in `train.frozen_dtype`.
 
 Targets (`train.lora_targets`): q, k, v, o (attention's projections), gate, up, down (the MLP's, and the
-shared experts'), experts (every routed expert's gate, up and down).
+shared experts'), experts (every routed expert's gate, up and down). Latent attention (DeepSeek's MLA,
+`models.latent_attention`) has other projections: q names its query's (W_q, or W_q_a and W_q_b), o its output's,
+and k with v its two kv projections (W_kv_a, W_kv_b), each of which feeds both the keys and the values, so k
+and v go together there; q_a, q_b, kv_a, kv_b name one of them each (PEFT's q_a_proj, q_b_proj,
+kv_a_proj_with_mqa, kv_b_proj), and only they apply there.
 
 Adapters can be switched off while a function is traced (`disabled`): a DPO run's reference model is the
 base itself, with no second copy of its weights.
@@ -34,7 +38,8 @@ from meshpar import frozen
 from meshpar.errors import InputError
 from meshpar.sharding import gathered
 
-TARGETS = ("q", "k", "v", "o", "gate", "up", "down", "experts")
+LATENT = ("q_a", "q_b", "kv_a", "kv_b")  # latent attention's projections, one each
+TARGETS = ("q", "k", "v", "o", *LATENT, "gate", "up", "down", "experts")
 SUFFIX = "_lora"  # weight `w` has its adapter at `w_lora`
 
 
@@ -101,11 +106,12 @@ def delta(a: jax.Array, b: jax.Array, lead: int, scale: float) -> jax.Array:
     return (jnp.matmul(a_LIR, b_LRO) * jnp.asarray(scale, a.dtype)).reshape(*lead_shape, *in_shape, *out_shape)
 
 
-def attach(module: nnx.Module, weight: str, target: str, cfg: LoraConfig | None, rngs: nnx.Rngs, *,
-           inputs: int = 1, lead: int = 0) -> None:
-    """Give `module.<weight>` an adapter (at `<weight>_lora`) if `target` is one of `cfg`'s; `inputs` of its
-    axes after `lead` batching ones are its input."""
-    if cfg is not None and target in cfg.targets:
+def attach(module: nnx.Module, weight: str, target: str | tuple[str, ...], cfg: LoraConfig | None,
+           rngs: nnx.Rngs, *, inputs: int = 1, lead: int = 0) -> None:
+    """Give `module.<weight>` an adapter (at `<weight>_lora`) if `target` (or one of a tuple of targets that
+    name it) is one of `cfg`'s; `inputs` of its axes after `lead` batching ones are its input."""
+    named = (target,) if isinstance(target, str) else target
+    if cfg is not None and set(named) & set(cfg.targets):
         setattr(module, weight + SUFFIX, Adapter(getattr(module, weight), lead, inputs, cfg, rngs))
 
 

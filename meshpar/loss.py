@@ -319,6 +319,50 @@ def next_token_inputs(batch: Batch | jax.Array) -> NextToken:
     return NextToken(reorder(inputs_BT), reorder(targets_BT), reorder(weights_BT), positions, segments_BT)
 
 
+class Ahead(NamedTuple):
+    """What the multi-token prediction modules read and predict (`model.mtp_depth` = D; `models.mtp`), each field
+    [D, B, T] in the step's sequence order: module k takes at position i the token t_{i+k} (`tokens`) and
+    predicts t_{i+k+1} (`targets`), weighed as the main loss weighs that target, 0 over the last k positions and
+    where the target lies in another document than position i (`weights`)."""
+
+    tokens: jax.Array
+    targets: jax.Array
+    weights: jax.Array
+
+
+def ahead_inputs(batch: Batch | jax.Array, depth: int) -> Ahead:
+    """`Ahead` of a batch for `depth` modules: built in the natural order (a roll along T by k, its last k
+    positions masked), then put in the step's order with the main inputs' permutation (`next_token_inputs`)."""
+    batch = as_batch(batch)
+    inputs_BT, targets_BT, weights_BT = batch.tokens[:, :-1], batch.tokens[:, 1:], loss_weights(batch)
+    reorder = sequence_order(inputs_BT.shape[1])[0]
+    t_T = jnp.arange(inputs_BT.shape[1])
+    fields = []
+    for k in range(1, depth + 1):
+        ahead = lambda x_BT: jnp.roll(x_BT, -k, axis=1)
+        keep_BT = jnp.broadcast_to(t_T < t_T.size - k, inputs_BT.shape)
+        if batch.segments is not None:  # t_i and t_{i+k+1} in one document
+            keep_BT = keep_BT & (batch.segments[:, :-1] == jnp.roll(batch.segments, -(k + 1), axis=1)[:, :-1])
+        fields.append((ahead(inputs_BT), ahead(targets_BT), jnp.where(keep_BT, ahead(weights_BT), 0.0)))
+    laid_out = lambda x_BT: sharding.constrain(reorder(x_BT), ("batch", "seq"))
+    return Ahead(*(jnp.stack([laid_out(x_BT) for x_BT in field]) for field in zip(*fields)))
+
+
+def ahead_totals(batch: Batch | jax.Array, depth: int) -> jax.Array:
+    """Each module's sum of target weights [D] over `batch` (`ahead_inputs`): what its loss, a weighted mean,
+    divides by. The training step takes it of the global batch once, so every part of the batch adds its
+    share (as the main loss's weights are normalised: `meshpar.batch.normalised`)."""
+    return ahead_inputs(batch, depth).weights.sum(axis=(1, 2))
+
+
+class MTPStats(NamedTuple):
+    """A loss's statistics with multi-token prediction: the router's (None: dense) and L_MTP, the modules' mean
+    loss before `mtp_coef` (this part of the batch's share of it)."""
+
+    router: RouterStats | None
+    mtp: jax.Array
+
+
 def final_hidden_states(model, x: NextToken) -> tuple[jax.Array, RouterStats | None]:
     """The final norm's output [B, T, D] of a model with `hidden_states` for the inputs `x`, and a mixture's router
     statistics beside it (its `routed_hidden_states`; None for any other model)."""
@@ -336,12 +380,18 @@ def next_token_loss(model, batch: Batch | jax.Array, chunk: int = 0, aux_coef: f
 
 
 def next_token_loss_and_routing(model, batch: Batch | jax.Array, chunk: int = 0, aux_coef: float = 0.0,
-                                z_coef: float = 0.0, pools: int = 1) -> tuple[jax.Array, RouterStats | None]:
+                                z_coef: float = 0.0, pools: int = 1, seq_coef: float = 0.0, mtp_coef: float = 0.0,
+                                mtp_totals: jax.Array | None = None
+                                ) -> tuple[jax.Array, RouterStats | MTPStats | None]:
     """`next_token_loss`, and, for a mixture of experts (a model with `routed_hidden_states`), its router's
     losses (`meshpar.moe.routing`), each pooled over the tokens and the MoE layers of the batch (`pools` = 1)
     or of each of its `pools` microbatches (rows m, pools + m, …: a pipeline's microbatch m) and averaged,
-    added as aux_coef · load balance + z_coef · z-loss (transformers' `router_aux_loss_coef`), with the
-    router statistics summed per pool (None for any other model).
+    added as aux_coef · load balance + z_coef · z-loss (transformers' `router_aux_loss_coef`), plus seq_coef ·
+    the sequence-wise balance loss (DeepSeek-V3's, per sequence: no pools), with the router statistics summed
+    per pool (None for any other model). A model with multi-token prediction modules (`mtp_depth` = D > 0) adds
+    mtp_coef · L_MTP, L_MTP = (1/D) Σ_k L_k, L_k module k's weighted mean cross-entropy (`ahead_inputs`) over
+    the targets whose weights sum to `mtp_totals[k - 1]` (default: this batch's, `ahead_totals`); its
+    statistics are then `MTPStats` (mtp_coef = 0: no modules run).
 
     With the sequence split over `sequence` and `load_balance` on, inputs, targets and positions are
     put in zigzag order once, here: every shard then holds an early and a late chunk of each sequence,
@@ -361,11 +411,23 @@ def next_token_loss_and_routing(model, batch: Batch | jax.Array, chunk: int = 0,
     documents = () if x.segments is None else (x.segments,)
     if not (hasattr(model, "hidden_states") and hasattr(model, "output_head")):
         return cross_entropy(model(x.inputs, x.positions, *documents), x.targets, x.weights), None
-    hidden_BTD, stats = final_hidden_states(model, x)
-    value = chunked_cross_entropy(hidden_BTD, model.output_head(), x.targets, chunk, x.weights,
-                                  getattr(model, "logit_softcap", None))
-    if stats is None:
-        return value, None
-    stats = stats.grouped(pools)
-    balance, z = routing.losses(stats)
-    return value + aux_coef * balance + z_coef * z, stats
+    depth, softcap = getattr(model, "mtp_depth", 0) if mtp_coef else 0, getattr(model, "logit_softcap", None)
+    if depth:
+        ahead = ahead_inputs(batch, depth)
+        hidden_BTD, hidden_KBTD, stats = model.mtp_hidden_states(x.inputs, x.positions, ahead.tokens, *documents)
+        totals_K = ahead_totals(batch, depth) if mtp_totals is None else mtp_totals
+        weights_KBT = ahead.weights / jnp.where(totals_K > 0, totals_K, 1.0)[:, None, None]
+        mtp = sum(chunked_cross_entropy(hidden_KBTD[k], model.output_head(), ahead.targets[k], chunk,
+                                        weights_KBT[k], softcap) for k in range(depth)) / depth
+    else:
+        hidden_BTD, stats = final_hidden_states(model, x)
+    value = chunked_cross_entropy(hidden_BTD, model.output_head(), x.targets, chunk, x.weights, softcap)
+    if depth:
+        value = value + mtp_coef * mtp
+    if stats is not None:
+        if seq_coef:
+            value = value + seq_coef * routing.sequence_loss(stats, x.inputs.shape[0])
+        stats = stats.grouped(pools)
+        balance, z = routing.losses(stats)
+        value = value + aux_coef * balance + z_coef * z
+    return value, MTPStats(stats, mtp) if depth else stats

@@ -23,7 +23,7 @@ from meshpar.moe.routing import ROUTER_METRICS
 # metrics key → TensorBoard tag
 TAGS = {"loss": "train/loss", "grad_norm": "train/grad_norm", "lr": "train/lr", "eval_loss": "eval/loss",
         "eval_perplexity": "eval/perplexity", "trained_tokens": "train/trained_tokens",
-        "tokens_per_s": "perf/tokens_per_s", "step_time_s": "perf/step_time_s", "mfu": "perf/mfu",
+        "tokens_per_s": "perf/tokens_per_s", "mtp_loss": "train/mtp_loss", "step_time_s": "perf/step_time_s", "mfu": "perf/mfu",
         **{key: f"moe/{key}" for key in ROUTER_METRICS}, **{key: f"dpo/{key}" for key in DPO_METRICS}}
 
 

@@ -41,6 +41,7 @@ from flax import nnx
 
 from meshpar.errors import InputError
 from meshpar.frozen import WEIGHTS
+from meshpar.moe import routing
 from meshpar.rules import ParallelConfig
 
 HOST = "pinned_host"
@@ -48,8 +49,8 @@ HOST = "pinned_host"
 
 def in_host_memory(variable: nnx.Variable, parallel: ParallelConfig) -> bool:
     """Whether this state variable lives in host memory under `parallel.offload`."""
-    if parallel.offload == "none" or not variable.shape:  # scalars (step counts) stay on the devices
-        return False
+    if parallel.offload == "none" or not variable.shape or isinstance(variable, routing.SelectionBias):
+        return False  # scalars (step counts) and the selection biases (E floats, moved by the step) stay
     return parallel.offload == "optimizer+params" or not isinstance(variable, WEIGHTS)
 
 
@@ -73,7 +74,7 @@ def check(parallel: ParallelConfig, remat: str) -> None:
 def _layered(model: nnx.Module) -> Any:
     """The model's weights as a tree of bools: True for a stacked `[L, ...]` weight (`layers` first)."""
     return jax.tree.map(lambda v: (v.get_metadata().get("out_sharding") or (None,))[0] == "layers",
-                        nnx.state(model, nnx.Param), is_leaf=lambda v: isinstance(v, nnx.Variable))
+                        nnx.state(model, routing.TRAINED), is_leaf=lambda v: isinstance(v, nnx.Variable))
 
 
 def global_norm(model: nnx.Module, grads: nnx.State) -> jax.Array:
@@ -103,7 +104,7 @@ def update(opt: nnx.Optimizer, model: nnx.Module, grads: nnx.State, clip_scale: 
     each pass's own clip lets them through. Where `keep` (a scalar bool) is true, every value stays as it was.
     """
     tx = opt.tx
-    params = nnx.as_pure(nnx.state(model, nnx.Param))
+    params = nnx.as_pure(nnx.state(model, routing.TRAINED))
     p_def = jax.tree.structure(params)
     p_marks = p_def.flatten_up_to(_layered(model))
     p_leaves, g_leaves = jax.tree.leaves(params), p_def.flatten_up_to(nnx.as_pure(grads))

@@ -11,8 +11,11 @@ Every strategy is a table or a mesh shape:
 | seq          | –             | sequence             | context parallelism                             |
 | resid_seq    | –             | sequence (+ model)   | the residual stream's T; + model with Megatron SP|
 | embed        | fsdp (ZeRO-3) | –                    | sharded at rest, gathered for compute           |
+| latent       | fsdp (ZeRO-3) | –                    | latent attention's low-rank dims, as `embed`     |
 | heads, kv_heads, mlp, vocab | model | model          | Megatron tensor parallelism                     |
 | layers       | stage         | stage                | pipeline stages                                 |
+| lead_layers  | –             | –                    | a `layer_prefix`'s stack: before the stages     |
+| mtp_layers   | –             | –                    | the multi-token prediction modules: after them  |
 | experts      | expert        | expert               | expert parallelism (a mixture of experts)       |
 | expert_mlp   | model         | model                | tensor parallelism inside each expert           |
 | head_dim     | –             | –                    | never split                                     |
@@ -120,8 +123,10 @@ class Rules:
 
 
 def _weights(embed: tuple[str, ...]) -> Table:
-    return (("embed", embed), ("heads", ("model",)), ("kv_heads", ("model",)), ("head_dim", ()),
-            ("mlp", ("model",)), ("vocab", ("model",)), ("layers", ("stage",)), ("experts", ("expert",)),
+    return (("embed", embed), ("latent", embed), ("heads", ("model",)), ("kv_heads", ("model",)), ("head_dim", ()),
+            ("mlp", ("model",)), ("vocab", ("model",)), ("layers", ("stage",)), ("lead_layers", ()),
+            ("mtp_layers", ()),
+            ("experts", ("expert",)),
             ("expert_mlp", ("model",)))
 
 

@@ -445,7 +445,7 @@ class _Loop:
                                self.throughput.peak_flops_per_device)
         if "skipped" in values:
             entry["skipped"] = int(values["skipped"])
-        entry |= {key: values[key] for key in (*ROUTER_METRICS, *DPO_METRICS) if key in values}
+        entry |= {key: values[key] for key in (*ROUTER_METRICS, *DPO_METRICS, "mtp_loss") if key in values}
         return entry
 
     def _publish(self, entry: dict[str, Any]) -> None:

@@ -46,7 +46,7 @@ from meshpar import (context, dpo, fp8 as fp8_lib, frozen, lora as lora_lib, off
 from meshpar.attention.kernels import KERNELS
 from meshpar.batch import Batch, as_batch, normalised
 from meshpar.errors import InputError
-from meshpar.loss import next_token_loss_and_routing
+from meshpar.loss import MTPStats, ahead_totals, next_token_loss_and_routing
 from meshpar.moe import routing
 from meshpar.pipeline import one_f_one_b
 from meshpar.rules import SLOT_SCHEDULES, ParallelConfig, Rules
@@ -82,15 +82,19 @@ class TrainConfig:
     router_aux_loss_coef: float = 0.001  # × the load-balancing loss (Switch / Mixtral)
     router_z_loss_coef: float = 0.0  # × the router z-loss (ST-MoE)
     router_loss_scope: str = "auto"  # where they pool: auto, batch, microbatch (`router_pools`)
+    router_seq_aux_loss_coef: float = 0.0  # × DeepSeek-V3's sequence-wise balance loss (summed over layers)
+    # loss-free balancing (model.selection_bias): each step moves the biases by this (DeepSeek-V3's); 0: frozen
+    router_bias_update_rate: float = 0.001
     # LoRA (meshpar.lora): adapters of rank lora_rank on lora_targets train, every other weight is frozen; 0: none
     lora_rank: int = 0
     lora_alpha: float = 16.0  # the update is scaled by lora_alpha / lora_rank (/ √lora_rank with lora_rslora)
-    lora_targets: str = "q,k,v,o,gate,up,down"  # comma-separated: q, k, v, o, gate, up, down, experts
+    lora_targets: str = "q,k,v,o,gate,up,down"  # comma-separated: q, k, v, o, gate, up, down, experts (meshpar.lora)
     lora_rslora: bool = False
     frozen_dtype: str = "float32"  # the frozen weights' (LoRA's base, DPO's reference): float32 or bfloat16
     objective: str = "lm"  # lm: next-token cross-entropy; dpo: preference pairs (meshpar.dpo)
     dpo_beta: float = 0.1  # DPO's β: how far the policy may move from the reference
     fp8: str = "none"  # none, tensorwise, rowwise: attention's and the MLPs' matmuls in FP8 (meshpar.fp8)
+    mtp_loss_weight: float = 0.3  # λ: × L_MTP, the multi-token prediction modules' loss (model.mtp_depth > 0)
 
     def __post_init__(self):
         if self.compute_dtype not in COMPUTE_DTYPES:
@@ -114,7 +118,8 @@ class TrainConfig:
             raise InputError(f"train.decay_steps = {self.decay_steps} must be >= 0 (0: train.steps)")
         if not self.clip_norm > 0:
             raise InputError(f"train.clip_norm = {self.clip_norm} must be > 0 (a large value: no clipping)")
-        for name in ("router_aux_loss_coef", "router_z_loss_coef"):
+        for name in ("router_aux_loss_coef", "router_z_loss_coef", "router_seq_aux_loss_coef",
+                     "router_bias_update_rate", "mtp_loss_weight"):
             if getattr(self, name) < 0:
                 raise InputError(f"train.{name} = {getattr(self, name)} must be >= 0")
         if self.router_loss_scope not in ROUTER_LOSS_SCOPES:
@@ -134,6 +139,9 @@ class TrainConfig:
             raise InputError(f"train.fp8 = '{self.fp8}' is not one of {', '.join(fp8_lib.RECIPES)}")
         if self.objective not in OBJECTIVES:
             raise InputError(f"train.objective = '{self.objective}' is not one of {', '.join(OBJECTIVES)}")
+        if self.objective == "dpo" and self.router_seq_aux_loss_coef:
+            raise InputError(f"train.router_seq_aux_loss_coef = {self.router_seq_aux_loss_coef} is a language-model "
+                             f"loss's: train.objective = dpo does not add it (set it to 0)")
         if self.objective == "dpo" and not self.dpo_beta > 0:
             raise InputError(f"train.dpo_beta = {self.dpo_beta} must be > 0")
         if self.objective == "dpo" and self.global_batch % (2 * self.grad_accum):
@@ -212,7 +220,7 @@ class TrainState(nnx.Module):
 
     def __init__(self, model: nnx.Module, tx: optax.GradientTransformation, reference: nnx.Module | None = None):
         self.model = model
-        self.opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
+        self.opt = nnx.Optimizer(model, tx, wrt=routing.TRAINED)
         if reference is not None:
             self.reference = reference
 
@@ -320,20 +328,33 @@ Loss = Callable[[nnx.Module, Batch], jax.Array | tuple[jax.Array, routing.Router
 ValueAndGrad = Callable[[nnx.State, Batch], tuple[tuple[jax.Array, Any], nnx.State]]
 
 
-def default_loss(cfg: TrainConfig, router_losses: bool = True, pools: int = 1) -> Loss:
+def default_loss(cfg: TrainConfig, router_losses: bool = True, pools: int = 1,
+                 mtp_totals: jax.Array | None = None) -> Loss:
     """Next-token cross-entropy (`meshpar.loss.next_token_loss_and_routing`), or with `objective = dpo` the DPO
     loss of the global batch's pairs (`meshpar.dpo.loss`), chunked by `cfg.loss_chunk`; for a mixture of experts
     plus its router's losses (`router_losses`) in `pools` pools (`router_pools`), each accumulation
-    microbatch's weighed 1 / grad_accum (their mean)."""
+    microbatch's weighed 1 / grad_accum (their mean); with `mtp_totals` (the global batch's `ahead_totals`),
+    plus mtp_loss_weight × the multi-token prediction modules' loss (none without: evaluation)."""
     aux_coef, z_coef = router_coefficients(cfg) if router_losses else (0.0, 0.0)
     if cfg.objective == "dpo":
         return dpo.loss(cfg.dpo_beta, cfg.global_batch // 2, cfg.loss_chunk, aux_coef, z_coef, pools)
-    return lambda model, batch: next_token_loss_and_routing(model, batch, cfg.loss_chunk, aux_coef, z_coef, pools)
+    seq_coef = cfg.router_seq_aux_loss_coef / cfg.grad_accum if router_losses else 0.0
+    mtp_coef = cfg.mtp_loss_weight if mtp_totals is not None else 0.0
+    return lambda model, batch: next_token_loss_and_routing(model, batch, cfg.loss_chunk, aux_coef, z_coef, pools,
+                                                            seq_coef, mtp_coef, mtp_totals)
 
 
 def router_coefficients(cfg: TrainConfig) -> tuple[float, float]:
     """What an accumulation microbatch's load-balancing and z losses are multiplied by: their mean's share."""
     return cfg.router_aux_loss_coef / cfg.grad_accum, cfg.router_z_loss_coef / cfg.grad_accum
+
+
+def check_mtp_schedule(depth: int, schedule: str, stages: int) -> None:
+    """Refuse multi-token prediction modules (`model.mtp_depth`) under a schedule that runs the loss inside the
+    pipeline's slots (1F1B, zero-bubble), which does not run them."""
+    if depth and stages > 1 and schedule in SLOT_SCHEDULES:
+        raise InputError(f"model.mtp_depth = {depth}: the multi-token prediction modules do not run inside "
+                         f"parallel.pipeline_schedule = {schedule}; use pipeline_schedule=gpipe or mtp_depth=0")
 
 
 def check_accumulation(rows: int, shards: int, steps: int, batch: tuple[str, ...]) -> None:
@@ -415,12 +436,18 @@ def _loss_and_grads(sharded: Sharded, cfg: TrainConfig, loss: Loss | None, model
     # (for a mixture of experts; under 1F1B it also refuses a batch scope, which the pipeline cannot pool)
     experts = sharding.axis_size(sharded.abstract, "experts")
     pools = router_pools(cfg.router_loss_scope, parallel, stages) if experts else 1
+    depth = getattr(model, "mtp_depth", 0) if loss is None and cfg.objective == "lm" else 0
     if stages > 1 and parallel.pipeline_schedule in SLOT_SCHEDULES:  # the loss runs inside, pooled per microbatch
+        check_mtp_schedule(depth, parallel.pipeline_schedule, stages)
+        if experts and cfg.router_seq_aux_loss_coef:
+            raise InputError(f"train.router_seq_aux_loss_coef = {cfg.router_seq_aux_loss_coef} is not computed inside "
+                             f"parallel.pipeline_schedule = {parallel.pipeline_schedule}: set it to 0 or use "
+                             f"pipeline_schedule=gpipe")
         if cfg.objective == "dpo":
             dpo.check_schedule(parallel.pipeline_schedule, stages)
         value_and_grad = one_f_one_b.value_and_grad(graphdef, rest, loss, cfg.loss_chunk, *router_coefficients(cfg))
     else:
-        loss = loss or default_loss(cfg, pools=pools)
+        loss = loss or default_loss(cfg, pools=pools, mtp_totals=ahead_totals(batch, depth) if depth else None)
         value_and_grad = jax.value_and_grad(lambda p, t: _with_stats(loss(nnx.merge(graphdef, p, rest), t)),
                                             has_aux=True)
     if cfg.grad_accum == 1:
@@ -450,6 +477,15 @@ def loss_and_grads(sharded: Sharded, tokens: NamedSharding, cfg: TrainConfig = T
     return in_layer_order
 
 
+def _balance(model: nnx.Module, loads: nnx.State, cfg: TrainConfig) -> None:
+    """Loss-free balancing: each selection bias moved by its layer's loads over the step's batch, which the step
+    got as its gradient (`routing.balanced`). A LoRA run's base, the biases with it, stays as it is."""
+    if cfg.router_bias_update_rate and cfg.lora is None and nnx.to_flat_state(loads):
+        biases = nnx.state(model, routing.SelectionBias)
+        nnx.update(model, jax.tree.map(lambda b, n: routing.balanced(b, n, cfg.router_bias_update_rate), biases,
+                                       loads))
+
+
 def make_step(sharded: Sharded, tokens: NamedSharding, cfg: TrainConfig = TrainConfig(), loss: Loss | None = None,
               votes: NamedSharding | None = None) -> Callable[..., tuple[nnx.State, dict[str, jax.Array]]]:
     """The jitted training step `(state, batch) → (state, metrics)`, donating the old state.
@@ -461,13 +497,13 @@ def make_step(sharded: Sharded, tokens: NamedSharding, cfg: TrainConfig = TrainC
     `votes` (`meshpar.preemption.votes_sharding`) the step is `(state, batch, votes) → (state, metrics)` and metric `stop` is the largest vote: a stop
     agreed by the step's own program, so its collective is ordered with the step's.
     """
-
     def step(state: nnx.State, batch: Batch | jax.Array, *votes_D: jax.Array) -> tuple[nnx.State, dict[str, jax.Array]]:
         before = jax.tree.leaves(state)  # the arrays; the update below mutates the merged variables
         with context.use(compute_context(sharded, cfg)):
             ts = nnx.merge(sharded.graphdef, state)
             value, grads, count, stats = _loss_and_grads(sharded, cfg, loss, ts.model, batch,
                                                          getattr(ts, "reference", None))
+            loads, grads = nnx.split_state(grads, routing.SelectionBias, ...)  # not gradients: no clip, no optimizer
             offloaded, skip = sharded.rules.parallel.offload != "none", cfg.on_nonfinite == "skip"
             grad_norm = offload.global_norm(ts.model, grads) if offloaded else optax.tree.norm(grads)
             finite = jnp.isfinite(value) & jnp.isfinite(grad_norm)
@@ -476,9 +512,13 @@ def make_step(sharded: Sharded, tokens: NamedSharding, cfg: TrainConfig = TrainC
                               keep=~finite if skip else None)
             else:
                 ts.opt.update(ts.model, grads)
+            _balance(ts.model, loads, cfg)
             new_state, metrics = nnx.state(ts), {"loss": value, "grad_norm": grad_norm, "tokens": count}
+            if isinstance(stats, MTPStats):  # L_MTP before λ: a cross-entropy like the main model's
+                metrics["mtp_loss"], stats = stats.mtp, stats.router
             if stats is not None:
-                metrics |= dpo.metrics(stats) if isinstance(stats, dpo.Rewards) else routing.metrics(stats)
+                rows = as_batch(batch).tokens.shape[0]
+                metrics |= dpo.metrics(stats) if isinstance(stats, dpo.Rewards) else routing.metrics(stats, rows)
             if skip:
                 if not offloaded:
                     after, structure = jax.tree.flatten(new_state)

@@ -80,12 +80,35 @@ def frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> tuple[tupl
     return tuple(inv_freq_h.astype(np.float32).tolist()), scale
 
 
-def rotate(x_BTNH: jax.Array, positions: jax.Array, theta: float, scaling: RopeScaling) -> jax.Array:
+def rotate(x_BTNH: jax.Array, positions: jax.Array, theta: float, scaling: RopeScaling, dims: int = 0) -> jax.Array:
     """Rotate pairs (i, i + H/2) of each head by angles set by each token's position: `positions` [T], the
-    same for every row, or [B, T] (packed documents: each row's own)."""
+    same for every row, or [B, T] (packed documents: each row's own). With `dims` < H, only the leading
+    `dims` of each head turn, as a head of that size would (GLM-4.5's partial rotary); the rest pass."""
+    if dims and dims < x_BTNH.shape[3]:
+        return jnp.concatenate([rotate(x_BTNH[..., :dims], positions, theta, scaling), x_BTNH[..., dims:]], axis=-1)
     inv_freq, scale = frequencies(x_BTNH.shape[3], theta, scaling)
     angles_Th = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
     cos_T1h, sin_T1h = (scale * jnp.cos(angles_Th))[..., None, :], (scale * jnp.sin(angles_Th))[..., None, :]
     x1, x2 = jnp.split(x_BTNH.astype(jnp.float32), 2, axis=-1)
     rotated = jnp.concatenate([x1 * cos_T1h - x2 * sin_T1h, x2 * cos_T1h + x1 * sin_T1h], axis=-1)
     return rotated.astype(x_BTNH.dtype)
+
+
+def halves_from_pairs(x: np.ndarray, n: int) -> np.ndarray:
+    """`x` with the last `n` entries of its last axis, rotary dims laid out in interleaved pairs (x0, x1), (x2,
+    x3), … (DeepSeek's checkpoints), reordered evens then odds: the halves (i, i + n/2) `rotate` turns."""
+    if not n:
+        return x
+    head = x.shape[-1] - n
+    order = np.concatenate([np.arange(head), head + np.arange(0, n, 2), head + np.arange(1, n, 2)])
+    return np.ascontiguousarray(x[..., order])
+
+
+def pairs_from_halves(x: np.ndarray, n: int) -> np.ndarray:
+    """The inverse of `halves_from_pairs`: rotary halves back into interleaved pairs."""
+    if not n:
+        return x
+    head = x.shape[-1] - n
+    out = x.copy()
+    out[..., head::2], out[..., head + 1::2] = x[..., head:head + n // 2], x[..., head + n // 2:]
+    return out

@@ -13,7 +13,8 @@ token passes, their output gated per token or not (Qwen2-MoE, DeepSeek). The blo
 stacked along a leading `layers` axis and run with `lax.scan`, so compile time does not grow with depth
 and the pipeline can split that axis into stages. Layers that differ (per-layer windows, rotary bases,
 dense layers among experts: `layer_pattern`) stack as periods of the pattern (`Period`), so each kind
-compiles once and a stage holds whole periods. Its forward pass also comes in the parts the 1F1B
+compiles once and a stage holds whole periods; leading layers that differ (DeepSeek's dense ones:
+`layer_prefix`) stack apart (`lead`) and run before the stack. Its forward pass also comes in the parts the 1F1B
 schedule takes (`embed`, `blocks`, `final_norm`, `output_head`: `meshpar.pipeline.one_f_one_b`).
 
 The model names LOGICAL axes only (`embed`, `heads`, `kv_heads`, `head_dim`, `mlp`, `vocab`, `layers`,
@@ -41,7 +42,7 @@ from meshpar.attention import attend, cached_attention, sequence_order
 from meshpar.errors import InputError
 from meshpar.loss import logits
 from meshpar.sharding import constrain, gathered, project, relayout
-from models import rope
+from models import latent_attention, mtp, rope
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,9 +97,27 @@ class TransformerConfig:
     shared_expert_gate: bool = False  # weigh the shared experts' output per token by sigmoid(x · w) (Qwen2-MoE)
     norm_topk_prob: bool = True  # weigh the k chosen experts by their probabilities renormalised over the k
     moe_bias: bool = False  # biases on the router's logits and on every expert's gate, up and down (gpt-oss)
+    # DeepSeek-V3's routing (meshpar.moe.routing): a sigmoid score per expert instead of the softmax, …
+    router_score: str = "softmax"  # softmax or sigmoid
+    expert_groups: int = 1  # … the experts in groups (n_group), a token's k chosen among the topk_groups groups …
+    topk_groups: int = 1  # … with the largest sums of their two best scores (topk_group)
+    routed_scaling: float = 1.0  # × the chosen experts' weights, after norm_topk_prob (routed_scaling_factor)
+    selection_bias: bool = False  # a per-expert bias on the scores for choosing only (e_score_correction_bias)
     # Layers that differ: layer i is of kind layer_pattern[i % len]. The stack scans over periods of the
     # pattern (`Period`), so each kind compiles once. (): every layer alike (`sliding_window`, experts or not).
     layer_pattern: tuple[LayerKind, ...] = ()
+    # The first len(layer_prefix) layers, of these kinds, before the periods (DeepSeek-V3's 3 dense layers); n_layers
+    # counts them. They stack apart (`Transformer.lead`), each kind compiled once where they are alike.
+    layer_prefix: tuple[LayerKind, ...] = ()
+    rotary_dims: int = 0  # the leading dims of each query and key head that rotate (GLM-4.5: half); 0: all
+    # Multi-head latent attention (DeepSeek: `models/latent_attention.py`) where kv_lora_rank > 0: K and V from
+    # a latent of kv_lora_rank per token; the query direct (q_lora_rank 0) or through a latent of q_lora_rank
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 0  # a head's key and query width without positions …
+    qk_rope_head_dim: int = 0  # … and with them (one rotary key shared by the heads)
+    v_head_dim: int = 0  # a head's value width
+    mtp_depth: int = 0  # D multi-token prediction modules after the stack (DeepSeek-V3: 1; `models/mtp.py`)
 
     def __post_init__(self):
         for name in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "max_seq_len"):
@@ -114,7 +133,16 @@ class TransformerConfig:
         if self.n_heads % self.n_kv_heads:
             raise InputError(f"model.n_heads = {self.n_heads} is not divisible by "
                              f"model.n_kv_heads = {self.n_kv_heads} (grouped-query attention)")
-        if self.head_size % 2:
+        if self.mtp_depth < 0:
+            raise InputError(f"model.mtp_depth = {self.mtp_depth} must be >= 0 (0: no multi-token prediction)")
+        if self.kv_lora_rank < 0:
+            raise InputError(f"model.kv_lora_rank = {self.kv_lora_rank} must be >= 0 (0: no latent attention)")
+        if not 0 <= self.rotary_dims <= self.head_size or self.rotary_dims % 2:
+            raise InputError(f"model.rotary_dims = {self.rotary_dims} must be even, between 0 (every dim) and the "
+                             f"head size {self.head_size}")
+        if self.kv_lora_rank:
+            latent_attention.check(self)
+        elif self.head_size % 2:
             raise InputError(f"head dim {self.head_size} must be even for rotary positions")
         if self.mlp_activation not in ACTIVATIONS:
             raise InputError(f"model.mlp_activation = '{self.mlp_activation}' is not one of {', '.join(ACTIVATIONS)}")
@@ -136,27 +164,53 @@ class TransformerConfig:
         if self.n_experts and not 1 <= self.experts_per_token <= self.n_experts:
             raise InputError(f"model.experts_per_token = {self.experts_per_token} must be between 1 and "
                              f"model.n_experts = {self.n_experts}")
+        if self.n_experts:
+            self._check_routing()
         self._check_pattern()
 
+    def _check_routing(self):
+        E, G, k = self.n_experts, self.expert_groups, self.experts_per_token
+        if self.router_score not in moe.SCORES:
+            raise InputError(f"model.router_score = '{self.router_score}' is not one of {', '.join(moe.SCORES)}")
+        if G < 1 or E % G:
+            raise InputError(f"model.expert_groups = {G} must be >= 1 and divide model.n_experts = {E}")
+        if G > 1 and E // G < 2:
+            raise InputError(f"model.expert_groups = {G} leaves groups of {E // G} expert: a group scores its two "
+                             f"best, so it needs at least 2 (model.n_experts = {E})")
+        if not 1 <= self.topk_groups <= G:
+            raise InputError(f"model.topk_groups = {self.topk_groups} must be between 1 and model.expert_groups = {G}")
+        if k > self.topk_groups * (E // G):
+            raise InputError(f"model.experts_per_token = {k} is more than the {self.topk_groups * (E // G)} experts "
+                             f"of model.topk_groups = {self.topk_groups} groups of {E // G}")
+        if not self.routed_scaling > 0:
+            raise InputError(f"model.routed_scaling = {self.routed_scaling} must be > 0")
+
     def _check_pattern(self):
-        if not self.layer_pattern:
-            return
-        if self.sliding_window:
-            raise InputError(f"model.sliding_window = {self.sliding_window} is every layer's window: with "
-                             f"model.layer_pattern each kind gives its own (LayerKind.window)")
-        if self.n_layers % len(self.layer_pattern):
-            raise InputError(f"model.n_layers = {self.n_layers} is not a whole number of model.layer_pattern's "
-                             f"periods of {len(self.layer_pattern)} layers")
-        for j, kind in enumerate(self.layer_pattern):
-            if kind.window < 0:
-                raise InputError(f"model.layer_pattern[{j}].window = {kind.window} must be >= 0 (0: full attention)")
-            if kind.dense and not self.n_experts:
-                raise InputError(f"model.layer_pattern[{j}].dense = true: every layer is dense already "
-                                 f"(model.n_experts = 0)")
+        for name in ("layer_pattern", "layer_prefix"):
+            if self.sliding_window and getattr(self, name):
+                raise InputError(f"model.sliding_window = {self.sliding_window} is every layer's window: with "
+                                 f"model.{name} each kind gives its own (LayerKind.window)")
+            for j, kind in enumerate(getattr(self, name)):
+                if kind.window < 0:
+                    raise InputError(f"model.{name}[{j}].window = {kind.window} must be >= 0 (0: full attention)")
+                if kind.dense and not self.n_experts:
+                    raise InputError(f"model.{name}[{j}].dense = true: every layer is dense already "
+                                     f"(model.n_experts = 0)")
+        stacked = self.n_layers - len(self.layer_prefix)
+        if stacked < 1:
+            raise InputError(f"model.n_layers = {self.n_layers} leaves no layer after model.layer_prefix's "
+                             f"{len(self.layer_prefix)}: the stack needs at least one")
+        if stacked % len(self.kinds):
+            prefix = f" less model.layer_prefix's {len(self.layer_prefix)}" if self.layer_prefix else ""
+            raise InputError(f"model.n_layers = {self.n_layers}{prefix} is not a whole number of "
+                             f"model.layer_pattern's periods of {len(self.kinds)} layers")
 
     @property
     def head_size(self) -> int:
-        """H: `head_dim`, or d_model / n_heads where it is 0."""
+        """H: a query's and a key's width: `head_dim`, or d_model / n_heads where it is 0; with latent
+        attention qk_nope_head_dim + qk_rope_head_dim."""
+        if self.kv_lora_rank:
+            return self.qk_nope_head_dim + self.qk_rope_head_dim
         return self.head_dim or self.d_model // self.n_heads
 
     @property
@@ -170,15 +224,23 @@ class TransformerConfig:
         return self.layer_pattern or (LayerKind(window=self.sliding_window),)
 
     @property
+    def lead_kinds(self) -> tuple[LayerKind, ...]:
+        """One entry of the `layer_prefix`'s stack: its one kind where its layers are alike (the stack holds
+        len(layer_prefix) of them), else all its kinds in turn (the stack holds one)."""
+        alike = all(kind == self.layer_prefix[0] for kind in self.layer_prefix)
+        return self.layer_prefix[:1] if alike else self.layer_prefix
+
+    @property
     def periods(self) -> int:
         """How many periods of the pattern the stack holds: the length of its `layers` axis."""
-        return self.n_layers // len(self.kinds)
+        return (self.n_layers - len(self.layer_prefix)) // len(self.kinds)
 
     @classmethod
     def from_dict(cls, fields: dict) -> TransformerConfig:
         """The config `dataclasses.asdict` wrote (a saved run's); fields it lacks keep their defaults."""
         return cls(**{**fields, "rope_scaling": rope.RopeScaling(**fields.get("rope_scaling", {})),
-                      "layer_pattern": tuple(LayerKind.from_dict(k) for k in fields.get("layer_pattern", ()))})
+                      **{name: tuple(LayerKind.from_dict(k) for k in fields.get(name, ()))
+                         for name in ("layer_pattern", "layer_prefix")}})
 
 
 def _clamped_swiglu(gate, up, alpha: float, limit: float):
@@ -214,11 +276,12 @@ def _param(rngs: nnx.Rngs, shape: tuple[int, ...], logical: tuple[str, ...], std
 
 
 class RMSNorm(nnx.Module):
-    """x / rms(x) · scale over the last axis: the residual stream's `embed` (D), or a head's `head_dim` (H);
+    """x / rms(x) · scale over the last axis: the residual stream's `embed` (D), a head's `head_dim` (H), or
+    another of `size` (latent attention's latents);
     with `norm_plus_one`, · (1 + scale), the scale starting at 0."""
 
-    def __init__(self, cfg: TransformerConfig, dtype: jnp.dtype, axis: str = "embed"):
-        size = cfg.d_model if axis == "embed" else cfg.head_size
+    def __init__(self, cfg: TransformerConfig, dtype: jnp.dtype, axis: str | None = "embed", size: int = 0):
+        size = size or (cfg.d_model if axis == "embed" else cfg.head_size)
         self.plus_one = float(cfg.norm_plus_one)
         self.scale = nnx.Param(jnp.full((size,), 1.0 - self.plus_one, jnp.float32), out_sharding=(axis,))
         self.eps, self.dtype = cfg.norm_eps, dtype
@@ -299,7 +362,7 @@ class Attention(nnx.Module):
                                       ((q_BTNH, self.q_bias_NH), (k_BTKH, self.k_bias_KH), (v_BTKH, self.v_bias_KH)))
         if cfg.qk_norm:
             q_BTNH, k_BTKH = self.q_norm(q_BTNH), self.k_norm(k_BTKH)
-        rotate = lambda x_BTXH: rope.rotate(x_BTXH, positions, *self.rope)
+        rotate = lambda x_BTXH: rope.rotate(x_BTXH, positions, *self.rope, cfg.rotary_dims)
         q_BTNH = rotate(q_BTNH)
         if cfg.query_scale and cfg.query_scale != cfg.head_size:  # the kernels divide by √H
             q_BTNH = q_BTNH * jnp.asarray(math.sqrt(cfg.head_size / cfg.query_scale), q_BTNH.dtype)
@@ -343,7 +406,9 @@ class MoE(nnx.Module):
     """A mixture of SwiGLU experts: a router sends each token to its top-k experts (`meshpar.moe.routing`),
     which run where the mesh keeps them (`meshpar.moe.dispatch`); shared experts, if any, see every token, their
     output weighed per token by sigmoid(x · w_shared_gate) with `shared_expert_gate`; with `moe_bias`, biases on
-    the router's logits and in the experts. Returns the output and this layer's router statistics."""
+    the router's logits and in the experts; with `selection_bias`, loss-free balancing's per-expert bias on the
+    choice (`moe.SelectionBias`, its "gradient" this layer's loads). Returns the output and this layer's router
+    statistics."""
 
     def __init__(self, cfg: TransformerConfig, dtype: jnp.dtype, rngs: nnx.Rngs,
                  adapters: lora.LoraConfig | None = None):
@@ -359,6 +424,8 @@ class MoE(nnx.Module):
             self.router_bias_E = zeros((E,), (None,))
             self.gate_bias_EF, self.up_bias_EF = zeros((E, F), moe.GATE_UP_BIAS), zeros((E, F), moe.GATE_UP_BIAS)
             self.down_bias_ED = zeros((E, D), moe.DOWN_BIAS)
+        if cfg.selection_bias:  # float32, replicated: E numbers a layer
+            self.selection_bias_E = moe.SelectionBias(jnp.zeros((E,), jnp.float32), out_sharding=(None,))
         if cfg.n_shared_experts:
             self.shared = MLP(cfg, dtype, rngs, width=cfg.n_shared_experts * F, adapters=adapters)
         if cfg.shared_expert_gate:  # [D, 1]: one logit per token
@@ -373,7 +440,10 @@ class MoE(nnx.Module):
         if self.cfg.moe_bias:
             logits_BTE = logits_BTE + gathered(self.router_bias_E, jnp.float32)
             biases = (cast(self.gate_bias_EF), cast(self.up_bias_EF), cast(self.down_bias_ED))
-        routes = moe.route(logits_BTE, self.cfg.experts_per_token, self.cfg.norm_topk_prob)
+        cfg = self.cfg
+        bias_E = gathered(self.selection_bias_E, jnp.float32) if cfg.selection_bias else None
+        routes = moe.route(logits_BTE, cfg.experts_per_token, cfg.norm_topk_prob, cfg.router_score, cfg.expert_groups,
+                           cfg.topk_groups, cfg.routed_scaling, bias_E)
         experts = (lora.weight(self, w, self.dtype) for w in ("w_gate_EDF", "w_up_EDF", "w_down_EFD"))
         y_BTD, dropped_B = moe.experts_ffn(x_BTD, routes.experts_BTk, routes.weights_BTk, *experts, moe.capacity(),
                                            biases=biases, gated=gated_unit(self.cfg))
@@ -382,11 +452,13 @@ class MoE(nnx.Module):
             if self.cfg.shared_expert_gate:
                 shared_BTD = jax.nn.sigmoid(x_BTD @ cast(self.w_shared_gate_D1)) * shared_BTD
             y_BTD = y_BTD + shared_BTD
+        if cfg.selection_bias:
+            y_BTD = moe.with_loads(y_BTD, bias_E, routes.stats.counts_BE)
         return y_BTD, routes.stats._replace(dropped_B=dropped_B)
 
 
 # A MoE block's router statistics: per row, as the batch.
-ROUTER_STATS = moe.RouterStats(("batch", None), ("batch", None), ("batch",), ("batch",))
+ROUTER_STATS = moe.RouterStats(("batch", None), ("batch", None), ("batch",), ("batch",), ("batch",))
 
 
 class Block(nnx.Module):
@@ -398,7 +470,8 @@ class Block(nnx.Module):
                  adapters: lora.LoraConfig | None = None):
         kind = kind or cfg.kinds[0]
         self.attn_norm = RMSNorm(cfg, dtype)
-        self.attn = Attention(cfg, dtype, rngs, kind, adapters)
+        attention = latent_attention.LatentAttention if cfg.kv_lora_rank else Attention
+        self.attn = attention(cfg, dtype, rngs, kind, adapters)
         self.mlp_norm = RMSNorm(cfg, dtype)
         self.mlp = (MoE(cfg, dtype, rngs, adapters) if cfg.n_experts and not kind.dense else
                     MLP(cfg, dtype, rngs, adapters=adapters))
@@ -431,13 +504,15 @@ class Block(nnx.Module):
 
 
 class Period(nnx.Module):
-    """One period of `layer_pattern`: a block of each kind in turn (`layer0`, `layer1`, …), the unit the stack
-    scans and a pipeline's stages hold whole. Its KV caches are a tuple, one per kind."""
+    """One period of `layer_pattern` (or the `kinds` given: a `layer_prefix` whose kinds differ): a block of
+    each kind in turn (`layer0`, `layer1`, …), the unit the stack scans and a pipeline's stages hold whole.
+    Its KV caches are a tuple, one per kind."""
 
     def __init__(self, cfg: TransformerConfig, dtype: jnp.dtype, rngs: nnx.Rngs,
-                 adapters: lora.LoraConfig | None = None):
-        self.size = len(cfg.layer_pattern)
-        for j, kind in enumerate(cfg.layer_pattern):
+                 adapters: lora.LoraConfig | None = None, kinds: tuple[LayerKind, ...] = ()):
+        kinds = kinds or cfg.layer_pattern
+        self.size = len(kinds)
+        for j, kind in enumerate(kinds):
             setattr(self, f"layer{j}", Block(cfg, dtype, rngs, kind, adapters))
 
     def blocks(self) -> list[Block]:
@@ -458,25 +533,52 @@ class Period(nnx.Module):
         return x_BTD, tuple(ks), tuple(vs)
 
 
+def _cached_scan(stack: nnx.Module, x_BTD: jax.Array, positions_T: jax.Array, k_LBSKH, v_LBSKH):
+    """`x_BTD` through each entry of a stack by its `cached` (decoding), its caches [L, ...] beside it."""
+    graphdef, stacked = nnx.split(stack)
+
+    def one_layer(x_BTD, layer):
+        block, k_BSKH, v_BSKH = layer
+        x_BTD, k_BSKH, v_BSKH = nnx.merge(graphdef, block).cached(x_BTD, positions_T, k_BSKH, v_BSKH)
+        return x_BTD, (k_BSKH, v_BSKH)
+
+    x_BTD, (k_LBSKH, v_LBSKH) = jax.lax.scan(one_layer, x_BTD, (stacked, k_LBSKH, v_LBSKH))
+    return x_BTD, k_LBSKH, v_LBSKH
+
+
+def _stacked(make: Callable[[nnx.Rngs], nnx.Module], count: int, axis: str) -> Callable[[nnx.Rngs], nnx.Module]:
+    """`rngs →` `count` modules of `make` stacked along a leading axis of logical name `axis`."""
+
+    @nnx.split_rngs(splits=count)
+    @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: axis})
+    def stacked(rngs: nnx.Rngs) -> nnx.Module:
+        return make(rngs)
+
+    return stacked
+
+
 class Transformer(nnx.Module):
-    """The model; with `adapters`, LoRA adapters on the weights they target (`meshpar.lora`)."""
+    """The model; with `adapters`, LoRA adapters on the weights they target (`meshpar.lora`). With a
+    `layer_prefix`, its layers (`lead`, stacked on `lead_layers`) run before the stack (`blocks`); with
+    `mtp_depth`, the multi-token prediction modules (`mtp`, on `mtp_layers`) after it, for training only."""
 
     def __init__(self, cfg: TransformerConfig, *, dtype: jnp.dtype = jnp.float32, rngs: nnx.Rngs,
                  adapters: lora.LoraConfig | None = None):
         if adapters is not None and "experts" in adapters.targets and not cfg.n_experts:
             raise InputError("train.lora_targets names experts, and this model has none (model.n_experts = 0)")
+        latent_attention.check_adapters(cfg, adapters)
         self.cfg, self.dtype = cfg, dtype
         self.embed_VD = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), 1.0)
-
-        @nnx.split_rngs(splits=cfg.periods)
-        @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
-        def stacked_blocks(rngs: nnx.Rngs) -> Block | Period:
-            if cfg.layer_pattern:
-                return Period(cfg, dtype, rngs, adapters)
-            return Block(cfg, dtype, rngs, adapters=adapters)
-
-        self.blocks = stacked_blocks(rngs)
+        if cfg.layer_prefix:  # its own stack, on an axis no pipeline stage splits (`meshpar.layers.lead`)
+            lead = cfg.lead_kinds
+            self.lead = _stacked(lambda r: Block(cfg, dtype, r, lead[0], adapters) if len(lead) == 1 else
+                                 Period(cfg, dtype, r, adapters, lead), len(cfg.layer_prefix) // len(lead),
+                                 "lead_layers")(rngs)
+        self.blocks = _stacked(lambda r: Period(cfg, dtype, r, adapters) if cfg.layer_pattern else
+                               Block(cfg, dtype, r, adapters=adapters), cfg.periods, "layers")(rngs)
         self.final_norm = RMSNorm(cfg, dtype)
+        if cfg.mtp_depth:  # after the stack, on `mtp_layers`; never in `decode`
+            self.mtp = mtp.stack(cfg, dtype, rngs, adapters)
         if not cfg.tie_embeddings:
             self.head_DV = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.d_model**-0.5)
 
@@ -518,13 +620,41 @@ class Transformer(nnx.Module):
                              segments_BT: jax.Array | None = None) -> tuple[jax.Array, moe.RouterStats | None]:
         """`hidden_states`, and the router statistics of the MoE layers summed over them (None: dense),
         from which the training loss takes its load-balancing and z losses (`meshpar.moe.routing`)."""
+        x_BTD, stats = self._trunk(tokens_BT, positions, segments_BT)
+        return self.final_norm(x_BTD), stats
+
+    def mtp_hidden_states(self, tokens_BT: jax.Array, positions: jax.Array, mtp_tokens_KBT: jax.Array,
+                          segments_BT: jax.Array | None = None
+                          ) -> tuple[jax.Array, jax.Array, moe.RouterStats | None]:
+        """`routed_hidden_states`' final-norm output and statistics, with the multi-token prediction modules'
+        outputs [K, B, T, D] between (`models.mtp`; their router statistics added): module k takes, at each
+        position, the token k ahead of it, `mtp_tokens_KBT[k - 1]`."""
+        x_BTD, stats = self._trunk(tokens_BT, positions, segments_BT)
+        positions, segments_BT = self._per_row(tokens_BT, positions, segments_BT)
+        e_KBTD = jnp.stack([self.embed(tokens_BT) for tokens_BT in mtp_tokens_KBT])
+        out_KBTD, stats = mtp.hidden_states(self.mtp, x_BTD, e_KBTD, positions, segments_BT, stats)
+        return self.final_norm(x_BTD), out_KBTD, stats
+
+    @property
+    def mtp_depth(self) -> int:
+        """D: the multi-token prediction modules the training loss runs (`models.mtp`)."""
+        return self.cfg.mtp_depth
+
+    def _per_row(self, tokens_BT: jax.Array, positions: jax.Array | None, segments_BT: jax.Array | None):
+        """(positions, segments) as the blocks take them: [T] from 0 where not given; with documents laid out
+        like the tokens."""
         if positions is None:
             positions = jnp.arange(tokens_BT.shape[1])
         if segments_BT is not None:  # per row: laid out like the tokens
             positions, segments_BT = (constrain(x_BT, ("batch", "seq")) for x_BT in (positions, segments_BT))
-        carry = layers.scan(self.blocks, self.stack_input(tokens_BT), positions, segments_BT)
-        x_BTD, stats = carry if self.cfg.n_experts else (carry, None)
-        return self.final_norm(x_BTD), stats
+        return positions, segments_BT
+
+    def _trunk(self, tokens_BT: jax.Array, positions: jax.Array | None, segments_BT: jax.Array | None
+               ) -> tuple[jax.Array, moe.RouterStats | None]:
+        """The stack's output [B, T, D] before the final norm, and the router statistics (None: dense)."""
+        positions, segments_BT = self._per_row(tokens_BT, positions, segments_BT)
+        carry = layers.scan(self.blocks, self.stack_input(tokens_BT, positions, segments_BT), positions, segments_BT)
+        return carry if self.cfg.n_experts else (carry, None)
 
     def embed(self, tokens_BT: jax.Array) -> jax.Array:
         """The token embeddings `[B, T, D]`: the residual stream entering the first block."""
@@ -533,41 +663,63 @@ class Transformer(nnx.Module):
             x_BTD = x_BTD * jnp.asarray(math.sqrt(self.cfg.d_model), self.dtype)
         return constrain(x_BTD, RESIDUAL)
 
-    def stack_input(self, tokens_BT: jax.Array) -> jax.Array | tuple[jax.Array, moe.RouterStats]:
-        """What the first block takes: the embeddings, and for a mixture of experts zero router statistics."""
-        x_BTD = self.embed(tokens_BT)
-        if not self.cfg.n_experts:
-            return x_BTD
-        return x_BTD, jax.tree.map(constrain, moe.RouterStats.zeros(tokens_BT.shape[0], self.cfg.n_experts),
-                                   ROUTER_STATS)
+    def stack_input(self, tokens_BT: jax.Array, positions: jax.Array | None = None,
+                    segments_BT: jax.Array | None = None) -> jax.Array | tuple[jax.Array, moe.RouterStats]:
+        """What the first block of the stack takes: the embeddings, for a mixture of experts with zero router
+        statistics, through the `layer_prefix`'s layers where there are some (at `positions`, with
+        `segments_BT` as `routed_hidden_states` takes them)."""
+        carry = self.embed(tokens_BT)
+        if self.cfg.n_experts:
+            carry = carry, jax.tree.map(constrain, moe.RouterStats.zeros(tokens_BT.shape[0], self.cfg.n_experts),
+                                        ROUTER_STATS)
+        if not self.cfg.layer_prefix:
+            return carry
+        positions = jnp.arange(tokens_BT.shape[1]) if positions is None else positions
+        return layers.lead(self.lead, carry, positions, segments_BT)
 
     def init_cache(self, batch: int, length: int):
         """Empty key and value caches [L, B, S, K, H] for `length` positions, in the compute dtype: S = length,
         or with a sliding window W the W − 1 latest positions (a query's own key comes with it: `cached`).
-        With `layer_pattern`, a tuple of them, one per kind, each [L / period, B, S of its kind, K, H]."""
+        With `layer_pattern`, a tuple of them, one per kind, each [L / period, B, S of its kind, K, H].
+        With latent attention the "key" cache holds the latents [L, B, S, 1, C] and the "value" cache the
+        rotary keys [L, B, S, 1, Hr] (`models.latent_attention`). With `layer_prefix`, a pair of them: the
+        prefix's (`lead`: [its entries, ...], a tuple per kind where its kinds differ) and the stack's."""
         cfg = self.cfg
 
-        def cache(kind: LayerKind) -> jax.Array:
+        def cache(kind: LayerKind, width: int, count: int, axis: str) -> jax.Array:
             S = min(length, kind.window - 1) if kind.window > 1 else length
-            zeros = jnp.zeros((cfg.periods, batch, S, cfg.n_kv_heads, cfg.head_size), self.dtype)
-            return constrain(zeros, ("layers", *CACHE))
+            if cfg.kv_lora_rank:
+                return constrain(jnp.zeros((count, batch, S, 1, width), self.dtype),
+                                 (axis, *latent_attention.LATENT_CACHE[1:]))
+            zeros = jnp.zeros((count, batch, S, cfg.n_kv_heads, width), self.dtype)
+            return constrain(zeros, (axis, *CACHE))
 
-        if not cfg.layer_pattern:
-            return cache(cfg.kinds[0]), cache(cfg.kinds[0])
-        return tuple(map(cache, cfg.kinds)), tuple(map(cache, cfg.kinds))
+        def caches(width: int):  # per stack: one cache of its Blocks, or a tuple per kind of its Periods
+            each = [tuple(cache(kind, width, count, axis) for kind in kinds) if period else
+                    cache(kinds[0], width, count, axis) for kinds, count, axis, period in self._stacks()]
+            return tuple(each) if cfg.layer_prefix else each[0]
+
+        k_width, v_width = (cfg.kv_lora_rank, cfg.qk_rope_head_dim) if cfg.kv_lora_rank else (cfg.head_size,) * 2
+        return caches(k_width), caches(v_width)
+
+    def _stacks(self) -> list[tuple[tuple[LayerKind, ...], int, str, bool]]:
+        """(an entry's kinds, entries, the stacked axis, whether an entry is a Period) of `lead` (with a
+        `layer_prefix`) and `blocks`, in the order they run."""
+        cfg, lead = self.cfg, self.cfg.lead_kinds
+        prefix = [(lead, len(cfg.layer_prefix) // len(lead), "lead_layers", len(lead) > 1)] if cfg.layer_prefix else []
+        return [*prefix, (cfg.kinds, cfg.periods, "layers", bool(cfg.layer_pattern))]
 
     def decode(self, tokens_BT: jax.Array, positions_T: jax.Array, k_LBSKH, v_LBSKH):
         """Logits [B, T, V] of T new tokens at positions (contiguous), attending over the KV caches
         (`init_cache`'s) and everything before them; returns the caches with the new positions written in."""
-        x_BTD = self.embed(tokens_BT)
-        graphdef, stacked = nnx.split(self.blocks)
-
-        def one_layer(x_BTD, layer):
-            block, k_BSKH, v_BSKH = layer
-            x_BTD, k_BSKH, v_BSKH = nnx.merge(graphdef, block).cached(x_BTD, positions_T, k_BSKH, v_BSKH)
-            return x_BTD, (k_BSKH, v_BSKH)
-
-        x_BTD, (k_LBSKH, v_LBSKH) = jax.lax.scan(one_layer, x_BTD, (stacked, k_LBSKH, v_LBSKH))
+        x_BTD, prefix = self.embed(tokens_BT), bool(self.cfg.layer_prefix)
+        stacks = (self.lead, self.blocks) if prefix else (self.blocks,)
+        ks, vs = [], []
+        for stack, k_LBSKH, v_LBSKH in zip(stacks, *((k_LBSKH, v_LBSKH) if prefix else ((k_LBSKH,), (v_LBSKH,)))):
+            x_BTD, k_LBSKH, v_LBSKH = _cached_scan(stack, x_BTD, positions_T, k_LBSKH, v_LBSKH)
+            ks.append(k_LBSKH)
+            vs.append(v_LBSKH)
+        k_LBSKH, v_LBSKH = (tuple(ks), tuple(vs)) if prefix else (ks[0], vs[0])
         return logits(self.final_norm(x_BTD), self.output_head(), self.logit_softcap), k_LBSKH, v_LBSKH
 
     @property

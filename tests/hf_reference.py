@@ -83,8 +83,9 @@ def save_random(directory: str, model_type: str, fields: dict, seed: int, dtype:
                 max_shard_size: str | None = None) -> None:
     """A `model_type` causal LM (`AutoModelForCausalLM.from_config`) with weights far from transformers'
     init, so that attention, rotary positions, norm scales and biases all shape the logits: every parameter
-    with "norm" in its name uniform in [0.5, 1.5], embeddings std 1, every other matrix and bias std 0.2;
-    saved as safetensors in `dtype` (sharded with an index when `max_shard_size` asks for it)."""
+    with "norm" in its name uniform in [0.5, 1.5], embeddings std 1, every other matrix and bias std 0.2, and
+    DeepSeek's router selection biases (buffers) std 0.2; saved as safetensors in `dtype` (sharded with an index
+    when `max_shard_size` asks for it)."""
     import torch
     import transformers
 
@@ -97,8 +98,45 @@ def save_random(directory: str, model_type: str, fields: dict, seed: int, dtype:
                 p.uniform_(0.5, 1.5)
             else:
                 p.normal_(0.0, 1.0 if "embed" in name else 0.2)
+        for name, b in model.named_buffers():  # DeepSeek's router selection bias, 0 at init, steers the routes
+            if name.endswith("e_score_correction_bias"):
+                b.normal_(0.0, 0.2)
     model = model.to(getattr(torch, dtype))
     model.save_pretrained(directory, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+
+
+def save_fp8_blocks(directory: str, out: str, block: int) -> None:
+    """DeepSeek's FP8 checkpoint of the float32 one in `directory`, written to `out`: every linear layer's weight
+    but the router's and the head (as DeepSeek-V3's) as float8 e4m3 in `block` × `block` blocks, each scaled by
+    its amax / 448 (`<name>_scale_inv`), with config.json's quantization_config; `directory`'s weights are then
+    replaced by the dequantised ones, so that transformers computes the model `out` holds."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(f"{directory}/model.safetensors")
+    quantised, dequantised = {}, {}
+    for name, w in weights.items():
+        if w.ndim != 2 or not name.endswith("proj.weight") and not name.endswith("_mqa.weight"):
+            quantised[name] = dequantised[name] = w
+            continue
+        rows, cols = -(-w.shape[0] // block), -(-w.shape[1] // block)
+        padded = torch.zeros(rows * block, cols * block)
+        padded[:w.shape[0], :w.shape[1]] = w
+        amax = padded.reshape(rows, block, cols, block).abs().amax(dim=(1, 3)).clamp(min=1e-12)
+        scale = amax / 448.0
+        expand = lambda x: x.repeat_interleave(block, 0).repeat_interleave(block, 1)[:w.shape[0], :w.shape[1]]
+        codes = (w / expand(scale)).to(torch.float8_e4m3fn)
+        quantised[name], quantised[name + "_scale_inv"] = codes, scale.contiguous()
+        dequantised[name] = codes.float() * expand(scale)
+    shutil.copytree(directory, out)
+    save_file(quantised, f"{out}/model.safetensors", metadata={"format": "pt"})
+    save_file(dequantised, f"{directory}/model.safetensors", metadata={"format": "pt"})
+    config = json.loads(open(f"{out}/config.json").read())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": [block, block]}
+    open(f"{out}/config.json", "w").write(json.dumps(config))
 
 
 def _load(directory: str, adapter: str | None = None):
@@ -139,6 +177,28 @@ def logits(directory: str, tokens: list, adapter: str | None = None) -> list:
 
     with torch.no_grad():
         return _load(directory, adapter)(torch.tensor(tokens)).logits.float().numpy().tolist()
+
+
+def mtp_logits(directory: str, tokens: list) -> list:
+    """transformers' float32 logits [B, T, V] of the first multi-token prediction module (`MtpModel`: the
+    checkpoint's layer n_layers) for int tokens [B, T + 1]: at position i (rotary position i) from the main
+    model's last layer's output there, before its final norm (taken by a hook), and the token t_{i+1}."""
+    import torch
+    from transformers.modeling_layers import MtpModel
+
+    model = _load(directory)
+    # transformers finds the MTP layer by DeepSeek-V3's number, 61: point it at this checkpoint's
+    model._keys_to_ignore_on_load_unexpected = [rf"model\.layers\.{model.config.num_hidden_layers}\..*"]
+    mtp = MtpModel.from_pretrained(model).eval()
+    inputs, captured = torch.tensor(tokens), []
+    hook = model.model.layers[-1].register_forward_hook(
+        lambda module, args, out: captured.append(out[0] if isinstance(out, tuple) else out))
+    with torch.no_grad():
+        model(inputs[:, :-1])
+        hook.remove()
+        positions = torch.arange(inputs.shape[1] - 1)[None].expand(inputs.shape[0], -1)
+        hidden = mtp.forward_layer(0, captured[0], positions, None, input_ids=inputs[:, 1:])
+        return mtp._project_to_logits(hidden).float().numpy().tolist()
 
 
 def greedy(directory: str, prompt: list, new_tokens: int) -> list:
@@ -285,19 +345,22 @@ def _loss(model, inputs, labels, aux_coef: float | None, pools: int = 1):
     return loss + aux_coef * sum(pooled) / pools
 
 
-def save_gradients(directory: str, tokens: list, aux_coef: float | None, out_dir: str) -> float:
+def save_gradients(directory: str, tokens: list, aux_coef: float | None, out_dir: str,
+                   adapter: str | None = None) -> float:
     """The loss of the model in `directory` on int tokens [B, T + 1] as `train_losses` takes a step's (no
     update), float32; its gradient, in place of each parameter, saved in `out_dir` as the model's own
-    checkpoint would be (save_pretrained: the Hub's tensor names and layouts, the experts one by one)."""
+    checkpoint would be (save_pretrained: the Hub's tensor names and layouts, the experts one by one). With
+    `adapter`, PEFT's LoRA model of it (`_load`): the adapters' gradients, saved as PEFT saves adapters."""
     import torch
 
-    model = _load(directory).train()
+    model = _load(directory, adapter).train()
     tokens = torch.tensor(tokens)
     loss = _loss(model, tokens[:, :-1], tokens[:, 1:], aux_coef)
     loss.backward()
     with torch.no_grad():
         for p in model.parameters():
-            p.copy_(p.grad)
+            if p.requires_grad:  # a LoRA model's base is frozen
+                p.copy_(p.grad)
     model.save_pretrained(out_dir)
     return loss.item()
 
@@ -337,8 +400,8 @@ def save_mxfp4(directory: str, packed_dir: str, dequantized_dir: str, seed: int)
         json.dump(config, f, indent=2)
 
 
-FUNCTIONS = {f.__name__: f for f in (hf_config, save_random, train_losses, save_gradients, logits, greedy,
-                                     describe, save_mxfp4, save_peft, dpo_steps)}
+FUNCTIONS = {f.__name__: f for f in (hf_config, save_random, train_losses, save_gradients, logits, mtp_logits, greedy,
+                                     describe, save_mxfp4, save_fp8_blocks, save_peft, dpo_steps)}
 
 
 @contextlib.contextmanager

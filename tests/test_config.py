@@ -178,16 +178,24 @@ def abstract_param_count(cfg: TransformerConfig) -> int:
 def formula_param_count(cfg: TransformerConfig) -> int:
     D, N, K, H, F, V, L = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_size, cfg.d_ff, cfg.vocab_size,
                            cfg.n_layers)
-    mlp = 3 * D * F
-    if cfg.n_experts:  # the router, the experts, the shared experts
-        mlp = D * cfg.n_experts + (cfg.n_experts + cfg.n_shared_experts) * 3 * D * cfg.expert_width
+    dense = 3 * D * F
+    mlp = dense
+    if cfg.n_experts:  # the router (and its selection bias), the experts, the shared experts
+        mlp = (D + cfg.selection_bias) * cfg.n_experts + (cfg.n_experts + cfg.n_shared_experts) * 3 * D * cfg.expert_width
         mlp += D * cfg.shared_expert_gate  # Qwen2-MoE's gate of the shared experts: one logit per token
-    per_layer = D * N * H + 2 * D * K * H + N * H * D + mlp + 2 * D
+    attention = D * N * H + 2 * D * K * H + N * H * D
+    if cfg.kv_lora_rank:  # latent attention: the query direct or through its latent, the kv latent and rotary key, o
+        C, R, Hr, Hv = cfg.kv_lora_rank, cfg.q_lora_rank, cfg.qk_rope_head_dim, cfg.v_head_dim
+        attention = ((D * R + R + R * N * H) if R else D * N * H) + D * (C + Hr) + C + C * N * (
+            cfg.qk_nope_head_dim + Hv) + N * Hv * D
+    per_layer = attention + 2 * D
     per_layer += (N + 2 * K) * H * cfg.qkv_bias + 2 * H * cfg.qk_norm  # Qwen 2's biases, Qwen 3's q/k norm scales
     per_layer += 2 * D * cfg.sandwich_norms  # Gemma's norms of the sublayers' outputs
     per_layer += D * cfg.o_bias + N * cfg.attn_sinks  # gpt-oss's o bias and sinks …
     per_layer += cfg.n_experts * (1 + 2 * cfg.expert_width + D) * cfg.moe_bias  # … and its router's and experts' biases
-    return V * D * (1 if cfg.tie_embeddings else 2) + L * per_layer + D
+    kinds = [*cfg.layer_prefix, *cfg.kinds * cfg.periods]  # each layer's MLP: dense where its kind says
+    mlps = sum(dense if kind.dense or not cfg.n_experts else mlp for kind in kinds)
+    return V * D * (1 if cfg.tie_embeddings else 2) + L * per_layer + mlps + D
 
 
 @pytest.mark.parametrize("name", [*configs.names(), "tiny_moe with a gated shared expert"])
@@ -206,9 +214,21 @@ def test_param_count_matches_the_formula(name):
     ("mixtral_8x7b", 46.70e9, 0.001), ("qwen3_30b_a3b", 30.53e9, 0.001),  # mixtures of experts: every expert counted
     ("gpt_oss_20b", 20.91e9, 0.001),  # gpt-oss's model card: 20.91B, its biases and sinks included
     ("gemma3_12b", 11.77e9, 4e-4),  # the README's figure, to its two decimals (Gemma 3 12B's text decoder alone)
+    # DeepSeek-V3's architecture, the model cards' sizes: 671B, 1T (1.026T), 16B (15.96B)
+    ("deepseek_v3", 671e9, 1e-3), ("kimi_k2", 1.03e12, 5e-3), ("moonlight_16b_a3b", 16e9, 5e-3),
 ])
 def test_param_count_of_the_named_shapes(name, expected, rel):
     assert abstract_param_count(configs.load(name).model) == pytest.approx(expected, rel=rel)
+
+
+@pytest.mark.parametrize(("name", "active"), [("deepseek_v3", 37e9), ("kimi_k2", 32e9), ("moonlight_16b_a3b", 3e9)])
+def test_active_params_of_deepseeks_architecture(name, active):
+    """The parameters a token computes with (every weight but the routed experts it is not sent to) are the
+    model cards' activated parameters, which they give to the billion: 37.6B, 32.9B and 2.9B."""
+    cfg = configs.load(name).model
+    routed = cfg.n_experts * 3 * cfg.d_model * cfg.expert_width * (cfg.n_layers - len(cfg.layer_prefix))
+    assert abstract_param_count(cfg) - routed * (1 - cfg.experts_per_token / cfg.n_experts) == pytest.approx(
+        active, rel=0.03)
 
 
 def test_tied_embeddings_drop_the_head():

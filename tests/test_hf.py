@@ -70,10 +70,10 @@ def _forward(graphdef, compute, params, tokens_BT):
         return nnx.merge(graphdef, params)(tokens_BT)
 
 
-def meshpar_logits(params: nnx.State, cfg, mesh, kernel: str = "auto") -> np.ndarray:
-    """The logits of meshpar's Transformer with `params`, run on `mesh` as a training step runs it (with the
-    attention kernel `kernel`: `auto` is the dense one at these lengths on CPU)."""
-    graphdef, _ = Transformer.abstract(cfg)
+def meshpar_logits(params: nnx.State, cfg, mesh, kernel: str = "auto", adapters=None) -> np.ndarray:
+    """The logits of meshpar's Transformer with `params` (and LoRA `adapters`), run on `mesh` as a training step
+    runs it (with the attention kernel `kernel`: `auto` is the dense one at these lengths on CPU)."""
+    graphdef, _ = Transformer.abstract(cfg, adapters)
     tokens_BT = jax.device_put(TOKENS_BT, sharding.batch_sharding(mesh, RULES, TOKENS_BT.shape))
     compute = context.Compute(mesh, RULES, attention_kernel=kernel)
     return np.asarray(_forward(graphdef, compute, params, tokens_BT))

@@ -76,7 +76,8 @@ def assert_reported_drops(experts_BTk, dropped_B, dropped, capacity, E):
     loop's count over all assignments: exactly 0 dropless, more than 0 at the capacities tested."""
     counts_BE = jax.nn.one_hot(experts_BTk, E).sum((1, 2))
     zeros_B = jnp.zeros(dropped_B.shape)
-    fraction = float(routing.metrics(routing.RouterStats(counts_BE, counts_BE, zeros_B, dropped_B))["dropped_fraction"])
+    stats = routing.RouterStats(counts_BE, counts_BE, zeros_B, dropped_B, zeros_B)
+    fraction = float(routing.metrics(stats)["dropped_fraction"])
     assert fraction == pytest.approx(dropped / experts_BTk.size, rel=1e-6)
     assert (fraction == 0.0) == (not capacity)
 

@@ -62,7 +62,14 @@ def test_the_planner_reads_the_models_dimensions(name):
     if cfg.n_experts:
         assert (shape.experts, shape.expert_width) == (cfg.n_experts, cfg.expert_width)
         mlp = D * cfg.n_experts + (cfg.experts_per_token + cfg.n_shared_experts) * 3 * D * cfg.expert_width
-    assert shape.matmul_params == cfg.n_layers * (2 * D * N * H + 2 * D * K * H + mlp) + D * cfg.vocab_size
+    attention = 2 * D * N * H + 2 * D * K * H
+    if cfg.kv_lora_rank:  # latent attention: the query (direct or through its latent), kv_a, kv_b, o
+        C, R, Hv = cfg.kv_lora_rank, cfg.q_lora_rank, cfg.v_head_dim
+        attention = ((D + N * H) * R if R else D * N * H) + D * (C + cfg.qk_rope_head_dim) + C * N * (
+            cfg.qk_nope_head_dim + Hv) + N * Hv * D
+    dense = len(cfg.layer_prefix) * 3 * D * F  # leading dense layers: an MLP of d_ff where the others have experts
+    assert shape.matmul_params == (cfg.n_layers * attention + (cfg.n_layers - len(cfg.layer_prefix)) * mlp + dense
+                                   + D * cfg.vocab_size)
 
 
 def test_parameter_count_with_tied_embeddings_drops_the_head():

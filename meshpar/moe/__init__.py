@@ -3,7 +3,7 @@ their experts over the `expert` mesh axis (all-to-all, grouped matmuls or capaci
 
 from meshpar.moe.dispatch import (DOWN, DOWN_BIAS, GATE_UP, GATE_UP_BIAS, capacity, experts_ffn, rows_per_shard,
                                   swiglu)
-from meshpar.moe.routing import RouterStats, Routes, metrics, route
+from meshpar.moe.routing import SCORES, RouterStats, Routes, SelectionBias, metrics, route, with_loads
 
-__all__ = ["DOWN", "DOWN_BIAS", "GATE_UP", "GATE_UP_BIAS", "RouterStats", "Routes", "capacity", "experts_ffn",
-           "metrics", "route", "rows_per_shard", "swiglu"]
+__all__ = ["DOWN", "DOWN_BIAS", "GATE_UP", "GATE_UP_BIAS", "SCORES", "RouterStats", "Routes", "SelectionBias",
+           "capacity", "experts_ffn", "metrics", "route", "rows_per_shard", "swiglu", "with_loads"]

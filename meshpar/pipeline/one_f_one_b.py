@@ -83,13 +83,14 @@ or with packed documents `layer(x_BTD, positions_BT, segments_BT)`: the rows of 
 tokens), `final_norm(x_BTD) -> hidden_BTD` and `output_head() -> head_DV`, such that `hidden_states(tokens,
 positions)` is `final_norm(layers.scan(blocks, embed(tokens), positions))` and the loss is meshpar's
 chunked cross-entropy of `hidden` and `output_head()`, weighted (`meshpar.batch`): `models/transformer.py`
-offers them. Where the layers carry more than the residual stream, the model offers
-`stack_input(tokens_BT)`, their input (embed's output and the rest), used in embed's place: a mixture of
-experts' layers carry `(x_BTD, RouterStats)`, the router statistics of each row. Every buffer, the stash,
-the shift and the cotangents then hold that tuple, and the loss of a microbatch adds its router losses
-pooled over the microbatch's rows (the lanes' statistics summed: `LANES`) and its MoE layers, weighed 1/M
-(`train.router_loss_scope = microbatch`; `meshpar.moe.routing`). Evaluation (no backward) keeps GPipe's
-forward (`layers.scan`), which holds no activations for a backward pass.
+offers them. Where the layers carry more than the residual stream, or layers run before the stack, the
+model offers `stack_input(tokens_BT, *args)` (the layers' args of those rows), their input (embed's output
+and the rest), used in embed's place: a mixture of experts' layers carry `(x_BTD, RouterStats)`, the router
+statistics of each row; a `layer_prefix`'s layers run there, on stage 0 in each slot (`meshpar.layers`).
+Every buffer, the stash, the shift and the cotangents then hold that tuple, and the loss of a microbatch
+adds its router losses pooled over the microbatch's rows (the lanes' statistics summed: `LANES`) and its
+MoE layers, weighed 1/M (`train.router_loss_scope = microbatch`; `meshpar.moe.routing`). Evaluation (no
+backward) keeps GPipe's forward (`layers.scan`), which holds no activations for a backward pass.
 """
 
 from __future__ import annotations
@@ -115,9 +116,9 @@ from meshpar.pipeline.stages import U, constrain
 
 PARTS = ("embed", "blocks", "final_norm", "output_head")
 
-# (other params, tokens [b, T]) → the stacked layers' input: x [b, T, D], or a tuple with the rows first (a
-# mixture of experts' residual stream and router statistics)
-First = Callable[[nnx.State, jax.Array], Any]
+# (other params, tokens [b, T], the layers' args for those rows) → the stacked layers' input: x [b, T, D], or a
+# tuple with the rows first (a mixture of experts' residual stream and router statistics)
+First = Callable[..., Any]
 # (other params, the layers' output, (targets [b, T], their weights [b, T])) → (the rows' weighted loss sum, a
 # report: what the step adds up per microbatch, e.g. router statistics; () for none)
 Last = Callable[[nnx.State, Any, tuple[jax.Array, jax.Array]], tuple[jax.Array, Any]]
@@ -292,6 +293,10 @@ class _Schedule:
         x_MZbT = x_BT.reshape(B // self.M, self.M, *rest).swapaxes(0, 1).reshape(self.M, self.Z, -1, *rest)
         return constrain(x_MZbT, self.mesh, None, self.lanes, self.inside, *(U,) * len(rest))
 
+    def _first(self, other: nnx.State, tokens_bT: jax.Array, rows: tuple) -> Any:
+        """`first` on a lane's tokens, with the layers' args of its rows (a prefix of layers runs there)."""
+        return self.first(other, tokens_bT, *stages_lib.lane_args(self.args, rows))
+
     def _in_lane(self):
         return context.use(self.lane_compute) if self.lane_compute is not None else contextlib.nullcontext()
 
@@ -368,7 +373,7 @@ class _Schedule:
         """One stage on one batch shard: the forward of microbatch m_F through chunk c_F, whose input is the
         embedding for the first chunk, else what came from the stage before. Returns (its input, its output)."""
         with self._in_lane():
-            x_bTD = _where(flags.first_F, self.first(self.other, lane.inputs_F), lane.x)
+            x_bTD = _where(flags.first_F, self._first(self.other, lane.inputs_F, lane.rows_F), lane.x)
             x_bTD = _where(flags.real_F, x_bTD, self.fill)
             return x_bTD, self._stage(w_RJ, c_RJ, flags.chunk_F, x_bTD, lane.rows_F)
 
@@ -403,7 +408,7 @@ class _Schedule:
                 d_w, dx_bTD = jax.vjp(lambda w, x: self._stage(w, c_RJ, flags.chunk_B, x, lane.rows_B), w_RJ,
                                       x_B)[1](g_bTD)
             # The first chunk hands its input's cotangent to the embedding (zeros elsewhere: a scatter of zeros).
-            d_embed = jax.vjp(lambda o: self.first(o, lane.inputs_B), self.other)[1](
+            d_embed = jax.vjp(lambda o: self._first(o, lane.inputs_B, lane.rows_B), self.other)[1](
                 _masked(flags.first_B & real, dx_bTD))[0]
             d_other = d_embed if d_loss is None else jax.tree.map(jnp.add, d_embed, d_loss)
             return _Backward(loss, report, dx_bTD, _masked(real, d_w), d_other, boundary)
@@ -514,7 +519,8 @@ class _Schedule:
         """The slots, phase by phase: (loss, stack gradients, `other` gradients, reports, in-flight buffers)."""
         P, Z = self.P, self.Z
         with self._in_lane():
-            x_like = jax.eval_shape(self.first, self.other, self.inputs_MZbT[0, 0])
+            x_like = jax.eval_shape(self._first, self.other, self.inputs_MZbT[0, 0],
+                                    jax.tree.map(lambda a: a[0, 0], self.rows_MZb))
         report_like = self._report_like(x_like)
         self.no_report = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), report_like)
         empty = lambda *lead: jax.tree.map(lambda a: jnp.full((*lead, *a.shape), self.fill, a.dtype), x_like)
@@ -593,7 +599,10 @@ def model_loss_and_grads(model: nnx.Module, batch: Batch | jax.Array, *, mesh: M
         router = aux_coef * routing.balance_loss(stats, pool) + z_coef * routing.z_loss(stats, pool)
         return value + router / microbatches, jax.tree.map(lambda s: s[0], stats)
 
-    first = lambda o, tokens_bT: getattr(with_other(o), "stack_input", with_other(o).embed)(tokens_bT)
+    def first(o: nnx.State, tokens_bT: jax.Array, *args: jax.Array) -> Any:
+        piece = with_other(o)
+        return piece.stack_input(tokens_bT, *args) if hasattr(piece, "stack_input") else piece.embed(tokens_bT)
+
     documents = () if x.segments is None else (x.segments,)
     result = one_f_one_b(model.blocks, other, first, last, x.inputs, (x.targets, x.weights), x.positions, *documents,
                          mesh=mesh, stages=stages, microbatches=microbatches, repeats=repeats, remat=remat,

@@ -237,11 +237,19 @@ def layer_matmul_params(shape: Shape, lay: Layout, run: Run, *, experts: bool = 
     (heads and mlp split over `model`, embed whole); its experts' once per row it computes per token
     (`expert_rows`: k where the grouped matmuls skip the empty rows, more with capacity padding), or none
     of theirs (`experts=False`)."""
+    return _matmul_params(shape, lay, run, "layers", experts) / (shape.layers / lay.mesh.stage)
+
+
+def lead_matmul_params(shape: Shape, lay: Layout, run: Run) -> float:
+    """`layer_matmul_params` of the layers before the stack (`Shape.lead`) together."""
+    return _matmul_params(shape, lay, run, "lead_layers", True)
+
+
+def _matmul_params(shape: Shape, lay: Layout, run: Run, stacked: str, experts: bool) -> float:
     tensors = local_tensors(shape, lay, "activations")
     per_expert = expert_rows(shape, lay, run)[1] / (shape.experts / lay.mesh.expert) if shape.experts else 0.0
-    here = sum(n * (per_expert if "experts" in names else 1) for n, (_, names) in zip(tensors, shape.elements())
-               if "layers" in names and shape.is_matmul(names) and (experts or "experts" not in names))
-    return here / (shape.layers / lay.mesh.stage)
+    return sum(n * (per_expert if "experts" in names else 1) for n, (_, names) in zip(tensors, shape.elements())
+               if stacked in names and shape.is_matmul(names) and (experts or "experts" not in names))
 
 
 def expert_rows(shape: Shape, lay: Layout, run: Run) -> tuple[int, float, float]:

@@ -43,6 +43,10 @@ peak to 10% on the layouts it was fitted on and, apart, on layouts it was not):
   widths add up its layers' (D, Q and KV each layer's; F those with an MLP; the experts' terms those with
   experts), so the fitted per-layer coefficients apply unchanged. The remat policy checkpoints the entry,
   so its backward pass works on a whole period at once.
+- layers before the stack (`layer_prefix`): their weights are whole over `stage` (the model states of any
+  other tensor outside `layers`); their saved activations a stacked layer's each (`_saved`), an estimate:
+  a dense prefix before experts is counted at the average layer of the stack's entry. Under 1F1B and
+  zero-bubble they are gathered for the step with their gradient's accumulator, as the head is (`_lead_held`).
 
 Letters as in `meshpar.plan.layout`; the widths: D (d_model), Dsp (D / model under Megatron SP: the
 residual stream), F (d_ff / model), Q (N·H / model) and KV (K·H / model), each summed over an entry's layers.
@@ -256,10 +260,13 @@ def activations_1f1b(shape: Shape, lay: Layout, run: Run, *, cpu: bool = False) 
 
 def _saved(shape: Shape, lay: Layout, run: Run, tokens: float, cpu: bool) -> float:
     """What the backward pass keeps of the activations, per device: every layer's as the remat policy saves
-    it, or a pipeline schedule's stash and one stage's layers while its backward recomputes them."""
+    it, or a pipeline schedule's stash and one stage's layers while its backward recomputes them. A prefix's
+    layers (`Shape.lead`) keep a stacked layer's each (an entry's over its layers), on a microbatch's tokens,
+    under GPipe on the batch split over the stages too, under 1F1B nothing past a slot (it recomputes them)."""
     per_layer = layer_bytes_per_token(shape, lay, run)
+    lead = shape.lead * per_layer / shape.period * tokens
     if lay.mesh.stage == 1:
-        return shape.layers * per_layer * tokens
+        return shape.layers * per_layer * tokens + lead
     if lay.parallel.pipeline_schedule in SLOT_SCHEDULES:
         return activations_1f1b(shape, lay, run, cpu=cpu)
     # Every schedule iteration keeps what its stage step's remat saves: the stage input (full, offload) or
@@ -269,7 +276,7 @@ def _saved(shape: Shape, lay: Layout, run: Run, tokens: float, cpu: bool) -> flo
     per_iteration = run.e * D if lay.remat in ("full", "offload") else layers * per_layer
     iterations = schedule.iterations(P, M, R)
     io = PIPELINE_IO * M * run.e * D
-    return (iterations * (per_iteration + PIPELINE_MASK_BYTES * D) + layers * per_layer + io) * tokens
+    return (iterations * (per_iteration + PIPELINE_MASK_BYTES * D) + layers * per_layer + io) * tokens + lead * M / P
 
 
 def _gathered_1f1b(lay: Layout, cpu: bool) -> bool:
@@ -294,6 +301,15 @@ def _stage_weights(shape: Shape, lay: Layout, cpu: bool) -> float:
     return per_element * local_elements(shape, lay, "activations", only_layers=True)
 
 
+def _lead_held(shape: Shape, lay: Layout, per_element: float) -> float:
+    """1F1B's and zero-bubble's hold of a prefix's weights (`Shape.lead`), in its first part: gathered for the
+    step with their gradient's accumulator, as the head's (`per_element`); none elsewhere."""
+    if lay.mesh.stage == 1 or lay.parallel.pipeline_schedule not in SLOT_SCHEDULES:
+        return 0.0
+    return per_element * sum(n for n, (_, names) in zip(local_tensors(shape, lay, "activations"), shape.elements())
+                             if "lead_layers" in names)
+
+
 def memory(shape: Shape, lay: Layout, run: Run, *, cpu: bool = False) -> Memory:
     """Per-device memory of `lay` (module docstring). `cpu=True`: the form XLA's CPU backend compiles, where
     host memory is device memory for temporaries: remat `offload` is `dots` there, offloaded gradients are
@@ -311,7 +327,7 @@ def memory(shape: Shape, lay: Layout, run: Run, *, cpu: bool = False) -> Memory:
     rows = run.global_batch / lay.batch_ways
     head_bytes = GATHERED_1F1B_GPU["head"] if _gathered_1f1b(lay, cpu) else HEAD_BYTES
     other = head_bytes * shape.d_model * V + 4 * rows * (run.seq_len + 1)  # the head; the int32 token batch
-    other += _stage_weights(shape, lay, cpu)
+    other += _stage_weights(shape, lay, cpu) + _lead_held(shape, lay, head_bytes)
     if not cpu:  # XLA:GPU's reordered copies of the weights it gathers along a later dimension
         other += pb * transposed_for_gathers(shape, lay)
     if lay.grad_accum > 1:

@@ -13,7 +13,10 @@ weights once per row they compute per token: `layout.layer_matmul_params`; local
 attention compute the masked half too; zigzag ring only the visible blocks, ≈ half), backward twice that,
 +1 forward of the layers with full remat, +1 attention forward with dots and with ring (its steps are
 rematerialised), +1 forward with 1F1B (it recomputes each chunk in its backward; the remat applies
-inside). Time = FLOPs / (peak · efficiency) (under `train.fp8` the projections' and MLPs' at the FP8 peak;
+inside). Layers before the stack (`layer_prefix`, `Shape.lead`) cost their matmuls alike (`lead_seconds`):
+outside GPipe's schedule once per accumulation step, the batch split over the stages too; inside 1F1B's
+slots (stage 0's first part) in every slot, as if every stage held them.
+Time = FLOPs / (peak · efficiency) (under `train.fp8` the projections' and MLPs' at the FP8 peak;
 MFU is still counted against the compute dtype's peak, the convention torchtitan reports FP8 runs in) + HBM
 traffic of the non-matmul tensors (3 passes over the activations, / HBM bandwidth) per microbatch, for every
 pass of the pipeline schedule, plus the exposed communication, plus the optimizer update (memory-bound), plus
@@ -38,7 +41,7 @@ from meshpar.mfu import mfu
 from meshpar.pipeline import schedule
 from meshpar.plan.comm import collective_time, collectives, host_traffic
 from meshpar.plan.layout import (PRECISIONS, Layout, Run, check, expert_rows, layer_applications, layer_matmul_params,
-                                 local_dims, local_elements)
+                                 lead_matmul_params, local_dims, local_elements, passes)
 from meshpar.plan.memory import Memory, attention_bytes_per_token, memory
 from meshpar.plan.shape import Shape
 from meshpar.rules import SLOT_SCHEDULES
@@ -113,16 +116,31 @@ class Estimate:
 def layer_flops_per_token(shape: Shape, lay: Layout, run: Run) -> tuple[float, float]:
     """(projection, attention) matmul FLOPs of one layer's forward pass per local token, on one device (of one
     entry of the stack: a period's layers, each window bounding its keys)."""
-    H, T, n = shape.head_dim, run.seq_len, lay.mesh.sequence
     _, _, N, *_ = local_dims(shape, lay, run)
-    proj = 2 * layer_matmul_params(shape, lay, run)
+    return 2 * layer_matmul_params(shape, lay, run), 4 * N * shape.head_dim * shape.attention_keys(_keys(lay, run))
+
+
+def _keys(lay: Layout, run: Run) -> float:
+    """The keys a query's attention computes with where no window bounds them."""
+    T, n = run.seq_len, lay.mesh.sequence
     if run.flash_attention:
-        keys = T / 2  # a fused kernel skips the masked blocks
-    elif n > 1 and lay.parallel.context_attention == "ring" and lay.parallel.load_balance:
-        keys = T * (n + 1) / (2 * n)  # zigzag: the local block whole, then two visible half blocks per step
-    else:
-        keys = T  # the whole masked square is computed (and the busiest ring device does all blocks)
-    return proj, 4 * N * H * shape.attention_keys(keys)
+        return T / 2  # a fused kernel skips the masked blocks
+    if n > 1 and lay.parallel.context_attention == "ring" and lay.parallel.load_balance:
+        return T * (n + 1) / (2 * n)  # zigzag: the local block whole, then two visible half blocks per step
+    return T  # the whole masked square is computed (and the busiest ring device does all blocks)
+
+
+def lead_seconds(shape: Shape, lay: Layout, run: Run, per_flop: tuple[float, float]) -> float:
+    """Seconds of the prefix's layers (`Shape.lead`) in a step, at `per_flop` (the projections', attention's
+    seconds per FLOP over every pass): GPipe runs them once per accumulation step on the batch split over
+    data, fsdp, expert and stage; 1F1B in every slot on a microbatch (`meshpar.layers`)."""
+    if not shape.lead:
+        return 0.0
+    b, t, N, *_ = local_dims(shape, lay, run)
+    outside = lay.mesh.stage == 1 or lay.parallel.pipeline_schedule not in SLOT_SCHEDULES
+    tokens = b * t * (lay.M / lay.mesh.stage if outside else 1)
+    proj, attn = 2 * lead_matmul_params(shape, lay, run), 4 * N * shape.head_dim * shape.lead_keys(_keys(lay, run))
+    return (lay.grad_accum if outside else passes(lay)) * tokens * (proj * per_flop[0] + attn * per_flop[1])
 
 
 def layer_traffic_per_token(shape: Shape, lay: Layout, run: Run) -> float:
@@ -191,7 +209,8 @@ def compute_seconds(shape: Shape, lay: Layout, run: Run, hw: Hardware) -> tuple[
     hbm_layer += (per_token * tokens + per_weight_pass * (2 + (lay.remat == "full"))) / hw.hbm_bw
     layer_steps = layer_applications(shape, lay)
     head = (3 * 2 * shape.d_model * V / peak + 3 * 4 * V / hw.hbm_bw) * tokens * lay.grad_accum * lay.M
-    return layer_steps * (matmul_layer + hbm_layer) + head, 3 * attn * tokens / peak * layer_steps
+    lead = lead_seconds(shape, lay, run, (proj_passes / proj_peak, attn_passes / peak))
+    return layer_steps * (matmul_layer + hbm_layer) + head + lead, 3 * attn * tokens / peak * layer_steps
 
 
 def estimate(shape: Shape, lay: Layout, run: Run, hw: Hardware, devices_per_host: int, *,

@@ -13,10 +13,12 @@ way, one parameter (one layer, or one expert of one layer, of it) at a time on t
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import itertools
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -30,14 +32,16 @@ from safetensors.numpy import save_file
 from meshpar.errors import InputError
 from meshpar.rules import Rules
 from meshpar.sharding import state_shardings
-from models.hf import mxfp4
+from models import rope
+from models.hf import deepseek, fp8_blocks, mxfp4
 from models.hf.families import FAMILIES, STACKED, Family, Tensor, config_from_hf, config_to_hf, family_of, tensors
 from models.transformer import Transformer, TransformerConfig
 
 SINGLE_FILE, INDEX_FILE = "model.safetensors", "model.safetensors.index.json"
 # Export shards: transformers' own default is larger; 2 GB keeps one shard's host buffer small.
 MAX_SHARD_BYTES = 2 * 10**9
-_READABLE_DTYPES = ("F32", "F16", "BF16", "F64", "MXFP4")  # MXFP4: `mxfp4.Packed`, from two uint8 tensors
+# MXFP4: `mxfp4.Packed`, from two uint8 tensors; FP8_BLOCKS: `fp8_blocks.BlockScaled`, F8_E4M3 and its scales
+_READABLE_DTYPES = ("F32", "F16", "BF16", "F64", "MXFP4", "FP8_BLOCKS")
 # Two meshpar parameters interleaved column by column in one Hugging Face tensor (gpt-oss's gate_up_proj)
 FUSED = ("even", "odd")
 # Old Llama checkpoints store the rotary frequencies as a buffer; they follow from the config.
@@ -47,8 +51,13 @@ _DERIVED_SUFFIX = ".rotary_emb.inv_freq"
 # ---------------------------------------------------------------------------------------------- config
 
 def load_config(hf_dir: str | Path) -> TransformerConfig:
-    """The TransformerConfig of a Hugging Face model directory's `config.json` (`families.config_from_hf`)."""
-    return config_from_hf(read_config_json(hf_dir))
+    """The TransformerConfig of a Hugging Face model directory's `config.json` (`families.config_from_hf`), with
+    multi-token prediction modules only where the weights hold the first (transformers' save_pretrained writes
+    `num_nextn_predict_layers`, 1 by default, and never their tensors)."""
+    cfg = config_from_hf(read_config_json(hf_dir))
+    if cfg.mtp_depth and f"model.layers.{cfg.n_layers}.eh_proj.weight" not in _weight_map(Path(hf_dir)):
+        return dataclasses.replace(cfg, mtp_depth=0)
+    return cfg
 
 
 def read_config_json(hf_dir: str | Path) -> dict:
@@ -149,9 +158,15 @@ def _open(path: Path):
         raise InputError(f"cannot read {path} as safetensors: {err}") from None
 
 
-def _part(files: dict, weight_map: dict[str, Path], name: str):
+def _part(files: dict, weight_map: dict[str, Path], name: str, block: int | None = None):
     """A tensor of the checkpoint as a lazy slice: safetensors', or, where it is stored as MXFP4 blocks and
-    scales, `mxfp4.Packed`'s."""
+    scales, `mxfp4.Packed`'s, or as FP8 in blocks of `block` with their scales, `fp8_blocks.BlockScaled`'s."""
+    scales = name + fp8_blocks.SUFFIX
+    if name in weight_map and scales in weight_map:
+        if block is None:
+            raise InputError(f"{name} has {scales} beside it, and config.json has no quantization_config saying "
+                             f"how it is quantised")
+        return fp8_blocks.BlockScaled(name, weight_map[name], files[weight_map[scales]].get_slice(scales), block)
     if name in weight_map:
         return files[weight_map[name]].get_slice(name)
     blocks, scales = (name + suffix for suffix in mxfp4.SUFFIXES)
@@ -159,9 +174,11 @@ def _part(files: dict, weight_map: dict[str, Path], name: str):
 
 
 def _tensor_names(weight_map: dict[str, Path]) -> set[str]:
-    """The checkpoint's tensors: an MXFP4 one (`mxfp4.packed_names`) by its own name, not its two parts'."""
+    """The checkpoint's tensors: an MXFP4 one (`mxfp4.packed_names`) by its own name, not its two parts', and
+    an FP8 block-quantised one without its scales (`fp8_blocks.scaled_names`)."""
     packed = mxfp4.packed_names(weight_map)
-    return (set(weight_map) - {name + suffix for name in packed for suffix in mxfp4.SUFFIXES}) | packed
+    scales = {name + fp8_blocks.SUFFIX for name in fp8_blocks.scaled_names(weight_map)}
+    return (set(weight_map) - scales - {name + suffix for name in packed for suffix in mxfp4.SUFFIXES}) | packed
 
 
 def _weight_map(hf_dir: Path) -> dict[str, Path]:
@@ -182,10 +199,10 @@ def _weight_map(hf_dir: Path) -> dict[str, Path]:
                      f"re-save them with transformers' save_pretrained, which writes safetensors)")
 
 
-def stacked_ranges(cfg: TransformerConfig) -> dict[str, range]:
-    """The indices each stacked axis of a parameter takes (`families.STACKED`): every entry of the layer stack
-    (a period of `layer_pattern` each), every expert."""
-    return dict(zip(STACKED, (range(cfg.periods), range(cfg.n_experts))))
+def stacked_ranges(cfg: TransformerConfig, tensor: Tensor) -> dict[str, range]:
+    """The indices each stacked axis of `tensor`'s parameter takes (`families.STACKED`): every entry of its
+    layer stack, every expert."""
+    return dict(zip(STACKED, (range(tensor.entries), range(cfg.n_experts))))
 
 
 def hf_names(tensor: Tensor, ranges: dict[str, range]) -> list[tuple[str, tuple[int, ...]]]:
@@ -199,8 +216,8 @@ def hf_names(tensor: Tensor, ranges: dict[str, range]) -> list[tuple[str, tuple[
 def import_params(hf_dir: str | Path, cfg: TransformerConfig, mesh: Mesh, rules: Rules) -> nnx.State:
     """The parameters of a Hugging Face checkpoint of the model `cfg`, laid out on `mesh` by `rules`, in float32.
 
-    Each device reads only its own block of each tensor (float32, bfloat16 and float16 files alike, and MXFP4
-    experts, dequantised: `mxfp4`).
+    Each device reads only its own block of each tensor (float32, bfloat16 and float16 files alike, MXFP4
+    experts and FP8 block-quantised weights, dequantised: `mxfp4`, `fp8_blocks`).
     Missing or unexpected tensors and wrong shapes are refused, naming the tensor.
     """
     hf_dir = Path(hf_dir)
@@ -208,8 +225,8 @@ def import_params(hf_dir: str | Path, cfg: TransformerConfig, mesh: Mesh, rules:
     _, abstract = Transformer.abstract(cfg)
     shardings = dict(nnx.to_flat_state(state_shardings(abstract, mesh, rules)))
     rows = tensors(cfg, _family(hf_dir))
-    everything = stacked_ranges(cfg)
-    expected = {name for t in rows for name, _ in hf_names(t, everything)}
+    copies = deepseek.mtp_copies(cfg)
+    expected = {name for t in rows for name, _ in hf_names(t, stacked_ranges(cfg, t))} | {c for c, _ in copies}
     present = _tensor_names(weight_map)
     missing = sorted(expected - present)
     ignored = {"lm_head.weight"} if cfg.tie_embeddings else set()  # tied: the embedding is the head
@@ -224,32 +241,45 @@ def import_params(hf_dir: str | Path, cfg: TransformerConfig, mesh: Mesh, rules:
     flat = dict(nnx.to_flat_state(abstract))
     with contextlib.ExitStack() as stack:
         files = {f: stack.enter_context(_open(f)) for f in set(weight_map.values())}
+        read = functools.partial(_part, files, weight_map, block=fp8_blocks.block_size(read_config_json(hf_dir)))
         for t in rows:
             layer_shape = flat[t.path].shape[len(t.stacked):]
-            for name, _ in hf_names(t, everything):
-                part = _part(files, weight_map, name)
+            for name, _ in hf_names(t, stacked_ranges(cfg, t)):
+                part = read(name)
                 if tuple(part.get_shape()) != _hf_shape(t.kind, layer_shape):
                     raise InputError(f"{hf_dir}: tensor {name} has shape {tuple(part.get_shape())}, the model "
                                      f"of config.json needs {_hf_shape(t.kind, layer_shape)}")
                 if part.get_dtype() not in _READABLE_DTYPES:
                     raise InputError(f"{hf_dir}: tensor {name} is {part.get_dtype()}; readable are "
                                      f"{', '.join(_READABLE_DTYPES)} (a quantised checkpoint?)")
+        for copy, source in copies:
+            _check_copy(read(copy), read(source), f"{hf_dir}: tensor {copy} differs from {source}, which meshpar's "
+                                                  f"multi-token prediction modules share with the model")
         for t in rows:
             variable = flat[t.path]
-            read = functools.partial(_read_block, files, weight_map, t, tuple(variable.shape))
+            read_block = functools.partial(_read_block, read, t, tuple(variable.shape))
             flat[t.path] = variable.replace(
-                jax.make_array_from_callback(variable.shape, shardings[t.path].get_value(), read))
+                jax.make_array_from_callback(variable.shape, shardings[t.path].get_value(), read_block))
     return nnx.from_flat_state(flat)
 
 
-def _read_block(files: dict, weight_map: dict[str, Path], t: Tensor, shape: tuple[int, ...],
-                index: tuple[slice, ...]) -> np.ndarray:
+def _check_copy(copy, source, message: str, rows: int = 8192) -> None:
+    """Refuse with `message` a 2-D tensor `copy` unequal to `source`, compared a block of `rows` at a time."""
+    shape = tuple(source.get_shape())
+    block = lambda part, r: part[r:min(r + rows, shape[0]), :]  # safetensors' slices do not clip
+    if tuple(copy.get_shape()) != shape or any(not np.array_equal(block(copy, r), block(source, r))
+                                              for r in range(0, shape[0], rows)):
+        raise InputError(message)
+
+
+def _read_block(read: Callable, t: Tensor, shape: tuple[int, ...], index: tuple[slice, ...]) -> np.ndarray:
     """The block `index` of a meshpar parameter of `shape`: what one device holds, read tensor by tensor over
     its stacked leading axes (layers, experts)."""
     box = [s.indices(n)[:2] for s, n in zip(index, shape)]
     n = len(t.stacked)
     ranges = {p: range(*bounds) for p, bounds in zip(t.stacked, box[:n])}
-    blocks = [_from_hf(t.kind, _part(files, weight_map, name), box[n:], shape[n:]) for name, _ in hf_names(t, ranges)]
+    blocks = [rope.halves_from_pairs(_from_hf(t.kind, read(name), box[n:], shape[n:]), t.rope)
+              for name, _ in hf_names(t, ranges)]
     return np.stack(blocks).reshape(*(len(r) for r in ranges.values()), *blocks[0].shape) if n else blocks[0]
 
 
@@ -282,12 +312,13 @@ def export(params: nnx.State, cfg: TransformerConfig, out_dir: str | Path, max_s
     flat = {path: v.get_value() for path, v in nnx.to_flat_state(params)}
     rows = tensors(cfg, family_of(cfg, model_type))
     whole = [(t.name, t, ()) for t in rows if not t.stacked]
-    per_layer = [(name, t, index) for l in range(cfg.n_layers) for t in rows
+    per_layer = [(name, t, index) for l in range(cfg.n_layers + cfg.mtp_depth) for t in rows
                  if t.stacked and (i := t.index_of(l)) is not None
-                 for name, index in hf_names(t, {**stacked_ranges(cfg), "l": range(i, i + 1)})]
+                 for name, index in hf_names(t, {**stacked_ranges(cfg, t), "l": range(i, i + 1)})]
     parts = {}  # Hugging Face tensor → its meshpar parts (two for a FUSED one), in transformers' order:
     for name, t, index in whole[:1] + per_layer + whole[1:]:  # embedding, layer by layer, norm, head
         parts.setdefault(name, []).append((t, index))
+    parts |= {copy: parts[source] for copy, source in deepseek.mtp_copies(cfg)}
     sizes = {name: sum(4 * math.prod(flat[t.path].shape[len(t.stacked):]) for t, _ in tensor)
              for name, tensor in parts.items()}
     shards, room = [], 0
@@ -306,7 +337,8 @@ def export(params: nnx.State, cfg: TransformerConfig, out_dir: str | Path, max_s
     for file, shard in zip(files, shards):
         host = {}  # one shard's tensors: at most max_shard_bytes
         for name in shard:
-            layers = [(t.kind, on_host(flat[t.path], index)) for t, index in parts[name]]
+            layers = [(t.kind, rope.pairs_from_halves(on_host(flat[t.path], index), t.rope))
+                      for t, index in parts[name]]
             if writer:
                 host[name] = _to_hf(*layers[0]) if len(layers) == 1 else _interleaved(layers)
         if writer:

@@ -92,6 +92,7 @@ import dataclasses
 import json
 
 from meshpar.errors import InputError
+from models.hf import deepseek, fp8_blocks
 from models.rope import RopeScaling
 from models.transformer import LayerKind, TransformerConfig
 
@@ -106,6 +107,8 @@ class Tensor:
     name: str
     kind: str  # same, transpose, heads_in, heads_out, heads_bias, even, odd
     layers: tuple[int, int] = (0, 1)  # (j, p): index i of the stacked L axis is the checkpoint's layer j + p·i
+    rope: int = 0  # the last `rope` entries of the last axis are rotary dims in interleaved pairs (DeepSeek's)
+    entries: int = 1  # the length of its stacked L axis (a per-layer tensor's: its stack's periods)
 
     def layer(self, i: int) -> int:
         """The checkpoint's layer at index `i` of the stacked axis."""
@@ -114,7 +117,7 @@ class Tensor:
     def index_of(self, layer: int) -> int | None:
         """The index on the stacked axis of the checkpoint's `layer` (None: a layer of another kind)."""
         j, p = self.layers
-        return (layer - j) // p if (layer - j) % p == 0 else None
+        return (layer - j) // p if (layer - j) % p == 0 and 0 <= (layer - j) // p < self.entries else None
 
     @property
     def stacked(self) -> tuple[str, ...]:
@@ -162,6 +165,9 @@ QWEN3_MOE_EXPERTS = _experts("mlp", "gate_proj", "up_proj", "down_proj")
 QWEN2_MOE_EXPERTS = (*QWEN3_MOE_EXPERTS, *_swiglu(("blocks", "mlp", "shared"), "mlp.shared_expert"),
                      Tensor(("blocks", "mlp", "w_shared_gate_D1"), _LAYER + "mlp.shared_expert_gate.weight",
                             "transpose"))
+# DeepSeek-V3's: Qwen3-MoE's experts, the router's selection bias and ungated shared experts
+DEEPSEEK_EXPERTS = (*QWEN3_MOE_EXPERTS, *_swiglu(("blocks", "mlp", "shared"), "mlp.shared_experts"),
+                    Tensor(("blocks", "mlp", "selection_bias_E"), _LAYER + "mlp.gate.e_score_correction_bias", "same"))
 # Gemma's norms: of attention's input and output, and of the MLP's (`sandwich_norms`)
 SANDWICH = (Tensor(("blocks", "post_attn_norm", "scale"), _LAYER + "post_attention_layernorm.weight", "same"),
             Tensor(("blocks", "mlp_norm", "scale"), _LAYER + "pre_feedforward_layernorm.weight", "same"),
@@ -195,14 +201,16 @@ class Experts:
     renormalised: bool | None = None  # the top-k probabilities always are (True); None: norm_topk_prob says
     # config.json's width of the one shared expert every token passes, gated (Qwen2-MoE); None: it has none
     shared_width_key: str | None = None
+    # config.json's number of ungated shared experts, each an expert wide (DeepSeek); None: it has none
+    shared_count_key: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class Family:
     model_type: str
     architecture: str
-    qkv_bias: bool = False  # its attention always has q, k and v biases
-    qk_norm: bool = False  # its attention always norms each query and key head
+    qkv_bias: bool | None = False  # its attention always has q, k and v biases (None: as `attention_bias` says)
+    qk_norm: bool | None = False  # its attention always norms each query and key head (None: as `use_qk_norm` says)
     windowed: bool = False  # its config.json's `sliding_window` is one window for every layer (model.sliding_window)
     layer_types: bool = False  # its config.json's `layer_types` slide some layers' attention (one window)
     # config.json keys whose value must be what the model computes (e.g. no sliding window), and the
@@ -218,6 +226,11 @@ class Family:
     # layers always slide
     gpt_oss: bool = False
     full_every: int = 0  # without `layer_types`, every n-th layer is full, the others slide (Gemma's default)
+    # DeepSeek-V3's layer (`models.hf.deepseek`): latent attention (`latent`); its mixture (`deepseek_moe`):
+    # sigmoid group-limited routing with a selection bias, ungated shared experts, dense leading layers
+    latent: bool = False
+    deepseek_moe: bool = False
+    partial_rotary: bool = False  # its heads rotate their leading `partial_rotary_factor` only (GLM-4.5)
 
 
 # Why meshpar needs a `fixed` key's value, where the key's name does not say it
@@ -247,28 +260,42 @@ FAMILIES = {family.model_type: family for family in (
     Family("gpt_oss", "GptOssForCausalLM", qkv_bias=True, layer_types=True, gpt_oss=True, full_every=2,
            fixed=(("attention_bias", True),),
            experts=Experts(("num_local_experts",), "intermediate_size", GPT_OSS_EXPERTS, renormalised=True)),
+    Family("deepseek_v3", "DeepseekV3ForCausalLM", latent=True, deepseek_moe=True, fixed=deepseek.FIXED,
+           experts=Experts(("n_routed_experts",), "moe_intermediate_size", DEEPSEEK_EXPERTS,
+                           shared_count_key="n_shared_experts")),
+    Family("glm4_moe", "Glm4MoeForCausalLM", qkv_bias=None, qk_norm=None, deepseek_moe=True, partial_rotary=True,
+           fixed=deepseek.MOE_FIXED, experts=Experts(("n_routed_experts",), "moe_intermediate_size", DEEPSEEK_EXPERTS,
+                                                     shared_count_key="n_shared_experts")),
 )}
 
 
 def tensors(cfg: TransformerConfig, family: Family) -> list[Tensor]:
     """The tensors of a `family` checkpoint of the model `cfg`: Llama's, its MLP's or its experts', and the
-    rows of the options it has on; with a `layer_pattern`, each layer row once per kind of its period."""
+    rows of the options it has on; with a `layer_pattern`, each layer row once per kind of its period, and with a
+    `layer_prefix` once per kind of its stack (`lead`), the stack's layers numbered after the prefix's."""
     if cfg.n_experts and family.experts is None:
         raise InputError(f"model.n_experts = {cfg.n_experts}: a {family.model_type} checkpoint holds no experts")
     options = [*(QKV_BIASES if cfg.qkv_bias else ()), *(QK_NORMS if cfg.qk_norm else ()),
                *(O_BIAS if cfg.o_bias else ()), *(SINKS if cfg.attn_sinks else ())]
     norms = LLAMA if not cfg.sandwich_norms else (*(t for t in LLAMA if t.path != ("blocks", "mlp_norm", "scale")),
                                                   *SANDWICH)
-    rows = []
-    for j, kind in enumerate(cfg.layer_pattern or (None,)):
-        mlp = family.experts.tensors if cfg.n_experts and not (kind and kind.dense) else SWIGLU
-        for t in (*norms, *mlp, *options):
-            if kind is not None and t.path[0] == "blocks":
-                t = dataclasses.replace(t, path=("blocks", f"layer{j}", *t.path[1:]),
-                                        layers=(j, len(cfg.layer_pattern)))
-            if (kind is None or t.path[0] == "blocks" or j == 0) and not (cfg.tie_embeddings and t.path == ("head_DV",)):
-                rows.append(t)
-    return rows
+    if cfg.kv_lora_rank:  # latent attention's tensors for q, k, v and o
+        norms = (*(t for t in norms if t.path[:2] != ("blocks", "attn")), *deepseek.attention_rows(cfg, Tensor))
+    whole = [t for t in (*norms, *SWIGLU)
+             if t.path[0] != "blocks" and not (cfg.tie_embeddings and t.path == ("head_DV",))]
+    mlp = lambda kind: family.experts.tensors if cfg.n_experts and not kind.dense else SWIGLU
+    layer = lambda kind: [t for t in (*norms, *mlp(kind), *options) if t.path[0] == "blocks"]
+    P, lead = len(cfg.layer_prefix), cfg.lead_kinds
+    stacks = [("lead", lead, P // max(len(lead), 1), 0, len(lead) > 1), ("blocks", cfg.kinds, cfg.periods, P,
+                                                                          bool(cfg.layer_pattern))]
+    if cfg.mtp_depth and not family.deepseek_moe:
+        raise InputError(f"model.mtp_depth = {cfg.mtp_depth}: a {family.model_type} checkpoint holds no multi-token "
+                         f"prediction modules (deepseek_v3 and glm4_moe do)")
+    mtp = deepseek.mtp_rows(cfg, Tensor, layer(cfg.kinds[-1])) if cfg.mtp_depth else []
+    return whole + [dataclasses.replace(t, path=(stack, *((f"layer{j}",) if period else ()), *t.path[1:]),
+                                        layers=(first + j, len(kinds)), entries=entries)
+                    for stack, kinds, entries, first, period in stacks if entries
+                    for j, kind in enumerate(kinds) for t in layer(kind)] + mtp
 
 
 # ---------------------------------------------------------------------------------------------- reading
@@ -288,18 +315,33 @@ def config_from_hf(d: dict) -> TransformerConfig:
                            "num_attention_heads") if k not in d]
     if missing:
         raise InputError(f"config.json lacks {', '.join(missing)}")
-    theta, scaling = _rope(_global_rope(d) if family.gemma else d)
+    d, rotary = deepseek.partial_rotary(d) if family.partial_rotary else (d, {})
+    theta, scaling = _rope(_global_rope(d) if family.gemma else deepseek.yarn_keys(d) if family.latent else d)
     heads, hidden = d["num_attention_heads"], d["hidden_size"]
     # Defaults are transformers' config classes', for keys an older config.json leaves out.
-    return TransformerConfig(
+    fields = dict(
         vocab_size=d["vocab_size"], d_model=hidden, n_layers=d["num_hidden_layers"], n_heads=heads,
         n_kv_heads=d.get("num_key_value_heads") or heads, d_ff=d["intermediate_size"],
         max_seq_len=d.get("max_position_embeddings", 2048), tie_embeddings=bool(d.get("tie_word_embeddings", False)),
         rope_theta=float(theta), rope_scaling=scaling, norm_eps=float(d.get("rms_norm_eps", 1e-6)),
         head_dim=0 if d.get("head_dim") in (None, hidden // heads) else d["head_dim"],
-        qkv_bias=family.qkv_bias, qk_norm=family.qk_norm, mlp_activation=_activation(d, family),
+        qkv_bias=_attention_option(d, family, "qkv_bias"), qk_norm=_attention_option(d, family, "qk_norm"),
+        mlp_activation=_activation(d, family),
         **(_gemma_from_hf(d) if family.gemma else {}), **(_gpt_oss_from_hf(d) if family.gpt_oss else {}),
         **_layers_from_hf(d, family), **_experts_from_hf(d, family))
+    return TransformerConfig(**{**fields, **rotary, **(deepseek.latent_fields(d) if family.latent else {}),
+                                **(deepseek.moe_fields(d) if family.deepseek_moe else {})})
+
+
+# The config.json keys of attention options a family may have or not (`Family.qkv_bias`, `qk_norm` None)
+_ATTENTION_KEYS = {"qkv_bias": "attention_bias", "qk_norm": "use_qk_norm"}
+
+
+def _attention_option(d: dict, family: Family, option: str) -> bool:
+    """Whether a checkpoint's attention has `option` (qkv_bias, qk_norm): always or never as its family has it,
+    else as its config.json says."""
+    fixed = getattr(family, option)
+    return bool(d.get(_ATTENTION_KEYS[option], False)) if fixed is None else fixed
 
 
 # Hugging Face's names of the gated MLP's activations (`TransformerConfig.mlp_activation`)
@@ -434,6 +476,7 @@ def _refuse_what_is_not_implemented(d: dict, family: Family) -> None:
         readers = ", ".join(f.model_type for f in FAMILIES.values() if f.layer_types)
         raise InputError(f"config.json: layer_types has {windowed[0]!r} layers, which meshpar does not read for "
                          f"{family.model_type} (per-layer windows: {readers})")
+    fp8_blocks.block_size(d)  # a quantisation meshpar cannot read is refused here
     if d.get("attention_dropout", 0.0):
         raise InputError(f"config.json: attention_dropout = {d['attention_dropout']} is not implemented: meshpar's "
                          f"attention has no dropout")
@@ -473,10 +516,12 @@ def _rope(d: dict) -> tuple[float, RopeScaling]:
 
 def family_of(cfg: TransformerConfig, model_type: str | None = None) -> Family:
     """The family a checkpoint of `cfg` is written as: `model_type` if given, else the one its options
-    name (with experts: sinks gpt_oss, qk_norm qwen3_moe, shared experts qwen2_moe, else mixtral; without:
+    name (latent attention deepseek_v3; a selection bias glm4_moe; with experts: sinks gpt_oss, qk_norm qwen3_moe, shared experts qwen2_moe, else mixtral; without:
     qkv_bias qwen2,
     qk_norm qwen3, sliding_window mistral, none llama); refused where the family cannot hold them."""
-    if model_type is None and cfg.n_experts:
+    if model_type is None and (cfg.kv_lora_rank or cfg.selection_bias):
+        model_type = "deepseek_v3" if cfg.kv_lora_rank else "glm4_moe"
+    elif model_type is None and cfg.n_experts:
         model_type = ("gpt_oss" if cfg.attn_sinks else "qwen3_moe" if cfg.qk_norm else
                       "qwen2_moe" if cfg.n_shared_experts else "mixtral")
     elif model_type is None:
@@ -488,7 +533,7 @@ def family_of(cfg: TransformerConfig, model_type: str | None = None) -> Family:
         raise InputError(f"--family {model_type}: not one of {', '.join(FAMILIES)}")
     _refuse_experts_it_cannot_hold(cfg, family)
     for option in ("qkv_bias", "qk_norm"):
-        if getattr(cfg, option) != getattr(family, option):
+        if getattr(family, option) is not None and getattr(cfg, option) != getattr(family, option):
             raise InputError(f"model.{option} = {str(getattr(cfg, option)).lower()}: a {model_type} checkpoint "
                              f"cannot hold it ({family.architecture} has {'' if getattr(family, option) else 'no '}"
                              f"{option.replace('_', ' ')})")
@@ -505,13 +550,21 @@ def _refuse_a_layer_it_cannot_hold(cfg: TransformerConfig, family: Family) -> No
     """Gemma's layer (`Family.gemma`) in a Gemma family, gpt-oss's in gpt_oss, Llama's elsewhere."""
     wanted = {"norm_plus_one": family.gemma, "sandwich_norms": family.gemma, "embed_scale": family.gemma,
               "mlp_activation": _gated_unit(family), "o_bias": family.gpt_oss, "attn_sinks": family.gpt_oss,
-              "moe_bias": family.gpt_oss}
+              "moe_bias": family.gpt_oss, "router_score": "sigmoid" if family.deepseek_moe else "softmax",
+              "selection_bias": family.deepseek_moe}
+    if bool(cfg.kv_lora_rank) != family.latent:
+        raise InputError(f"model.kv_lora_rank = {cfg.kv_lora_rank}: a {family.model_type} checkpoint cannot hold it "
+                         f"({family.architecture} has {'latent' if family.latent else 'no latent'} attention)")
+    if cfg.rotary_dims and not family.partial_rotary:
+        raise InputError(f"model.rotary_dims = {cfg.rotary_dims}: a {family.model_type} checkpoint cannot hold it "
+                         f"(its heads rotate whole; partial rotary: "
+                         f"{', '.join(f.model_type for f in FAMILIES.values() if f.partial_rotary)})")
     for field, value in wanted.items():
         if getattr(cfg, field) != value:
             raise InputError(f"model.{field} = {json.dumps(getattr(cfg, field))}: a {family.model_type} checkpoint "
                              f"cannot hold it ({family.architecture} has {field} = {json.dumps(value)})")
     for field in ("query_scale", "attn_softcap", "logit_softcap"):
-        if getattr(cfg, field) and not family.gemma:
+        if getattr(cfg, field) and not (family.gemma or family.latent and field == "query_scale"):
             raise InputError(f"model.{field} = {getattr(cfg, field)}: a {family.model_type} checkpoint cannot hold it "
                              f"(of the families meshpar writes, Gemma's have it)")
 
@@ -542,13 +595,16 @@ def _refuse_experts_it_cannot_hold(cfg: TransformerConfig, family: Family) -> No
     if bool(cfg.n_experts) != (experts is not None):
         raise InputError(f"model.n_experts = {cfg.n_experts}: a {name} checkpoint cannot hold it "
                          f"({family.architecture} has {'experts in every layer' if experts else 'no experts'})")
-    shared = experts is not None and experts.shared_width_key is not None
+    shared = experts is not None and (experts.shared_width_key or experts.shared_count_key) is not None
     if experts and bool(cfg.n_shared_experts) != shared:
+        held = "no shared experts" if not shared else "a shared expert" if experts.shared_width_key else "shared experts"
         raise InputError(f"model.n_shared_experts = {cfg.n_shared_experts}: a {name} checkpoint cannot hold it "
-                         f"({family.architecture} has {'a shared expert' if shared else 'no shared experts'})")
-    if shared and not cfg.shared_expert_gate:
-        raise InputError(f"model.shared_expert_gate = false: a {name} checkpoint cannot hold it ({family.architecture} "
-                         f"always gates its shared expert)")
+                         f"({family.architecture} has {held})")
+    gated = shared and experts.shared_width_key is not None
+    if shared and cfg.shared_expert_gate != gated:
+        raise InputError(f"model.shared_expert_gate = {str(cfg.shared_expert_gate).lower()}: a {name} checkpoint "
+                         f"cannot hold it ({family.architecture} {'always' if gated else 'never'} gates its shared "
+                         f"experts)")
     if experts and experts.renormalised not in (None, cfg.norm_topk_prob):
         raise InputError(f"model.norm_topk_prob = {str(cfg.norm_topk_prob).lower()}: a {name} checkpoint cannot "
                          f"hold it ({family.architecture} {'always' if experts.renormalised else 'never'} "
@@ -559,7 +615,9 @@ def config_to_hf(cfg: TransformerConfig, model_type: str | None = None) -> dict:
     """A `config.json` that transformers loads as `family_of(cfg, model_type)`, computing what meshpar's model
     computes."""
     family = family_of(cfg, model_type)
-    rope = _rope_to_hf(cfg.rope_theta, cfg.rope_scaling)
+    rope = {**_rope_to_hf(cfg.rope_theta, cfg.rope_scaling), **(deepseek.rope_json(cfg) if family.latent else {}),
+            **({"partial_rotary_factor": (cfg.rotary_dims or cfg.head_size) / cfg.head_size}
+               if family.partial_rotary else {})}
     scaling = {k: v for k, v in rope.items() if k not in ("rope_type", "rope_theta")}
     return {
         "architectures": [family.architecture], "model_type": family.model_type,
@@ -578,6 +636,8 @@ def config_to_hf(cfg: TransformerConfig, model_type: str | None = None) -> dict:
         "rope_scaling": {"rope_type": rope["rope_type"], **scaling} if scaling else None,
         "dtype": "float32", "torch_dtype": "float32", **(_gemma_to_hf(cfg, family) if family.gemma else {}),
         **({"swiglu_alpha": cfg.swiglu_alpha, "swiglu_limit": cfg.swiglu_limit} if family.gpt_oss else {}),
+        **(deepseek.latent_json(cfg) if family.latent else {}), **(deepseek.moe_json(cfg) if family.deepseek_moe else {}),
+        **({key: getattr(cfg, option) for option, key in _ATTENTION_KEYS.items() if getattr(family, option) is None}),
     }
 
 
@@ -628,4 +688,5 @@ def _experts_to_hf(cfg: TransformerConfig, family: Family) -> dict:
             experts.width_key: cfg.expert_width,
             **({"norm_topk_prob": cfg.norm_topk_prob} if experts.renormalised is None else {}),
             **({experts.shared_width_key: cfg.n_shared_experts * cfg.expert_width} if experts.shared_width_key
-               else {})}
+               else {}),
+            **({experts.shared_count_key: cfg.n_shared_experts} if experts.shared_count_key else {})}

@@ -6,7 +6,10 @@ weight [in..., out...] is A [in..., R] and B [R, out...] (`meshpar.lora`), so A 
 the in and out axes flattened as Hugging Face flattens them (heads first: `models.hf.families`), stacked
 over the layers. A tensor goes to PEFT where meshpar's weight has an adapter (`lora.attach` decides: a
 mixture's routed experts have one only with the `experts` target), and `target_modules` names those modules:
-q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj (the MLP's, and Qwen2-MoE's shared expert's).
+q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj (the MLP's, and Qwen2-MoE's shared expert's),
+and latent attention's (DeepSeek-V3's) q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj (or q_proj), o_proj.
+Where the import reorders a weight's rotary rows (`Tensor.rope`: q(_b) and kv_a's rotary key), lora_B's rows
+are those rows too, reordered the same way in and back out.
 Refused both ways: adapters on routed experts (transformers fuses the experts into tensors, which PEFT adapts
 by `target_parameters`; export them merged, `launch.convert to-hf --merge-lora`), and, in a model with routed
 experts, the other MLPs' (a Qwen3-MoE's layers without experts, a Qwen2-MoE's shared expert): there PEFT takes
@@ -32,13 +35,15 @@ from meshpar import lora
 from meshpar.errors import InputError
 from meshpar.rules import Rules
 from meshpar.sharding import state_shardings
+from models import rope
 from models.hf.checkpoint import hf_names, on_host, stacked_ranges
 from models.hf.families import Tensor, family_of, tensors
 from models.transformer import Transformer, TransformerConfig
 
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 PREFIX = "base_model.model."
-MODULES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "gate": "gate_proj", "up": "up_proj",
+MODULES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj", "q_a": "q_a_proj", "q_b": "q_b_proj",
+           "kv_a": "kv_a_proj_with_mqa", "kv_b": "kv_b_proj", "gate": "gate_proj", "up": "up_proj",
            "down": "down_proj"}
 MLP_MODULES = tuple(MODULES[t] for t in ("gate", "up", "down"))
 # PEFT's settings meshpar has no counterpart for, and the value that means "not used" (target_parameters first:
@@ -72,7 +77,7 @@ def _names(t: Tensor, cfg: TransformerConfig) -> list[tuple[str, str, tuple[int,
     """(lora_A's name, lora_B's name, the layer's index on the stacked axis) of each layer of a tensor."""
     module = lambda name: PREFIX + name.removesuffix(".weight")
     return [(f"{module(name)}.lora_A.weight", f"{module(name)}.lora_B.weight", index)
-            for name, index in hf_names(t, stacked_ranges(cfg))]
+            for name, index in hf_names(t, stacked_ranges(cfg, t))]
 
 
 def _adapter_path(t: Tensor) -> tuple[str, ...]:
@@ -90,7 +95,7 @@ def export(params: nnx.State, cfg: TransformerConfig, adapters: lora.LoraConfig,
     for t in rows:
         a, b = flat[(*_adapter_path(t), "a")], flat[(*_adapter_path(t), "b")]
         for name_a, name_b, index in _names(t, cfg):
-            a_IR, b_RO = on_host(a, index), on_host(b, index)
+            a_IR, b_RO = on_host(a, index), rope.pairs_from_halves(on_host(b, index), t.rope)
             host[name_a] = np.ascontiguousarray(a_IR.reshape(-1, adapters.rank).T)
             host[name_b] = np.ascontiguousarray(b_RO.reshape(adapters.rank, -1).T)
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base, "r": adapters.rank,
@@ -154,12 +159,13 @@ def import_adapters(peft_dir: str | Path, cfg: TransformerConfig, model_type: st
             a_L, b_L = np.zeros(a.shape, np.float32), np.zeros(b.shape, np.float32)
             for name_a, name_b, index in _names(t, cfg):
                 R, width = adapters.rank, int(np.prod(a.shape[1:-1]))
-                for name, out, want in ((name_a, a_L, (R, width)), (name_b, b_L, (int(np.prod(b.shape[2:])), R))):
+                for name, out, want, rotary in ((name_a, a_L, (R, width), 0),
+                                                (name_b, b_L, (int(np.prod(b.shape[2:])), R), t.rope)):
                     tensor = f.get_tensor(name).astype(np.float32)
                     if tensor.shape != want:
                         raise InputError(f"{path}: tensor {name} has shape {tensor.shape}; the base and r = {R} "
                                          f"need {want}")
-                    out[index] = tensor.T.reshape(out.shape[1:])
+                    out[index] = rope.halves_from_pairs(tensor.T.reshape(out.shape[1:]), rotary)
             values[(*_adapter_path(t), "a")], values[(*_adapter_path(t), "b")] = a_L, b_L
     shardings = dict(nnx.to_flat_state(state_shardings(abstract, mesh, rules)))
     return adapters, nnx.from_flat_state({p: v.replace(jax.device_put(values[p], shardings[p].get_value()))
