@@ -67,7 +67,7 @@ class LatentAttention(nnx.Module):
         kind = kind or cfg.kinds[0]
         D, N, C, R = cfg.d_model, cfg.n_heads, cfg.kv_lora_rank, cfg.q_lora_rank
         Hq, Hr, Hv = cfg.head_size, cfg.qk_rope_head_dim, cfg.v_head_dim
-        param = base._param
+        param = base.param
         if R:
             self.wq_a_DR = param(rngs, (D, R), ("embed", None), D**-0.5)
             self.q_norm = base.RMSNorm(cfg, dtype, axis=None, size=R)

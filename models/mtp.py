@@ -35,7 +35,7 @@ class Depth(nnx.Module):
         self.enorm, self.hnorm, self.final_norm = (base.RMSNorm(cfg, dtype) for _ in range(3))
         # C whole on every device (D split over fsdp at rest, as `embed` is): with C over `model`, XLA:CPU's
         # partitioner gave other weights wrong gradients under data × fsdp × model with accumulation
-        self.proj_CD = base._param(rngs, (2 * cfg.d_model, cfg.d_model), (None, "embed"), (2 * cfg.d_model) ** -0.5)
+        self.proj_CD = base.param(rngs, (2 * cfg.d_model, cfg.d_model), (None, "embed"), (2 * cfg.d_model) ** -0.5)
         kind = cfg.kinds[-1]  # the kind of the stack's last layer (DeepSeek-V3: experts)
         self.block = base.Block(cfg, dtype, rngs, kind, adapters)
         self.dtype, self.routed = dtype, bool(cfg.n_experts)

@@ -271,7 +271,8 @@ REGION_INPUT = ("batch", "seq", "embed")
 CACHE = ("batch", None, "kv_heads", None)
 
 
-def _param(rngs: nnx.Rngs, shape: tuple[int, ...], logical: tuple[str, ...], std: float) -> nnx.Param:
+def param(rngs: nnx.Rngs, shape: tuple[int, ...], logical: tuple[str, ...], std: float) -> nnx.Param:
+    """A float32 weight drawn from N(0, std²), its logical axes declared (models name logical axes only)."""
     return nnx.Param(std * jax.random.normal(rngs.params(), shape, jnp.float32), out_sharding=logical)
 
 
@@ -300,10 +301,10 @@ class Attention(nnx.Module):
         kind = kind or cfg.kinds[0]
         D, N, K, H = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_size
         std, out_std = D**-0.5, (N * H) ** -0.5 / math.sqrt(2 * cfg.n_layers)
-        self.wq_DNH = _param(rngs, (D, N, H), ("embed", "heads", "head_dim"), std)
-        self.wk_DKH = _param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), std)
-        self.wv_DKH = _param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), std)
-        self.wo_NHD = _param(rngs, (N, H, D), ("heads", "head_dim", "embed"), out_std)
+        self.wq_DNH = param(rngs, (D, N, H), ("embed", "heads", "head_dim"), std)
+        self.wk_DKH = param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), std)
+        self.wv_DKH = param(rngs, (D, K, H), ("embed", "kv_heads", "head_dim"), std)
+        self.wo_NHD = param(rngs, (N, H, D), ("heads", "head_dim", "embed"), out_std)
         for weight, target in (("wq_DNH", "q"), ("wk_DKH", "k"), ("wv_DKH", "v")):
             lora.attach(self, weight, target, adapters, rngs)
         lora.attach(self, "wo_NHD", "o", adapters, rngs, inputs=2)
@@ -385,9 +386,9 @@ class MLP(nnx.Module):
     def __init__(self, cfg: TransformerConfig, dtype: jnp.dtype, rngs: nnx.Rngs, width: int = 0,
                  adapters: lora.LoraConfig | None = None):
         D, F = cfg.d_model, width or cfg.d_ff
-        self.w_gate_DF = _param(rngs, (D, F), ("embed", "mlp"), D**-0.5)
-        self.w_up_DF = _param(rngs, (D, F), ("embed", "mlp"), D**-0.5)
-        self.w_down_FD = _param(rngs, (F, D), ("mlp", "embed"), F**-0.5 / math.sqrt(2 * cfg.n_layers))
+        self.w_gate_DF = param(rngs, (D, F), ("embed", "mlp"), D**-0.5)
+        self.w_up_DF = param(rngs, (D, F), ("embed", "mlp"), D**-0.5)
+        self.w_down_FD = param(rngs, (F, D), ("mlp", "embed"), F**-0.5 / math.sqrt(2 * cfg.n_layers))
         for weight, target in (("w_gate_DF", "gate"), ("w_up_DF", "up"), ("w_down_FD", "down")):
             lora.attach(self, weight, target, adapters, rngs)
         self.dtype, self.gated = dtype, gated_unit(cfg)
@@ -413,10 +414,10 @@ class MoE(nnx.Module):
     def __init__(self, cfg: TransformerConfig, dtype: jnp.dtype, rngs: nnx.Rngs,
                  adapters: lora.LoraConfig | None = None):
         D, E, F = cfg.d_model, cfg.n_experts, cfg.expert_width
-        self.w_router_DE = _param(rngs, (D, E), ("embed", None), D**-0.5)
-        self.w_gate_EDF = _param(rngs, (E, D, F), moe.GATE_UP, D**-0.5)
-        self.w_up_EDF = _param(rngs, (E, D, F), moe.GATE_UP, D**-0.5)
-        self.w_down_EFD = _param(rngs, (E, F, D), moe.DOWN, F**-0.5 / math.sqrt(2 * cfg.n_layers))
+        self.w_router_DE = param(rngs, (D, E), ("embed", None), D**-0.5)
+        self.w_gate_EDF = param(rngs, (E, D, F), moe.GATE_UP, D**-0.5)
+        self.w_up_EDF = param(rngs, (E, D, F), moe.GATE_UP, D**-0.5)
+        self.w_down_EFD = param(rngs, (E, F, D), moe.DOWN, F**-0.5 / math.sqrt(2 * cfg.n_layers))
         for weight in ("w_gate_EDF", "w_up_EDF", "w_down_EFD"):
             lora.attach(self, weight, "experts", adapters, rngs, lead=1)
         if cfg.moe_bias:
@@ -429,7 +430,7 @@ class MoE(nnx.Module):
         if cfg.n_shared_experts:
             self.shared = MLP(cfg, dtype, rngs, width=cfg.n_shared_experts * F, adapters=adapters)
         if cfg.shared_expert_gate:  # [D, 1]: one logit per token
-            self.w_shared_gate_D1 = _param(rngs, (D, 1), ("embed", None), D**-0.5)
+            self.w_shared_gate_D1 = param(rngs, (D, 1), ("embed", None), D**-0.5)
         self.cfg, self.dtype = cfg, dtype
 
     def __call__(self, x_BTD: jax.Array) -> tuple[jax.Array, moe.RouterStats]:
@@ -568,7 +569,7 @@ class Transformer(nnx.Module):
             raise InputError("train.lora_targets names experts, and this model has none (model.n_experts = 0)")
         latent_attention.check_adapters(cfg, adapters)
         self.cfg, self.dtype = cfg, dtype
-        self.embed_VD = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), 1.0)
+        self.embed_VD = param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), 1.0)
         if cfg.layer_prefix:  # its own stack, on an axis no pipeline stage splits (`meshpar.layers.lead`)
             lead = cfg.lead_kinds
             self.lead = _stacked(lambda r: Block(cfg, dtype, r, lead[0], adapters) if len(lead) == 1 else
@@ -580,7 +581,7 @@ class Transformer(nnx.Module):
         if cfg.mtp_depth:  # after the stack, on `mtp_layers`; never in `decode`
             self.mtp = mtp.stack(cfg, dtype, rngs, adapters)
         if not cfg.tie_embeddings:
-            self.head_DV = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.d_model**-0.5)
+            self.head_DV = param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), cfg.d_model**-0.5)
 
     @classmethod
     def factory(cls, cfg: TransformerConfig, dtype: jnp.dtype = jnp.float32,

@@ -104,7 +104,8 @@ LONGEST_FIRST = ("test_pipeline_1f1b.py", "test_parallel.py", "test_hf_training.
                  "test_fp8.py", "test_context_parallel_documents.py", "test_pipeline.py", "test_gpucheck.py",
                  "test_cli.py", "test_gpu.py", "test_sinks.py", "test_layer_pattern.py", "test_plan_moe.py",
                  "test_split_backward.py", "test_distributed.py", "test_peft.py", "test_lora_cli.py",
-                 "test_fp8_training.py", "test_routing.py", "test_layer_prefix.py")
+                 "test_fp8_training.py", "test_routing.py", "test_layer_prefix.py", "test_mtp.py",
+                 "test_hf_deepseek.py", "test_lora_latent.py")
 HEAVY_S = 20
 
 

@@ -1,4 +1,4 @@
-"""FP8 training against bf16 (meshpar.fp8): 300 steps of `tiny` in bf16 compute, with and without FP8 matmuls
+"""FP8 training against bf16 (meshpar.fp8): 200 steps of `tiny` in bf16 compute, with and without FP8 matmuls
 (tensorwise), through `launch.train` as a user runs it; the final losses (`launch.curves.final`: the mean of
 the last 20 steps') within 2% of bf16's, and the first step's gradient norm apart from bf16's by FP8's rounding
 (more than 1e-3, less than 5e-2; measured 5.2e-3): two bf16 runs give the same numbers bit for bit, so a run
@@ -14,7 +14,7 @@ from conftest import long_run_env
 from launch import curves
 
 pytestmark = pytest.mark.slow
-STEPS = 300
+STEPS = 200
 
 
 def run(directory, fp8: str) -> tuple[list[tuple[int, float]], float]:
@@ -27,7 +27,7 @@ def run(directory, fp8: str) -> tuple[list[tuple[int, float]], float]:
     return curves.losses(str(metrics)), first["grad_norm"]
 
 
-def test_300_steps_with_fp8_end_within_2_percent_of_bf16(tmp_path):
+def test_200_steps_with_fp8_end_within_2_percent_of_bf16(tmp_path):
     (bf16, bf16_norm), (fp8, fp8_norm) = run(tmp_path, "none"), run(tmp_path, "tensorwise")
     assert len(bf16) == len(fp8) == STEPS
     assert 1e-3 < abs(fp8_norm / bf16_norm - 1) < 5e-2, (fp8_norm, bf16_norm)  # FP8 ran, and only rounds
