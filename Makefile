@@ -13,13 +13,14 @@ PYTHON312 ?= $(shell for c in python3.12 $$HOME/.pyenv/versions/3.12*/bin/python
 	$$c -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' 2>/dev/null && echo $$c && break; done)
 VENV312 := .venv312
 # The parity modules of the layouts (each against one device, the pipelines, offload, mixtures of experts, LoRA on
-# three of its layouts, FP8's numerics and two of its layouts), the full-size compile checks, checkpoint resume,
-# real 2-process runs, attention, flash and the loss. Left to the main legs, for CI's time: the pipelines' MoE and
-# split-backward variants, whose JAX calls test_pipeline_1f1b and test_moe already make here; Hugging Face against
-# transformers (test_hf, test_hf_moe, test_hf_training: the model's numerics, not a jax release's); generation
-# and packed documents.
+# three of its layouts, FP8's numerics and two of its layouts), checkpoint resume, real 2-process runs,
+# attention, flash and the loss. Left to the main legs, for CI's time: the pipelines' MoE and split-backward
+# variants, whose JAX calls test_pipeline_1f1b and test_moe already make here; the planner against XLA:CPU's
+# full-size programs (test_fit: the newest jax compiles full-size programs in the GPU leg, for the target the
+# planner is held to); Hugging Face against transformers (test_hf, test_hf_moe, test_hf_training: the model's
+# numerics, not a jax release's); generation and packed documents.
 NEWEST_TESTS := tests/test_train.py tests/test_parallel.py tests/test_pipeline.py tests/test_pipeline_1f1b.py \
-	tests/test_offload.py tests/test_fit.py tests/test_checkpoint.py tests/test_attention.py tests/test_flash.py \
+	tests/test_offload.py tests/test_checkpoint.py tests/test_attention.py tests/test_flash.py \
 	tests/test_loss.py tests/test_moe.py tests/test_gpu.py \
 	tests/test_lora.py::test_lora_matches_one_device[fsdp+tp] tests/test_lora.py::test_lora_matches_one_device[1f1b] \
 	tests/test_lora.py::test_lora_matches_one_device[experts] \

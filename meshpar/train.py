@@ -477,13 +477,14 @@ def loss_and_grads(sharded: Sharded, tokens: NamedSharding, cfg: TrainConfig = T
     return in_layer_order
 
 
-def _balance(model: nnx.Module, loads: nnx.State, cfg: TrainConfig) -> None:
+def _balance(model: nnx.Module, loads: nnx.State, cfg: TrainConfig, keep: jax.Array | None = None) -> None:
     """Loss-free balancing: each selection bias moved by its layer's loads over the step's batch, which the step
-    got as its gradient (`routing.balanced`). A LoRA run's base, the biases with it, stays as it is."""
+    got as its gradient (`routing.balanced`); where `keep` (a scalar bool) is true, left as it was. A LoRA run's
+    base, the biases with it, stays as it is."""
     if cfg.router_bias_update_rate and cfg.lora is None and nnx.to_flat_state(loads):
-        biases = nnx.state(model, routing.SelectionBias)
-        nnx.update(model, jax.tree.map(lambda b, n: routing.balanced(b, n, cfg.router_bias_update_rate), biases,
-                                       loads))
+        moved = lambda b, n: routing.balanced(b, n, cfg.router_bias_update_rate)
+        update = moved if keep is None else lambda b, n: jnp.where(keep, b, moved(b, n))
+        nnx.update(model, jax.tree.map(update, nnx.state(model, routing.SelectionBias), loads))
 
 
 def make_step(sharded: Sharded, tokens: NamedSharding, cfg: TrainConfig = TrainConfig(), loss: Loss | None = None,
@@ -497,6 +498,7 @@ def make_step(sharded: Sharded, tokens: NamedSharding, cfg: TrainConfig = TrainC
     `votes` (`meshpar.preemption.votes_sharding`) the step is `(state, batch, votes) → (state, metrics)` and metric `stop` is the largest vote: a stop
     agreed by the step's own program, so its collective is ordered with the step's.
     """
+
     def step(state: nnx.State, batch: Batch | jax.Array, *votes_D: jax.Array) -> tuple[nnx.State, dict[str, jax.Array]]:
         before = jax.tree.leaves(state)  # the arrays; the update below mutates the merged variables
         with context.use(compute_context(sharded, cfg)):
@@ -512,7 +514,7 @@ def make_step(sharded: Sharded, tokens: NamedSharding, cfg: TrainConfig = TrainC
                               keep=~finite if skip else None)
             else:
                 ts.opt.update(ts.model, grads)
-            _balance(ts.model, loads, cfg)
+            _balance(ts.model, loads, cfg, keep=~finite if skip and offloaded else None)  # else: kept below
             new_state, metrics = nnx.state(ts), {"loss": value, "grad_norm": grad_norm, "tokens": count}
             if isinstance(stats, MTPStats):  # L_MTP before λ: a cross-entropy like the main model's
                 metrics["mtp_loss"], stats = stats.mtp, stats.router

@@ -55,7 +55,7 @@ class Depth(nnx.Module):
 def stack(cfg: base.TransformerConfig, dtype: jnp.dtype, rngs: nnx.Rngs,
           adapters: lora.LoraConfig | None = None) -> Depth:
     """The D modules, stacked on `mtp_layers`."""
-    return base._stacked(lambda r: Depth(cfg, dtype, r, adapters), cfg.mtp_depth, "mtp_layers")(rngs)
+    return base.stack_of(lambda r: Depth(cfg, dtype, r, adapters), cfg.mtp_depth, "mtp_layers")(rngs)
 
 
 def hidden_states(depths: Depth, h_BTD: jax.Array, e_KBTD: jax.Array, positions: jax.Array,

@@ -547,7 +547,7 @@ def _cached_scan(stack: nnx.Module, x_BTD: jax.Array, positions_T: jax.Array, k_
     return x_BTD, k_LBSKH, v_LBSKH
 
 
-def _stacked(make: Callable[[nnx.Rngs], nnx.Module], count: int, axis: str) -> Callable[[nnx.Rngs], nnx.Module]:
+def stack_of(make: Callable[[nnx.Rngs], nnx.Module], count: int, axis: str) -> Callable[[nnx.Rngs], nnx.Module]:
     """`rngs →` `count` modules of `make` stacked along a leading axis of logical name `axis`."""
 
     @nnx.split_rngs(splits=count)
@@ -572,10 +572,10 @@ class Transformer(nnx.Module):
         self.embed_VD = param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), 1.0)
         if cfg.layer_prefix:  # its own stack, on an axis no pipeline stage splits (`meshpar.layers.lead`)
             lead = cfg.lead_kinds
-            self.lead = _stacked(lambda r: Block(cfg, dtype, r, lead[0], adapters) if len(lead) == 1 else
+            self.lead = stack_of(lambda r: Block(cfg, dtype, r, lead[0], adapters) if len(lead) == 1 else
                                  Period(cfg, dtype, r, adapters, lead), len(cfg.layer_prefix) // len(lead),
                                  "lead_layers")(rngs)
-        self.blocks = _stacked(lambda r: Period(cfg, dtype, r, adapters) if cfg.layer_pattern else
+        self.blocks = stack_of(lambda r: Period(cfg, dtype, r, adapters) if cfg.layer_pattern else
                                Block(cfg, dtype, r, adapters=adapters), cfg.periods, "layers")(rngs)
         self.final_norm = RMSNorm(cfg, dtype)
         if cfg.mtp_depth:  # after the stack, on `mtp_layers`; never in `decode`

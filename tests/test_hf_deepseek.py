@@ -26,7 +26,8 @@ from safetensors.numpy import load_file
 
 from hf_reference import SMALL, call
 from models import hf
-from models.transformer import Transformer
+from meshpar.errors import InputError
+from models.transformer import LayerKind, Transformer, TransformerConfig
 from meshpar import generate, rules as rules_lib
 from test_hf import RULES, TOKENS_BT, build_mesh, hf_logits, meshpar_logits, relative_error
 from test_hf_training import STEPS, SETTINGS, TRAIN, batches, meshpar_losses
@@ -193,3 +194,17 @@ def test_training_matches_transformers_step_for_step(deepseek, spec, parallel):
           f"difference {relative.max():.2e} (step {int(np.argmax(relative))})")
     assert reference[-1] < reference[0] - 0.5
     assert relative.max() < 1e-5, (losses, reference)
+
+
+def test_a_dense_prefix_in_the_families_that_list_dense_layers():
+    """Outside DeepSeek's families a dense `layer_prefix` is written as those layers' numbers (Qwen3-MoE's
+    `mlp_only_layers`, the prefix first in the checkpoint's order) and read back as the layers' kinds; a family
+    with experts in every layer refuses it by name."""
+    moe = TransformerConfig(vocab_size=64, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, d_ff=64, qk_norm=True,
+                            n_experts=4, d_expert=16, layer_prefix=(LayerKind(dense=True),))
+    written = hf.config_to_hf(moe)
+    assert (written["model_type"], written["mlp_only_layers"]) == ("qwen3_moe", [0])
+    read = hf.config_from_hf(written)
+    assert [k.dense for k in read.kinds] * read.periods == [True, False, False]
+    with pytest.raises(InputError, match=r"model\.layer_prefix\[0\]\.dense = true: a mixtral checkpoint"):
+        hf.config_to_hf(dataclasses.replace(moe, qk_norm=False), "mixtral")

@@ -570,12 +570,13 @@ def _refuse_a_layer_it_cannot_hold(cfg: TransformerConfig, family: Family) -> No
 
 
 def _refuse_a_pattern_it_cannot_hold(cfg: TransformerConfig, family: Family) -> None:
-    kinds, name = cfg.layer_pattern, family.model_type
+    named = [(f"model.{field}[{j}]", k) for field in ("layer_prefix", "layer_pattern")
+             for j, k in enumerate(getattr(cfg, field))]
+    kinds, name = [k for _, k in named], family.model_type
     windows = sorted({k.window for k in kinds if k.window})
     # Gemma's sliding layers have a rotary base (and scaling) of their own, one for all of them
     local = {(k.rope_theta, k.rope_scaling) for k in kinds if k.window} if family.local_rope else set()
-    culprit = next((f"model.layer_pattern[{j}].{field}" for j, k in enumerate(kinds)
-                    for field in ("rope_theta", "rope_scaling")
+    culprit = next((f"{where}.{field}" for where, k in named for field in ("rope_theta", "rope_scaling")
                     if getattr(k, field) and not (k.window and len(local) == 1)), None)
     if culprit:
         held = "one for every sliding layer, the others the model's" if family.local_rope else "the same in every layer"
@@ -585,9 +586,12 @@ def _refuse_a_pattern_it_cannot_hold(cfg: TransformerConfig, family: Family) -> 
                          f"windows: {', '.join(f.model_type for f in FAMILIES.values() if f.layer_types)})")
     if len(windows) > 1:
         raise InputError(f"model.layer_pattern has windows {windows}: a {name} checkpoint holds one (sliding_window)")
-    if any(k.dense for k in kinds) and not family.dense_layers:
-        raise InputError(f"model.layer_pattern has dense layers: a {name} checkpoint cannot hold them (dense layers "
-                         f"beside experts: {', '.join(f.model_type for f in FAMILIES.values() if f.dense_layers)})")
+    # dense layers anywhere where the family lists them; DeepSeek's families hold a dense prefix (moe_json checks it)
+    dense = next((where for where, k in named if k.dense and not family.dense_layers
+                  and not (family.deepseek_moe and where.startswith("model.layer_prefix"))), None)
+    if dense:
+        raise InputError(f"{dense}.dense = true: a {name} checkpoint cannot hold it (dense layers beside experts: "
+                         f"{', '.join(f.model_type for f in FAMILIES.values() if f.dense_layers or f.deepseek_moe)})")
 
 
 def _refuse_experts_it_cannot_hold(cfg: TransformerConfig, family: Family) -> None:
@@ -669,9 +673,14 @@ def _gemma_to_hf(cfg: TransformerConfig, family: Family) -> dict:
     return out
 
 
+def _layer_kinds(cfg: TransformerConfig) -> list[LayerKind]:
+    """Each layer's kind, in the checkpoint's order: the prefix's, then the pattern's over the periods."""
+    return [*cfg.layer_prefix, *(cfg.kinds[i % len(cfg.kinds)] for i in range(cfg.n_layers - len(cfg.layer_prefix)))]
+
+
 def _layer_types_to_hf(cfg: TransformerConfig) -> dict:
     """The config.json keys of per-layer windows: each layer's type, and the one window of the sliding ones."""
-    windows = [cfg.kinds[i % len(cfg.kinds)].window for i in range(cfg.n_layers)]
+    windows = [kind.window for kind in _layer_kinds(cfg)]
     window = max(windows)
     return {"use_sliding_window": bool(window), "sliding_window": window or None, "max_window_layers": cfg.n_layers,
             "layer_types": ["sliding_attention" if w else "full_attention" for w in windows]}
@@ -682,7 +691,7 @@ def _experts_to_hf(cfg: TransformerConfig, family: Family) -> dict:
     experts = family.experts
     if experts is None:
         return {}
-    dense = [i for i in range(cfg.n_layers) if cfg.kinds[i % len(cfg.kinds)].dense]
+    dense = [i for i, kind in enumerate(_layer_kinds(cfg)) if kind.dense]
     return {experts.count_keys[0]: cfg.n_experts, "num_experts_per_tok": cfg.experts_per_token,
             **({"decoder_sparse_step": 1, "mlp_only_layers": dense} if family.dense_layers else {}),
             experts.width_key: cfg.expert_width,
