@@ -8,15 +8,13 @@ routed to 8 experts within the best 4 of 8 groups, scaled by 2.5, balanced by th
     python -m launch.compile --config deepseek_v3 --target h100 --devices 256 --mesh auto
 """
 
-import math
-
 from configs import Config
 from meshpar.train import TrainConfig
-from models.rope import RopeScaling
+from models.rope import RopeScaling, yarn_mscale
 from models.transformer import LayerKind, TransformerConfig
 
 
-MSCALE = 0.1 * math.log(40.0) + 1  # YaRN's mscale for factor 40, mscale_all_dim 1: the softmax scale × its square
+MSCALE = yarn_mscale(40.0)  # YaRN's mscale for factor 40, mscale_all_dim 1: the softmax scale × its square
 
 
 def config() -> Config:

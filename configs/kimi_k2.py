@@ -6,14 +6,12 @@ by 2.827; YaRN ×32 over 4k (its mscale 1 = mscale_all_dim: no softmax factor).
     python -m launch.compile --config kimi_k2 --target h100 --devices 512 --mesh auto
 """
 
-import math
-
 from configs import Config
 from meshpar.train import TrainConfig
-from models.rope import RopeScaling
+from models.rope import RopeScaling, yarn_mscale
 from models.transformer import LayerKind, TransformerConfig
 
-MSCALE = 0.1 * math.log(32.0) + 1  # YaRN's mscale for factor 32, mscale_all_dim 1: the softmax scale × its square
+MSCALE = yarn_mscale(32.0)  # YaRN's mscale for factor 32, mscale_all_dim 1: the softmax scale × its square
 
 
 def config() -> Config:

@@ -76,8 +76,14 @@ def frequencies(head_dim: int, theta: float, scaling: RopeScaling) -> tuple[tupl
         low, high = max(low, 0), min(high, head_dim - 1)
         ramp_h = np.clip((np.arange(head_dim // 2) - low) / max(high - low, 1e-3), 0.0, 1.0)  # 1: interpolate
         inv_freq_h = inv_freq_h / s.factor * ramp_h + inv_freq_h * (1 - ramp_h)
-        scale = s.attention_factor or (0.1 * math.log(s.factor) + 1.0 if s.factor > 1 else 1.0)
+        scale = s.attention_factor or yarn_mscale(s.factor)
     return tuple(inv_freq_h.astype(np.float32).tolist()), scale
+
+
+def yarn_mscale(factor: float, m: float = 1.0) -> float:
+    """YaRN's mscale, 0.1·m·ln(factor) + 1 (1 where the context is not stretched): its attention factor (m = 1),
+    and, with DeepSeek's `mscale_all_dim` as m, the root of what its softmax scale is multiplied by."""
+    return 0.1 * m * math.log(factor) + 1.0 if factor > 1 else 1.0
 
 
 def rotate(x_BTNH: jax.Array, positions: jax.Array, theta: float, scaling: RopeScaling, dims: int = 0) -> jax.Array:

@@ -48,11 +48,11 @@ writes as `query_scale` = (Hn + Hr) / mscale⁴, mscale(f, m) = 0.1·m·ln f + 1
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
-import dataclasses
-
 from meshpar.errors import InputError
+from models.rope import yarn_mscale
 from models.transformer import LayerKind, TransformerConfig
 
 _LAYER = "model.layers.{l}."
@@ -95,10 +95,6 @@ def mtp_copies(cfg: TransformerConfig) -> list[tuple[str, str]]:
                          (_LAYER.format(l=l) + "shared_head.head.weight", head))]
 
 
-def _mscale(factor: float, m: float) -> float:
-    return 0.1 * m * math.log(factor) + 1.0 if factor > 1 else 1.0
-
-
 def latent_fields(d: dict) -> dict:
     """The TransformerConfig fields of a deepseek_v3 config.json's latent attention."""
     missing = [k for k in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim") if d.get(k) is None]
@@ -108,7 +104,7 @@ def latent_fields(d: dict) -> dict:
     rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
     m_all = rope.get("mscale_all_dim") or 0.0
     yarn = rope.get("rope_type", rope.get("type")) == "yarn"
-    scale = _mscale(_yarn_factor(d, rope), m_all) if m_all and yarn else 1.0
+    scale = yarn_mscale(_yarn_factor(d, rope), m_all) if m_all and yarn else 1.0
     return {"kv_lora_rank": d["kv_lora_rank"], "q_lora_rank": d.get("q_lora_rank") or 0,
             "qk_nope_head_dim": d["qk_nope_head_dim"], "qk_rope_head_dim": d["qk_rope_head_dim"],
             "v_head_dim": d["v_head_dim"], "head_dim": 0, "query_scale": 0.0 if scale == 1 else head_size / scale**4}
@@ -151,7 +147,8 @@ def yarn_keys(d: dict) -> dict:
     m, m_all = rope.pop("mscale", None), rope.pop("mscale_all_dim", None)
     if rope.get("rope_type", rope.get("type")) == "yarn" and rope.get("attention_factor") is None:
         factor = _yarn_factor(d, rope)
-        rope["attention_factor"] = _mscale(factor, m) / _mscale(factor, m_all) if m and m_all else _mscale(factor, 1.0)
+        rope["attention_factor"] = (yarn_mscale(factor, m) / yarn_mscale(factor, m_all) if m and m_all
+                                    else yarn_mscale(factor))
     return {**d, key: rope or d.get(key)}
 
 
