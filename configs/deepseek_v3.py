@@ -2,7 +2,9 @@
 and V from a 512 latent and a 64-dim rotary key shared by the heads; YaRN ×40 over 4k with its softmax mscale),
 3 dense layers then 58 of 256 fine-grained experts (width 2,048) and one shared expert, sigmoid scores
 routed to 8 experts within the best 4 of 8 groups, scaled by 2.5, balanced by the selection bias.
-671B parameters, 37B of them active per token (the model card's; its multi-token prediction module aside).
+671B parameters, 37B of them active per token, and one multi-token prediction module (λ = 0.3, the paper's
+first 10T tokens) that shares the embedding and the head: 685B with the copies of those two the checkpoint holds
+(the model card's figures).
 
     python -m launch.train --config deepseek_v3 --mesh stage=16,expert=64,fsdp=-1 --set train.remat=full
     python -m launch.compile --config deepseek_v3 --target h100 --devices 256 --mesh auto
@@ -28,7 +30,7 @@ def config() -> Config:
             kv_lora_rank=512, q_lora_rank=1536, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
             n_experts=256, experts_per_token=8, d_expert=2048, n_shared_experts=1, norm_topk_prob=True,
             router_score="sigmoid", expert_groups=8, topk_groups=4, routed_scaling=2.5, selection_bias=True,
-            layer_prefix=(LayerKind(dense=True),) * 3),
-        train=TrainConfig(steps=10_000, global_batch=1920, seq_len=4096, lr=2.2e-4, warmup_steps=2000,
+            layer_prefix=(LayerKind(dense=True),) * 3, mtp_depth=1),
+        train=TrainConfig(steps=10_000, global_batch=2048, seq_len=4096, lr=2.2e-4, warmup_steps=2000,
                           compute_dtype="bfloat16"),
     )

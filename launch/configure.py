@@ -107,7 +107,8 @@ def planned_layouts(cfg: configs.Config, hardware: str, top: int, cluster: gpu.C
     result = plan.search(shape(cfg), devices=devices, devices_per_host=per_host,
                          hardware=cluster.target.name if cluster else hardware, global_batch=cfg.train.global_batch,
                          seq_len=cfg.train.seq_len, compute_dtype=cfg.train.compute_dtype, top=top,
-                         flash_attention=plan.Run.of(cfg.train).flash_attention)
+                         flash_attention=plan.Run.of(cfg.train).flash_attention,
+                         capacities=plan.capacities(cfg.parallel))
     out = []
     for est in result.ranked:
         chosen = dataclasses.replace(cfg, mesh=est.layout.mesh)

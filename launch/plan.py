@@ -113,7 +113,9 @@ def run(args: argparse.Namespace) -> None:
     flags += [f"train.compute_dtype={args.compute_dtype}"] if args.compute_dtype else []
     if args.seq_len and args.seq_len > cfg.model.max_seq_len:
         flags.append(f"model.max_seq_len={args.seq_len}")
-    settings = [s for s in args.set if s.partition("=")[0].strip() in SETTINGS]
+    # a capacity may fix the search's (it tries dropless and `CAPACITY`); the other settings are its to choose
+    settings = [s for s in args.set if s.partition("=")[0].strip() in SETTINGS
+                and s.partition("=")[0].strip() != "parallel.expert_capacity"]
     if settings and not args.mesh:
         raise InputError(f"{', '.join(settings)}: layout settings need --mesh (the search chooses them itself)")
     cfg = config_lib.apply(cfg, [*args.set, *flags])
@@ -143,7 +145,8 @@ def run(args: argparse.Namespace) -> None:
         result = plan.search(shape, devices=args.devices, devices_per_host=args.devices_per_host, hardware=hw,
                              global_batch=t.global_batch, seq_len=t.seq_len, compute_dtype=t.compute_dtype,
                              precision=args.precision, top=args.top, mem_fraction=args.mem_fraction,
-                             efficiency=runp.efficiency, flash_attention=runp.flash_attention, fp8=t.fp8)
+                             efficiency=runp.efficiency, flash_attention=runp.flash_attention, fp8=t.fp8,
+                             capacities=plan.capacities(cfg.parallel))
         search_s = time.perf_counter() - started
         estimates = result.ranked
         summary = report.why(estimates, shape, runp)

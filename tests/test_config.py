@@ -194,8 +194,12 @@ def formula_param_count(cfg: TransformerConfig) -> int:
     per_layer += D * cfg.o_bias + N * cfg.attn_sinks  # gpt-oss's o bias and sinks …
     per_layer += cfg.n_experts * (1 + 2 * cfg.expert_width + D) * cfg.moe_bias  # … and its router's and experts' biases
     kinds = [*cfg.layer_prefix, *cfg.kinds * cfg.periods]  # each layer's MLP: dense where its kind says
-    mlps = sum(dense if kind.dense or not cfg.n_experts else mlp for kind in kinds)
-    return V * D * (1 if cfg.tie_embeddings else 2) + L * per_layer + mlps + D
+    mlp_of = lambda kind: dense if kind.dense or not cfg.n_experts else mlp
+    mlps = sum(mlp_of(kind) for kind in kinds)
+    # multi-token prediction: per module its two input norms, its [2D, D] projection, a block of the last
+    # layer's kind and its final norm (the embedding and the head shared)
+    mtp = cfg.mtp_depth * (3 * D + 2 * D * D + per_layer + mlp_of(cfg.kinds[-1]))
+    return V * D * (1 if cfg.tie_embeddings else 2) + L * per_layer + mlps + D + mtp
 
 
 @pytest.mark.parametrize("name", [*configs.names(), "tiny_moe with a gated shared expert"])
@@ -214,18 +218,27 @@ def test_param_count_matches_the_formula(name):
     ("mixtral_8x7b", 46.70e9, 0.001), ("qwen3_30b_a3b", 30.53e9, 0.001),  # mixtures of experts: every expert counted
     ("gpt_oss_20b", 20.91e9, 0.001),  # gpt-oss's model card: 20.91B, its biases and sinks included
     ("gemma3_12b", 11.77e9, 4e-4),  # the README's figure, to its two decimals (Gemma 3 12B's text decoder alone)
-    # DeepSeek-V3's architecture, the model cards' sizes: 671B, 1T (1.026T), 16B (15.96B)
+    # DeepSeek-V3's architecture, the model cards' sizes: 671B (the main model), 1T (1.026T), 16B (15.96B)
     ("deepseek_v3", 671e9, 1e-3), ("kimi_k2", 1.03e12, 5e-3), ("moonlight_16b_a3b", 16e9, 5e-3),
 ])
 def test_param_count_of_the_named_shapes(name, expected, rel):
-    assert abstract_param_count(configs.load(name).model) == pytest.approx(expected, rel=rel)
+    cfg = dataclasses.replace(configs.load(name).model, mtp_depth=0)
+    assert abstract_param_count(cfg) == pytest.approx(expected, rel=rel)
+
+
+def test_deepseek_v3_with_its_prediction_module_is_the_checkpoints_685b():
+    """The model card's 685B: the main model's 671B and the 14B of its MTP module, which the checkpoint holds
+    with its own copies of the embedding and the head (shared here)."""
+    cfg = configs.load("deepseek_v3").model
+    assert cfg.mtp_depth == 1
+    assert abstract_param_count(cfg) + 2 * cfg.vocab_size * cfg.d_model == pytest.approx(685e9, rel=1e-3)
 
 
 @pytest.mark.parametrize(("name", "active"), [("deepseek_v3", 37e9), ("kimi_k2", 32e9), ("moonlight_16b_a3b", 3e9)])
 def test_active_params_of_deepseeks_architecture(name, active):
     """The parameters a token computes with (every weight but the routed experts it is not sent to) are the
-    model cards' activated parameters, which they give to the billion: 37.6B, 32.9B and 2.9B."""
-    cfg = configs.load(name).model
+    model cards' activated parameters, which they give to the billion: 37.6B, 32.9B and 2.9B (the main model's)."""
+    cfg = dataclasses.replace(configs.load(name).model, mtp_depth=0)
     routed = cfg.n_experts * 3 * cfg.d_model * cfg.expert_width * (cfg.n_layers - len(cfg.layer_prefix))
     assert abstract_param_count(cfg) - routed * (1 - cfg.experts_per_token / cfg.n_experts) == pytest.approx(
         active, rel=0.03)

@@ -68,8 +68,10 @@ def test_the_planner_reads_the_models_dimensions(name):
         attention = ((D + N * H) * R if R else D * N * H) + D * (C + cfg.qk_rope_head_dim) + C * N * (
             cfg.qk_nope_head_dim + Hv) + N * Hv * D
     dense = len(cfg.layer_prefix) * 3 * D * F  # leading dense layers: an MLP of d_ff where the others have experts
+    mtp = cfg.mtp_depth * (attention + mlp + 2 * D * D)  # a prediction module: a layer and its [2D, D] projection
+    assert shape.mtp == cfg.mtp_depth
     assert shape.matmul_params == (cfg.n_layers * attention + (cfg.n_layers - len(cfg.layer_prefix)) * mlp + dense
-                                   + D * cfg.vocab_size)
+                                   + D * cfg.vocab_size + mtp)
 
 
 def test_parameter_count_with_tied_embeddings_drops_the_head():

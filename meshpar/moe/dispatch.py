@@ -27,7 +27,10 @@ Two ways to size r (`parallel.expert_capacity`):
   are at most n · min(k, El) (a token's k experts are distinct), so r is that, the rows are packed in
   expert order, and the experts run as grouped matmuls over the sorted rows (`jax.lax.ragged_dot`,
   group sizes from the counts). The buffers are sized for the worst case: with ep > 1 a device sends and
-  receives ep · r rows, up to ep times the rows that carry a token.
+  receives ep · r rows, up to ep times the rows that carry a token. XLA (CPU and GPU, jax 0.10–0.12) has no
+  grouped kernel: it compiles each ragged_dot as El matmuls over all ep · r rows, masked, so with many
+  local experts dropless costs El · ep · r / (n · k) times the FLOPs of the rows that carry a token
+  (`deepseek_v3`'s H100 program on expert=8: 143 times the model's FLOPs; at capacity 1.25, 1.36).
 - capacity c > 0: each expert takes at most U = ceil(c · n · k / E) assignments of a device's tokens (in
   token order; the rest are dropped, their tokens keep only the residual and any shared expert), so r =
   El · U and the buffer is the GShard layout [ep, El, U, D]: the experts run as one batched matmul over
@@ -138,8 +141,8 @@ def grouped_matmul(x_ID: jax.Array, w_EDF: jax.Array, sizes_E: jax.Array, vmappe
     """Rows [I, D] in groups of `sizes_E` consecutive rows, group e times w_EDF[e] (rows past the groups: 0):
     `jax.lax.ragged_dot`. Under a vmap (`vmapped`: the pipeline's lanes, accumulation's replicas), whose
     batching rule ragged_dot lacks for these layouts, a loop over the experts, each multiplying every row
-    and keeping its own group's: what XLA:CPU runs for ragged_dot anyway, El times the FLOPs of a GPU's
-    grouped kernel, but one [I, F] product at a time (one matmul of the rows masked per group would hold
+    and keeping its own group's: what XLA runs for ragged_dot anyway (module docstring), but one [I, F]
+    product at a time (one matmul of the rows masked per group would hold
     El copies of the rows: 17 GB per GPU at `qwen3_30b_a3b` in a pipeline). In FP8 under `recipe`."""
     if recipe is not None:
         return fp8.grouped(functools.partial(grouped_matmul, vmapped=vmapped), x_ID, w_EDF, sizes_E, recipe=recipe)

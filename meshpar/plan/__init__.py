@@ -9,9 +9,11 @@ the memory picture). The hardware table is `meshpar.hardware`.
 from meshpar.hardware import PRESETS, Hardware, parse as parse_hardware
 from meshpar.plan.layout import Layout, Run, check
 from meshpar.plan.memory import Memory, memory
-from meshpar.plan.search import NothingFits, SearchResult, best_layout, check_cluster, model_states, search
+from meshpar.plan.search import (NothingFits, SearchResult, best_layout, capacities, check_cluster, model_states,
+                                 search)
 from meshpar.plan.shape import Shape
 from meshpar.plan.time import Estimate, estimate
 
 __all__ = ["Estimate", "Hardware", "Layout", "Memory", "NothingFits", "PRESETS", "Run", "SearchResult", "Shape",
-           "best_layout", "check", "check_cluster", "estimate", "memory", "model_states", "parse_hardware", "search"]
+           "best_layout", "capacities", "check", "check_cluster", "estimate", "memory", "model_states",
+           "parse_hardware", "search"]

@@ -214,6 +214,13 @@ def _local_elements(shape: Shape, zero: int, stage: int, fsdp: int, model: int, 
                if (not only_layers or "layers" in names) and shape.is_frozen(i) in wanted)
 
 
+def layer_expert_elements(shape: Shape, lay: Layout) -> float:
+    """Elements on one device of one stacked layer's experts as they compute (gathered over fsdp, split
+    over expert and model)."""
+    return sum(n for n, (_, names) in zip(local_tensors(shape, lay, "activations"), shape.elements())
+               if "layers" in names and "experts" in names) / (shape.layers / lay.mesh.stage)
+
+
 def transposed_for_gathers(shape: Shape, lay: Layout) -> float:
     """Elements on one device of the stacked weights that XLA's GPU compiler copies whole, before the layer
     loop, into another order: those whose first dimension split over fsdp at rest is not the first after
@@ -240,9 +247,10 @@ def layer_matmul_params(shape: Shape, lay: Layout, run: Run, *, experts: bool = 
     return _matmul_params(shape, lay, run, "layers", experts) / (shape.layers / lay.mesh.stage)
 
 
-def lead_matmul_params(shape: Shape, lay: Layout, run: Run) -> float:
-    """`layer_matmul_params` of the layers before the stack (`Shape.lead`) together."""
-    return _matmul_params(shape, lay, run, "lead_layers", True)
+def lead_matmul_params(shape: Shape, lay: Layout, run: Run, stacked: str = "lead_layers") -> float:
+    """`layer_matmul_params` of the layers before the stack (`Shape.lead`) together, or of multi-token
+    prediction's modules after it (`stacked="mtp_layers"`, `Shape.mtp`)."""
+    return _matmul_params(shape, lay, run, stacked, True)
 
 
 def _matmul_params(shape: Shape, lay: Layout, run: Run, stacked: str, experts: bool) -> float:
@@ -254,14 +262,16 @@ def _matmul_params(shape: Shape, lay: Layout, run: Run, stacked: str, experts: b
 
 def expert_rows(shape: Shape, lay: Layout, run: Run) -> tuple[int, float, float]:
     """A mixture of experts on one device per microbatch (`meshpar.moe.dispatch`): (r, the rows its experts
-    compute per local token, the rows of its dispatch buffers per local token). Dropless the experts compute
-    the k rows of each token that arrive (the buffers hold ep·r = ep·n·min(k, El)); at capacity every row of
-    the [El, ep·U] buffers, U = ceil(c·n·k/E)."""
+    compute per local token, the rows of its dispatch buffers per local token). The buffers hold ep·r rows.
+    At capacity each local expert computes its [ep·U] rows of the [El, ep·U] buffers, U = ceil(c·n·k/E).
+    Dropless (ep·r = ep·n·min(k, El) rows, sorted by expert) XLA, on the CPU and on the GPU alike, compiles
+    the grouped matmul (`jax.lax.ragged_dot`) as one matmul per local expert over every row of the buffer,
+    masked: El·ep·r rows (the H100 program of `deepseek_v3` on expert=8: 143 times the model's FLOPs)."""
     b, t, *_ = local_dims(shape, lay, run)
     n, k, E, ep = int(b * t), shape.experts_per_token, shape.experts, lay.mesh.expert
     capacity = lay.parallel.expert_capacity
     r = moe.rows_per_shard(n, k, E, ep, capacity)
-    return r, (ep * r / n if capacity else k), ep * r / n
+    return r, ep * r / n * (1 if capacity else E // ep), ep * r / n
 
 
 def local_dims(shape: Shape, lay: Layout, run: Run) -> tuple[float, float, float, float, float, float]:

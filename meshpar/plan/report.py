@@ -52,6 +52,8 @@ def table(estimates: list[Estimate]) -> str:
     gb = lambda x: f"{x / GB:.1f}"
     host = any(_offloads(e.layout) for e in estimates)
     only_host = lambda *columns: list(columns) if host else []  # the offload columns, where a row offloads
+    moe = any(e.layout.parallel.expert_capacity for e in estimates)
+    only_moe = lambda *columns: list(columns) if moe else []  # a mixture's capacity, where a row sets one
     columns = [  # (header, left-aligned, cell of (rank, estimate))
         ("#", False, lambda i, e: str(i)),
         ("mesh", True, lambda i, e: mesh_lib.describe(e.layout.mesh)),
@@ -59,6 +61,8 @@ def table(estimates: list[Estimate]) -> str:
         ("sp", False, lambda i, e: "yes" if e.layout.parallel.sequence_parallel and e.layout.mesh.model > 1 else "-"),
         ("attention", True, lambda i, e: _attention(e.layout)),
         ("pipeline", True, lambda i, e: _pipeline(e.layout)),
+        *only_moe(("capacity", False, lambda i, e: f"{e.layout.parallel.expert_capacity:g}"
+                   if e.layout.parallel.expert_capacity else "dropless")),
         ("remat", True, lambda i, e: e.layout.remat),
         *only_host(("offload", True, lambda i, e: e.layout.parallel.offload.replace("none", "-"))),
         ("accum", False, lambda i, e: str(e.layout.grad_accum)),

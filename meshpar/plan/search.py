@@ -15,8 +15,9 @@ and may cross hosts, priced at the network's bandwidth; ZeRO 2 and 3 over `fsdp`
 axis; ZeRO 1 holds more than 2 and sends more: meshpar all-reduces its whole gradient, then all-gathers
 the parameters); the zigzag order for context attention (balanced causal work); the GPipe/circular and
 the 1F1B/interleaved schedules (GPipe only for a mixture of experts) with microbatches M ∈ {P, 2P, 4P, 8P}
-(the two largest the batch allows) and repeats R ∈ {1, 2, 4}; a mixture's dispatch dropless (the default;
-`launch.plan --mesh` prices a capacity); and per layout only the fastest (remat, grad_accum) pair that
+(the two largest the batch allows) and repeats R ∈ {1, 2, 4}; a mixture's dispatch dropless and at capacity
+`CAPACITY` (XLA compiles dropless's grouped matmuls as El·ep·r masked rows, `layout.expert_rows`, so with many
+experts per device a capacity is far faster and smaller; `capacities` fixes the choice); and per layout only the fastest (remat, grad_accum) pair that
 fits. Layouts that differ only in how the batch ways split into data × fsdp are ranked once, by their
 fastest split. Host offload
 (`parallel.offload`, remat `offload`) only when no layout fits without it: its copies are priced as an
@@ -43,6 +44,7 @@ from meshpar.rules import CONTEXT_ATTENTION, OFFLOAD, PIPELINE_SCHEDULES, Parall
 
 GB = 1e9
 MAX_SEQUENCE = 64
+CAPACITY = 1.25  # the capacity factor the search tries beside dropless (Switch Transformer's, GShard's range)
 
 
 class NothingFits(InputError):
@@ -121,7 +123,7 @@ def _meshes(shape: Shape, devices: int, dph: int, run: Run):
                         yield mesh
 
 
-def _settings(shape: Shape, mesh: MeshConfig, run: Run):
+def _settings(shape: Shape, mesh: MeshConfig, run: Run, capacities: tuple[float, ...]):
     """The ParallelConfigs to try on one mesh, before remat and accumulation."""
     zeros = (2, 3) if mesh.fsdp > 1 else (0,)
     sps = (False, True) if mesh.model > 1 else (False,)
@@ -136,8 +138,10 @@ def _settings(shape: Shape, mesh: MeshConfig, run: Run):
         for sp in sps:
             for mode in modes:
                 for M, R, kind in pipes:
-                    yield ParallelConfig(zero_stage=zero, sequence_parallel=sp, context_attention=mode,
-                                         microbatches=M, pipeline_repeats=R, pipeline_schedule=kind)
+                    for capacity in capacities if shape.experts else (0.0,):
+                        yield ParallelConfig(zero_stage=zero, sequence_parallel=sp, context_attention=mode,
+                                             microbatches=M, pipeline_repeats=R, pipeline_schedule=kind,
+                                             expert_capacity=capacity)
 
 
 @dataclasses.dataclass
@@ -184,11 +188,12 @@ OFFLOADED = tuple((offload, remat) for offload in OFFLOAD for remat in remat_lib
 def search(shape: Shape, *, devices: int, devices_per_host: int, hardware: Hardware | str, global_batch: int,
            seq_len: int, compute_dtype: str = "bfloat16", precision: str = "fp32", top: int = 10,
            mem_fraction: float = 0.9, efficiency: float = EFFICIENCY, flash_attention: bool = True,
-           fp8: str = "none") -> SearchResult:
+           fp8: str = "none", capacities: tuple[float, ...] = (0.0, CAPACITY)) -> SearchResult:
     """Rank the layouts that fit, fastest first. Raises NothingFits (naming the smallest need) if none does.
 
     `flash_attention`: the attention kernel keeps no score matrix (meshpar's blockwise kernel, the GPU
-    default); False models the dense kernel. `fp8`: the matmuls' FP8 recipe (`train.fp8`).
+    default); False models the dense kernel. `fp8`: the matmuls' FP8 recipe (`train.fp8`). `capacities`: a
+    mixture's `parallel.expert_capacity` values to try (0: dropless).
     Branch and bound: layouts are visited in the order of their compute time alone (no remat, no
     communication: a lower bound of every variant); the search stops when that bound passes the
     `top`-th best step time found, or reaches layouts whose model states alone do not fit. For each
@@ -207,16 +212,18 @@ def search(shape: Shape, *, devices: int, devices_per_host: int, hardware: Hardw
     if problem := fp8_lib.unsupported(fp8, hw, f"hardware '{hw.name}'"):
         raise InputError(problem)
     run = Run(global_batch, seq_len, compute_dtype, precision, efficiency, flash_attention, fp8)
-    result = _search(shape, dph, run, hw, top, mem_fraction, devices, PLAIN)
+    if any(c < 0 for c in capacities) or not capacities:
+        raise InputError(f"expert capacities {capacities}: give one or more, each 0 (dropless) or > 0")
+    result = _search(shape, dph, run, hw, top, mem_fraction, devices, PLAIN, capacities)
     if not result.ranked and hw.offloads:
-        result = _search(shape, dph, run, hw, top, mem_fraction, devices, OFFLOADED)
+        result = _search(shape, dph, run, hw, top, mem_fraction, devices, OFFLOADED, capacities)
     if not result.ranked:
-        raise _nothing_fits(shape, devices, dph, run, hw, mem_fraction)
+        raise _nothing_fits(shape, devices, dph, run, hw, mem_fraction, capacities)
     return result
 
 
 def _bases(shape: Shape, dph: int, run: Run, hw: Hardware, devices: int, budget: float, host_budget: float,
-           variants: tuple[tuple[str, str], ...]) -> list[tuple[float, Layout]]:
+           variants: tuple[tuple[str, str], ...], capacities: tuple[float, ...]) -> list[tuple[float, Layout]]:
     """Every layout that builds, with a lower bound of its step time (∞: its model states alone do not
     fit), cheapest first."""
     pb, _, ob = PRECISIONS[run.precision]
@@ -230,7 +237,7 @@ def _bases(shape: Shape, dph: int, run: Run, hw: Hardware, devices: int, budget:
 
     bases = []
     for mesh in _meshes(shape, devices, dph, run):
-        for parallel in _settings(shape, mesh, run):
+        for parallel in _settings(shape, mesh, run, capacities):
             base = Layout(mesh, parallel)
             if check(shape, base, run):
                 continue
@@ -279,10 +286,10 @@ def _fastest_variant(shape: Shape, base: Layout, run: Run, hw: Hardware, dph: in
 
 
 def _search(shape: Shape, dph: int, run: Run, hw: Hardware, top: int, mem_fraction: float, devices: int,
-            variants: tuple[tuple[str, str], ...]) -> SearchResult:
+            variants: tuple[tuple[str, str], ...], capacities: tuple[float, ...]) -> SearchResult:
     """One branch-and-bound pass over the layouts with these (offload, remat) variants (see `search`)."""
     budget, host_budget = hw.hbm * mem_fraction, hw.host_mem * mem_fraction
-    bases = _bases(shape, dph, run, hw, devices, budget, host_budget, variants)
+    bases = _bases(shape, dph, run, hw, devices, budget, host_budget, variants, capacities)
     best: list[Estimate] = []
     evaluated = fitting = 0
     for n, (lower, base) in enumerate(bases):
@@ -305,14 +312,15 @@ def _search(shape: Shape, dph: int, run: Run, hw: Hardware, top: int, mem_fracti
     return SearchResult(best, len(bases), evaluated, fitting, len(bases) - n)
 
 
-def _nothing_fits(shape: Shape, devices: int, dph: int, run: Run, hw: Hardware, mem_fraction: float) -> NothingFits:
+def _nothing_fits(shape: Shape, devices: int, dph: int, run: Run, hw: Hardware, mem_fraction: float,
+                  capacities: tuple[float, ...]) -> NothingFits:
     """The error, naming the layout that needs the least memory (an exhaustive pass: this is the rare case);
     with offload, the least of device and host memory over their budgets."""
     budget, host_budget = hw.hbm * mem_fraction, hw.host_mem * mem_fraction
     offloads = OFFLOAD if hw.offloads else ("none",)
     smallest: tuple[float, Layout] | None = None
     for mesh in _meshes(shape, devices, dph, run):
-        for parallel in _settings(shape, mesh, run):
+        for parallel in _settings(shape, mesh, run, capacities):
             base = Layout(mesh, parallel)
             for accum in _accums(run.global_batch // (base.batch_ways * base.M)):
                 for offload in offloads:
@@ -335,6 +343,12 @@ def _nothing_fits(shape: Shape, devices: int, dph: int, run: Run, hw: Hardware, 
         f"({small.layout.describe()}), but {hw.name} has {budget / GB:.1f} GB usable ({mem_fraction:.0%} of "
         f"{hw.hbm / GB:.0f} GB){host_have}; use more devices, a smaller batch or sequence, or GPUs with more "
         f"memory", small)
+
+
+def capacities(parallel: ParallelConfig) -> tuple[float, ...]:
+    """The expert capacities a search tries for a run of these settings: the one they set, else dropless and
+    `CAPACITY`."""
+    return (parallel.expert_capacity,) if parallel.expert_capacity else (0.0, CAPACITY)
 
 
 def best_layout(shape: Shape, *, devices: int, devices_per_host: int, hardware: Hardware | str, global_batch: int,

@@ -16,7 +16,9 @@ Layers that differ (`layer_pattern`) stack as periods: one entry of the `layers`
 layers, each with its attention, a dense MLP (`mlp`) or experts. The planner's "layer" is that entry;
 `period`, `mlp_layers` and `moe_layers` count what it holds, read from the weights. Leading layers that differ
 (`layer_prefix`) stack apart, on `lead_layers`: `lead` counts them (with `lead_windows`, their windows); they are
-no entry of `layers`, and their weights no stage splits.
+no entry of `layers`, and their weights no stage splits. Multi-token prediction's modules (`model.mtp_depth`)
+stack after the stack, on `mtp_layers`: `mtp` counts them; each is a layer, and runs the shared output head
+once more.
 
 Frozen weights (a LoRA run's base, `meshpar.frozen`) are tensors like the others, marked `frozen`, held in
 `frozen_bytes` per element: they take no gradient and no optimizer state, and their matmuls no weight-gradient
@@ -142,6 +144,16 @@ class Shape:
         return sum(min(keys, w) if w else keys for w in self.windows or (0,) * self.period)
 
     @property
+    def mtp(self) -> int:
+        """Multi-token prediction's modules after the stack (`model.mtp_depth`; 0: none), on `mtp_layers`."""
+        return self._sizes.get("mtp_layers", 0)
+
+    @property
+    def head_params(self) -> int:
+        """The output head's elements (D·V: tied or not, the head matmul's weights)."""
+        return self.d_model * self.vocab
+
+    @property
     def heads(self) -> int:
         return self.size("heads")
 
@@ -198,7 +210,7 @@ class Shape:
         the output head too (tied)."""
         if names == ("vocab", "embed"):
             return not any(other == ("embed", "vocab") for *_, other in self.tensors)
-        stacked = ("layers", "lead_layers", "experts")
+        stacked = ("layers", "lead_layers", "mtp_layers", "experts")
         return ("embed" in names or "latent" in names or None in names) and len([n for n in names if n not in stacked]) > 1
 
     def _matmul(self, frozen: bool | None = None) -> int:
@@ -216,8 +228,9 @@ class Shape:
     def model_flops_per_token(self, seq_len: int) -> float:
         """PaLM's 6Ψ + 12·L·N·H·T (`meshpar.mfu`), less a frozen weight's gradient (2 per parameter: its
         matmuls run forward and for their input's gradient only); in a layer with a sliding window W < T, each
-        query sees W keys, not T."""
-        layers = self.layers * self.period + self.lead
-        keys = (self.layers * self.attention_keys(seq_len) + self.lead_keys(seq_len)) / layers  # a layer's on average
-        return (palm_flops_per_token(self.matmul_params, layers, self.heads, self.head_dim, keys)
+        query sees W keys, not T. Multi-token prediction's modules are layers too, and each runs the head again."""
+        layers = self.layers * self.period + self.lead + self.mtp
+        keys = (self.layers * self.attention_keys(seq_len) + self.lead_keys(seq_len) + self.mtp * seq_len) / layers
+        return (palm_flops_per_token(self.matmul_params + self.mtp * self.head_params, layers, self.heads,
+                                     self.head_dim, keys)
                 - 2 * self._matmul(frozen=True))

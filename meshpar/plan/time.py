@@ -15,7 +15,8 @@ attention compute the masked half too; zigzag ring only the visible blocks, ≈ 
 rematerialised), +1 forward with 1F1B (it recomputes each chunk in its backward; the remat applies
 inside). Layers before the stack (`layer_prefix`, `Shape.lead`) cost their matmuls alike (`lead_seconds`):
 outside GPipe's schedule once per accumulation step, the batch split over the stages too; inside 1F1B's
-slots (stage 0's first part) in every slot, as if every stage held them.
+slots (stage 0's first part) in every slot, as if every stage held them. Multi-token prediction's modules
+(`Shape.mtp`) run after the stack as the prefix runs before it outside a pipeline, and the head once more each.
 Time = FLOPs / (peak · efficiency) (under `train.fp8` the projections' and MLPs' at the FP8 peak;
 MFU is still counted against the compute dtype's peak, the convention torchtitan reports FP8 runs in) + HBM
 traffic of the non-matmul tensors (3 passes over the activations, / HBM bandwidth) per microbatch, for every
@@ -131,15 +132,17 @@ def _keys(lay: Layout, run: Run) -> float:
 
 
 def lead_seconds(shape: Shape, lay: Layout, run: Run, per_flop: tuple[float, float]) -> float:
-    """Seconds of the prefix's layers (`Shape.lead`) in a step, at `per_flop` (the projections', attention's
+    """Seconds of the prefix's layers (`Shape.lead`) and multi-token prediction's (`Shape.mtp`) in a step, at `per_flop` (the projections', attention's
     seconds per FLOP over every pass): GPipe runs them once per accumulation step on the batch split over
     data, fsdp, expert and stage; 1F1B in every slot on a microbatch (`meshpar.layers`)."""
-    if not shape.lead:
+    if not shape.lead and not shape.mtp:
         return 0.0
     b, t, N, *_ = local_dims(shape, lay, run)
     outside = lay.mesh.stage == 1 or lay.parallel.pipeline_schedule not in SLOT_SCHEDULES
     tokens = b * t * (lay.M / lay.mesh.stage if outside else 1)
-    proj, attn = 2 * lead_matmul_params(shape, lay, run), 4 * N * shape.head_dim * shape.lead_keys(_keys(lay, run))
+    keys = _keys(lay, run)
+    proj = 2 * (lead_matmul_params(shape, lay, run) + lead_matmul_params(shape, lay, run, "mtp_layers"))
+    attn = 4 * N * shape.head_dim * (shape.lead_keys(keys) + shape.mtp * keys)
     return (lay.grad_accum if outside else passes(lay)) * tokens * (proj * per_flop[0] + attn * per_flop[1])
 
 
@@ -209,6 +212,7 @@ def compute_seconds(shape: Shape, lay: Layout, run: Run, hw: Hardware) -> tuple[
     hbm_layer += (per_token * tokens + per_weight_pass * (2 + (lay.remat == "full"))) / hw.hbm_bw
     layer_steps = layer_applications(shape, lay)
     head = (3 * 2 * shape.d_model * V / peak + 3 * 4 * V / hw.hbm_bw) * tokens * lay.grad_accum * lay.M
+    head *= 1 + shape.mtp  # multi-token prediction's modules each run the head again
     lead = lead_seconds(shape, lay, run, (proj_passes / proj_peak, attn_passes / peak))
     return layer_steps * (matmul_layer + hbm_layer) + head + lead, 3 * attn * tokens / peak * layer_steps
 
