@@ -6,8 +6,10 @@ routed to 8 experts within the best 4 of 8 groups, scaled by 2.5, balanced by th
 first 10T tokens) that shares the embedding and the head: 685B with the copies of those two the checkpoint holds
 (the model card's figures).
 
-    python -m launch.train --config deepseek_v3 --mesh stage=16,expert=64,fsdp=-1 --set train.remat=full
-    python -m launch.compile --config deepseek_v3 --target h100 --devices 256 --mesh auto
+    python -m launch.train --config deepseek_v3 --mesh fsdp=16,expert=16 --set parallel.expert_capacity=1.25 \
+        --set parallel.offload=optimizer --set train.remat=full --set train.grad_accum=8     # 256 GPUs
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 python -m launch.compile --config deepseek_v3 --target h100 --hosts 32 \
+        --mesh auto --top 1                                  # the planner's pick for 256 H100s, compiled
 """
 
 from configs import Config

@@ -2,8 +2,10 @@
 then 60 of 384 experts (width 2,048) and one shared expert, sigmoid scores routed to 8 in one group, scaled
 by 2.827; YaRN ×32 over 4k (its mscale 1 = mscale_all_dim: no softmax factor).
 
-    python -m launch.train --config kimi_k2 --mesh stage=16,expert=32,fsdp=-1 --set train.remat=full
-    python -m launch.compile --config kimi_k2 --target h100 --devices 512 --mesh auto
+    python -m launch.train --config kimi_k2 --mesh stage=4,expert=32,fsdp=-1 --set train.remat=full \
+        --set parallel.expert_capacity=1.25                  # 60 stacked layers: 2, 3, 4, 5, 6, 10 ... stages
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 python -m launch.compile --config kimi_k2 --target h100 --hosts 64 \
+        --mesh auto --top 1
 """
 
 from configs import Config

@@ -10,8 +10,9 @@ Every strategy is a table or a mesh shape:
 | batch        | –             | (data, fsdp, expert) | data parallelism; FSDP and EP split the batch too|
 | seq          | –             | sequence             | context parallelism                             |
 | resid_seq    | –             | sequence (+ model)   | the residual stream's T; + model with Megatron SP|
-| embed        | fsdp (ZeRO-3) | –                    | sharded at rest, gathered for compute           |
-| latent       | fsdp (ZeRO-3) | –                    | latent attention's low-rank dims, as `embed`     |
+| embed        | fsdp, expert (ZeRO-3) | –            | sharded at rest, gathered for compute           |
+| latent       | fsdp, expert (ZeRO-3) | –            | latent attention's low-rank dims, as `embed`     |
+| expert_embed | fsdp (ZeRO-3) | –                    | the experts' D (`expert` splits their E)         |
 | heads, kv_heads, mlp, vocab | model | model          | Megatron tensor parallelism                     |
 | layers       | stage         | stage                | pipeline stages                                 |
 | lead_layers  | –             | –                    | a `layer_prefix`'s stack: before the stages     |
@@ -21,7 +22,9 @@ Every strategy is a table or a mesh shape:
 | head_dim     | –             | –                    | never split                                     |
 
 ZeRO stages differ only in which tables split `embed` over `fsdp` (the batch is split over `fsdp` in
-every stage, so `fsdp` is a data-parallel axis whose replicas share the model states):
+every stage, so `fsdp` is a data-parallel axis whose replicas share the model states). `expert` splits the
+batch too, so its replicas of the weights outside the experts share their states as `fsdp`'s do (as MaxText
+shards them): N below is fsdp × expert for those, fsdp for the experts, which `expert` already splits:
 
 | zero_stage | optimizer moments | gradients | parameters |  per-device model states (Ψ params, N = fsdp) |
 |-----------:|:-----------------:|:---------:|:----------:|-----------------------------------------------|
@@ -123,7 +126,8 @@ class Rules:
 
 
 def _weights(embed: tuple[str, ...]) -> Table:
-    return (("embed", embed), ("latent", embed), ("heads", ("model",)), ("kv_heads", ("model",)), ("head_dim", ()),
+    expert_embed = tuple(axis for axis in embed if axis != "expert")
+    return (("embed", embed), ("latent", embed), ("expert_embed", expert_embed), ("heads", ("model",)), ("kv_heads", ("model",)), ("head_dim", ()),
             ("mlp", ("model",)), ("vocab", ("model",)), ("layers", ("stage",)), ("lead_layers", ()),
             ("mtp_layers", ()),
             ("experts", ("expert",)),
@@ -132,7 +136,7 @@ def _weights(embed: tuple[str, ...]) -> Table:
 
 def make(parallel: ParallelConfig = ParallelConfig()) -> Rules:
     """The rules of a strategy: the table above, with `embed` and `resid_seq` set by the settings."""
-    over_fsdp = lambda stage: ("fsdp",) if parallel.zero_stage >= stage else ()
+    over_fsdp = lambda stage: ("fsdp", "expert") if parallel.zero_stage >= stage else ()
     resid_seq = ("sequence", "model") if parallel.sequence_parallel else ("sequence",)
     activations = (("batch", BATCH_AXES), ("seq", ("sequence",)), ("resid_seq", resid_seq),
                    *_weights(()))

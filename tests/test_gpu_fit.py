@@ -54,7 +54,7 @@ PRESETS = {
     "llama_70b, fsdp=8×model=8+SP, accumulation 8": (("llama_70b", 64, "fsdp=8,model=8", "train.global_batch=64",
                                                       "train.grad_accum=8", "train.remat=full", *SP), 27.5),
     "mixtral_8x7b, expert=8×fsdp=8, T=4k": (("mixtral_8x7b", 64, "expert=8,fsdp=8", "train.global_batch=64",
-                                            "train.seq_len=4096", "train.remat=full"), 26.5),
+                                            "train.seq_len=4096", "train.remat=full"), 23.7),
 }
 
 # Layers that differ: Gemma 3's five sliding layers to one global, scanned as 8 periods of 6
@@ -186,7 +186,12 @@ OFFLOADED = ("llama_8b", 8, "fsdp=8", "train.global_batch=16", "train.seq_len=40
 # states (to 2 points).
 MOE_PIPELINE = ("stage=4,expert=8,data=2", "train.global_batch=128", "train.seq_len=4096", "parallel.microbatches=8",
                 "train.remat=full")
-FITTED = {
+FITTED = {  # the longest compiles first: `make test-gpu-compile` hands out the programs in this order
+    # 1F1B's hold of the experts that `expert` alone splits (a copy and an accumulator, no chunk gradient)
+    "qwen3-moe zero-bubble stage=4×expert=8×data=2, T=4k": ("qwen3_30b_a3b", 64, *MOE_PIPELINE,
+                                                            "parallel.pipeline_schedule=zero_bubble"),
+    "qwen3-moe 1F1B stage=4×expert=8×data=2, T=4k": ("qwen3_30b_a3b", 64, *MOE_PIPELINE,
+                                                     "parallel.pipeline_schedule=1f1b"),
     "8b fsdp, dots": ("llama_8b", 8, "fsdp=8", "train.global_batch=8", "train.remat=dots"),
     "8b fsdp×model+SP, dots": ("llama_8b", 8, "fsdp=2,model=4", "train.global_batch=4", "train.remat=dots", *SP),
     "8b ring, sequence=4, T=32k": ("llama_8b", 8, "sequence=4,fsdp=2", "train.global_batch=2", "train.remat=full",
@@ -197,11 +202,7 @@ FITTED = {
     "8b 1F1B × fsdp × model, T=8k": ("llama_8b", 8, "stage=2,fsdp=2,model=2", "train.global_batch=16",
                                      "parallel.microbatches=8", "parallel.pipeline_schedule=1f1b", "train.remat=full"),
 }
-HELD_OUT = {  # the longest compiles first: `make test-gpu-compile` hands out the programs in this order
-    "qwen3-moe zero-bubble stage=4×expert=8×data=2, T=4k": ("qwen3_30b_a3b", 64, *MOE_PIPELINE,
-                                                            "parallel.pipeline_schedule=zero_bubble"),
-    "qwen3-moe 1F1B stage=4×expert=8×data=2, T=4k": ("qwen3_30b_a3b", 64, *MOE_PIPELINE,
-                                                     "parallel.pipeline_schedule=1f1b"),
+HELD_OUT = {
     "8b 1F1B × data, dots": ("llama_8b", 8, "stage=4,data=2", "train.global_batch=16", "parallel.microbatches=8",
                              "parallel.pipeline_schedule=1f1b", "train.remat=dots"),
     "8b interleaved 1F1B (R=2) × data, dots": ("llama_8b", 8, "stage=4,data=2", "train.global_batch=16",
@@ -233,7 +234,7 @@ HELD_OUT = {  # the longest compiles first: `make test-gpu-compile` hands out th
 }
 MISSES = {
     "8b ZeRO-2": (("llama_8b", 8, "fsdp=8", "train.global_batch=8", "parallel.zero_stage=2", "train.remat=full"), -0.139),
-    "gpt-oss-20b, optimizer offloaded, dots": (GPT_OSS, 0.359),
+    "gpt-oss-20b, optimizer offloaded, dots": (GPT_OSS, 0.562),
     # a described cluster's program has no host memory: the weight gradients a GPU lands there stay on the devices
     "8b optimizer+params offloaded, T=4k (held out)": ((*OFFLOADED, "parallel.offload=optimizer+params"), -0.213),
 }
@@ -297,7 +298,7 @@ STEP_RATIOS = {
     "70b fsdp×model+SP": (FITTED["70b fsdp×model+SP"], 1.55, {"exposed_s": 1.33, "planner exposed_s": 0.49}),
     "70b, accumulation 8": (PRESETS["llama_70b, fsdp=8×model=8+SP, accumulation 8"][0], 1.57,
                             {"exposed_s": 10.7, "planner exposed_s": 3.9}),
-    "mixtral, dropless": (PRESETS["mixtral_8x7b, expert=8×fsdp=8, T=4k"][0], 2.80,
+    "mixtral, dropless": (PRESETS["mixtral_8x7b, expert=8×fsdp=8, T=4k"][0], 1.18,
                           {"flops": 1.55e15, "model flops": 0.34e15}),
 }
 
@@ -309,3 +310,29 @@ def test_the_step_time_second_opinion_is_the_readmes(name):
     assert abs(report["step_time_check"]["ratio"] / stated - 1) < 0.05, report["step_time_check"]
     for part, value in parts.items():
         assert abs(_part(report, part) / value - 1) < 0.05, (part, _part(report, part))
+
+
+@functools.cache
+def deepseek_v3_pick() -> tuple:
+    """`launch.compile --config deepseek_v3 --target h100 --hosts 32 --mesh auto --top 1`: the planner's pick for
+    256 H100s (its estimate) and that layout's H100 program, under XLA's allocator given 0.9 of each GPU."""
+    cluster = gpu.Cluster.parse("h100", hosts=32)
+    (cfg, estimate), = configure.planned_layouts(configs.load("deepseek_v3"), "h100", 1, cluster)
+    return estimate, configure.compile_check(cfg, cluster)
+
+
+@pytest.mark.xdist_group("deepseek_v3 on 256 H100s")
+def test_deepseek_v3_on_256_h100s_fits_as_the_planner_says(monkeypatch):
+    """DeepSeek-V3 at full size (671B, its MTP module too; batch 2048 × 4096) on 32 hosts of 8 H100s: the planner
+    picks the README's layout (experts at capacity 1.25: dropless's masked grouped matmuls would not fit), whose
+    H100 program fits 80 GB, and under 0.9 of it, with the planner within 10% of its peak and the moments' bytes
+    in host memory to the byte; the README's figures, to 2%, and the experts' all-to-alls in the program."""
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
+    estimate, report = deepseek_v3_pick()
+    assert estimate.layout.describe() == "fsdp=16,expert=16 zero=3 capacity=1.25 remat=full offload=optimizer accum=8"
+    assert peak(report) <= report["budget_bytes"] < 80 * GB
+    assert abs(error(report)) < 0.10 and abs(peak(report) / GB / 69.6 - 1) < 0.02, (peak(report) / GB, error(report))
+    host = report["memory_per_device"]["host_arguments_bytes"]
+    assert abs(host / report["predicted_host_bytes"] - 1) < 1e-3 and abs(host / GB / 21.3 - 1) < 0.02
+    assert abs(estimate.tokens_per_s / 256 / 642 - 1) < 0.02 and abs(report["step_time_check"]["ratio"] / 6.0 - 1) < 0.05
+    assert report["collectives"]["all-to-all"]["count"] > 0

@@ -106,7 +106,9 @@ def test_fsdp_model_expert_equal_one_device():
     assert abs(loss - ref_loss) / ref_loss < TOLERANCE
     assert max_relative_error(grads, ref_grads) < TOLERANCE
     shard = layout.state["model"]["lead"]["mlp"]["w_gate_DF"][...].addressable_shards[0].data
-    assert shard.shape == (2, 16, 32)  # the prefix whole, D over fsdp, F over model
+    assert shard.shape == (2, 8, 32)  # the prefix whole, D over fsdp × expert (its replicas), F over model
+    experts = layout.state["model"]["blocks"]["mlp"]["w_gate_EDF"][...].addressable_shards[0].data
+    assert experts.shape[2] == DEEP.d_model // 2  # an expert's D over fsdp alone: expert splits E
 
 
 def pipelined(kind: str, R: int, M: int, spec: str = "stage=2,data=2,fsdp=2"):

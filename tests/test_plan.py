@@ -498,6 +498,7 @@ def test_a_model_that_fits_only_with_offload_gets_an_offload_pick(capsys):
                          seq_len=8192, top=5)
     pick = result.ranked[0]
     assert pick.layout.describe() == "fsdp=8 zero=3 remat=full offload=optimizer+params"
+    assert pick.memory.total / 1e9 == pytest.approx(35.2, abs=0.05)  # the README's peak
     assert all(e.fits and e.layout.parallel.offload != "none" and e.host_s > 0 for e in result.ranked)
     assert pick.memory.host == pytest.approx(16 * shape_of(model).params / 8, rel=1e-3)
     assert pick.memory.host <= pick.host_budget == 225e9

@@ -18,7 +18,8 @@ from meshpar.errors import InputError
 from meshpar.mfu import palm_flops_per_token
 from meshpar.plan import Layout, Run, check, memory
 from meshpar.plan.comm import collectives, totals
-from meshpar.plan.search import _meshes
+from meshpar.plan.layout import expert_rows
+from meshpar.plan.search import CAPACITY, _meshes
 from meshpar.rules import ParallelConfig
 from models.transformer import Transformer, TransformerConfig
 
@@ -119,3 +120,21 @@ def test_what_cannot_run_is_refused():
     assert not check(shape_of(MOE), layout("stage=2,data=4", microbatches=2), RUN)  # GPipe trains it
     assert not check(shape_of(MODEL), one_f_one_b, RUN)
 
+
+
+def test_the_search_prices_dropless_as_compiled_and_tries_a_capacity():
+    """Dropless, each local expert multiplies every row of the received buffer (XLA's masked grouped matmul):
+    `qwen3_30b_a3b` (128 experts) on 64 H100s computes El·ep·r rows per device, so the search's pick is at the
+    capacity it tries beside dropless; fixing the capacity at 0 keeps every row dropless, slower."""
+    shape = shape_of(configs.load("qwen3_30b_a3b").model)
+    search = lambda **kw: plan.search(shape, devices=64, devices_per_host=8, hardware="h100", global_batch=64,
+                                      seq_len=4096, top=3, **kw)
+    both, dropless = search(), search(capacities=(0.0,))
+    assert both.ranked[0].layout.parallel.expert_capacity == CAPACITY == 1.25
+    assert all(e.layout.parallel.expert_capacity == 0 for e in dropless.ranked)
+    assert dropless.ranked[0].step_s > both.ranked[0].step_s
+    lay, run = dropless.ranked[0].layout, Run(64, 4096)
+    _, computed, buffered = expert_rows(shape, lay, run)
+    assert computed == buffered * shape.experts // lay.mesh.expert
+    with pytest.raises(InputError, match="expert capacities"):
+        search(capacities=(-1.0,))

@@ -126,7 +126,7 @@ def test_spec_for_one_mesh_axis_twice_in_one_array(dfm):
 def test_state_specs_name_the_parameter_with_an_unknown_logical_name(dfm):
     state = abstract_state(w=((4, 4), ("embed", "bogus")))
     with pytest.raises(ValueError, match=r"^parameter 'w': unknown logical axis 'bogus' on dimension 1 of "
-                                         r"shape \(4, 4\); known: embed, expert_mlp, experts, head_dim"):
+                                         r"shape \(4, 4\); known: embed, expert_embed, expert_mlp, experts"):
         sharding.state_specs(state, dfm, RULES)
 
 

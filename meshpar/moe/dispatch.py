@@ -66,10 +66,10 @@ from jax.sharding import PartitionSpec as P
 from meshpar import context, fp8, sharding
 
 # The logical axes of the experts' weights, their biases (gpt-oss), and of the tokens the dispatch reads.
-GATE_UP = ("experts", "embed", "expert_mlp")
-DOWN = ("experts", "expert_mlp", "embed")
+GATE_UP = ("experts", "expert_embed", "expert_mlp")
+DOWN = ("experts", "expert_mlp", "expert_embed")
 GATE_UP_BIAS = ("experts", "expert_mlp")
-DOWN_BIAS = ("experts", "embed")
+DOWN_BIAS = ("experts", "expert_embed")
 TOKENS = ("batch", "seq", "embed")
 
 

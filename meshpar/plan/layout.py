@@ -36,8 +36,9 @@ EFFICIENCY = 0.6  # achieved / peak matmul FLOP/s: a stated default, not fitted 
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """A mesh, the parallel settings, the remat policy and the accumulation steps; and what follows from
-    them: `sizes` (the mesh's), `batch_ways` (how many ways the batch is split), M and R (the pipeline's
-    microbatches and repeats, 1 without a pipeline)."""
+    them: `sizes` (the mesh's), `batch_ways` (how many ways the batch is split), `zero_ways` (how many ways
+    ZeRO splits the weights outside the experts: fsdp × expert), M and R (the pipeline's microbatches and
+    repeats, 1 without a pipeline)."""
 
     mesh: MeshConfig
     parallel: ParallelConfig = ParallelConfig()
@@ -57,6 +58,7 @@ class Layout:
         sizes, stage = self.mesh.sizes(), self.mesh.stage
         object.__setattr__(self, "sizes", sizes)
         object.__setattr__(self, "batch_ways", math.prod(sizes[axis] for axis in BATCH_AXES))  # the batch's split
+        object.__setattr__(self, "zero_ways", sizes["fsdp"] * sizes["expert"])
         object.__setattr__(self, "M", 1 if stage == 1 else schedule.microbatches(self.parallel.microbatches, stage))
         object.__setattr__(self, "R", 1 if stage == 1 else self.parallel.pipeline_repeats)
 
@@ -228,7 +230,7 @@ def transposed_for_gathers(shape: Shape, lay: Layout) -> float:
     [E, D, F] order), for a GPU all-gathers a layer's shard along its most major dimension. The copy lives
     through the step (read in the GPU program: one per such weight, its fsdp shard in the params' dtype).
     A pipeline gathers its stage weights whole once instead (`memory.PIPELINE`)."""
-    if lay.mesh.fsdp == 1 or lay.mesh.stage > 1:
+    if lay.zero_ways == 1 or lay.mesh.stage > 1:
         return 0.0
     table = _tables(ParallelConfig(zero_stage=lay.parallel.zero_stage))["params"]
 

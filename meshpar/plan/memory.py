@@ -89,7 +89,8 @@ PIPELINE = (PipelineBytes(held=3, chunk=8, chunk_per_repeat=False, one_f_one_b_f
 # gathered stage weights, their float32 copy gathered once for the step, the float32 gradient the slots accumulate
 # in that gathered form, and a chunk's stacked float32 gradient from its layer scan (÷ R); per element of the
 # embedding and of the head, the same copy and accumulator. The sharded gradient is reduce-scattered from the
-# accumulator after the slot loop, so it is not at the peak.
+# accumulator after the slot loop, so it is not at the peak. Experts that `expert` alone splits (no fsdp) keep the
+# copy and the accumulator, not the chunk's gradient (qwen3_30b_a3b's 1F1B and zero-bubble on stage=4,expert=8,data=2).
 GATHERED_1F1B_GPU = {"copy_and_accumulator": 8, "chunk_gradient": 4, "head": 16}
 # GPipe's other buffers, per element of one microbatch's activations [b, t, D]: the input/output buffer of
 # every microbatch, its cotangent and the input's gradient (3 × M of them, in the compute dtype) and, per
@@ -287,7 +288,7 @@ def _saved(shape: Shape, lay: Layout, run: Run, tokens: float, cpu: bool) -> flo
 
 def _gathered_1f1b(lay: Layout, cpu: bool) -> bool:
     """XLA:GPU's 1F1B with fsdp: the weights and their gradients held in the gathered form (`GATHERED_1F1B_GPU`)."""
-    return not cpu and lay.mesh.stage > 1 and lay.mesh.fsdp > 1 and lay.parallel.pipeline_schedule in SLOT_SCHEDULES
+    return not cpu and lay.mesh.stage > 1 and lay.zero_ways > 1 and lay.parallel.pipeline_schedule in SLOT_SCHEDULES
 
 
 def _stage_weights(shape: Shape, lay: Layout, cpu: bool) -> float:
@@ -295,16 +296,20 @@ def _stage_weights(shape: Shape, lay: Layout, cpu: bool) -> float:
     `GATHERED_1F1B_GPU` for XLA:GPU's 1F1B with fsdp)."""
     if lay.mesh.stage == 1:
         return 0.0
-    if _gathered_1f1b(lay, cpu):
-        per_element = GATHERED_1F1B_GPU["copy_and_accumulator"] + GATHERED_1F1B_GPU["chunk_gradient"] / lay.R
-        return per_element * local_elements(shape, lay, "activations", only_layers=True)
+    whole = local_elements(shape, lay, "activations", only_layers=True)
+    # what ZeRO splits at rest: all of them, but the experts where `expert` alone splits them
+    gathered = whole if lay.mesh.fsdp > 1 else whole - layer_expert_elements(shape, lay) * shape.layers / lay.mesh.stage
+    if _gathered_1f1b(lay, cpu):  # experts that only `expert` splits: their copy and accumulator, no chunk gradient
+        return (GATHERED_1F1B_GPU["copy_and_accumulator"] * whole
+                + GATHERED_1F1B_GPU["chunk_gradient"] / lay.R * gathered)
     per_element, one_f_one_b = PIPELINE.held, lay.parallel.pipeline_schedule in SLOT_SCHEDULES
-    if lay.mesh.fsdp > 1:
-        per_element += PIPELINE.chunk / (lay.R if PIPELINE.chunk_per_repeat else 1)
-        per_element += PIPELINE.one_f_one_b_fsdp if one_f_one_b else 0
     if one_f_one_b and lay.mesh.stage == 2:
         per_element += PIPELINE.one_f_one_b_p2
-    return per_element * local_elements(shape, lay, "activations", only_layers=True)
+    gathered_bytes = 0.0
+    if lay.zero_ways > 1:
+        gathered_bytes = PIPELINE.chunk / (lay.R if PIPELINE.chunk_per_repeat else 1)
+        gathered_bytes += PIPELINE.one_f_one_b_fsdp if one_f_one_b else 0
+    return per_element * whole + gathered_bytes * gathered
 
 
 def _lead_held(shape: Shape, lay: Layout, per_element: float) -> float:

@@ -125,7 +125,7 @@ def _meshes(shape: Shape, devices: int, dph: int, run: Run):
 
 def _settings(shape: Shape, mesh: MeshConfig, run: Run, capacities: tuple[float, ...]):
     """The ParallelConfigs to try on one mesh, before remat and accumulation."""
-    zeros = (2, 3) if mesh.fsdp > 1 else (0,)
+    zeros = (2, 3) if mesh.fsdp * mesh.expert > 1 else (0,)
     sps = (False, True) if mesh.model > 1 else (False,)
     modes = CONTEXT_ATTENTION if mesh.sequence > 1 else ("ring",)
     P = mesh.stage
@@ -178,11 +178,13 @@ def _tp_floor(shape: Shape, lay: Layout, run: Run, hw: Hardware) -> float:
 
 
 # (offload, remat) variants of a layout. Without offload, cheapest first: per accumulation the first that
-# fits is timed. Offload is tried only when no layout fits without it (meshpar.offload: `optimizer+params`
-# needs a remat), and every offload variant that fits is timed: their speed order is not known in advance.
+# fits is timed. Offload is tried only when no layout fits without it, the moments (and remat `offload`)
+# before the weights (meshpar.offload: `optimizer+params` needs a remat), and every offload variant that fits
+# is timed: their speed order is not known in advance.
 PLAIN = tuple(("none", remat) for remat in ("none", "dots", "full"))
-OFFLOADED = tuple((offload, remat) for offload in OFFLOAD for remat in remat_lib.POLICIES
-                  if (offload, remat) not in PLAIN and (offload, remat) != ("optimizer+params", "none"))
+OFFLOADED = tuple(tuple((offload, remat) for offload in offloads for remat in remat_lib.POLICIES
+                        if (offload, remat) not in PLAIN and (offload, remat) != ("optimizer+params", "none"))
+                  for offloads in (("none", "optimizer"), ("optimizer+params",)))
 
 
 def search(shape: Shape, *, devices: int, devices_per_host: int, hardware: Hardware | str, global_batch: int,
@@ -199,7 +201,8 @@ def search(shape: Shape, *, devices: int, devices_per_host: int, hardware: Hardw
     `top`-th best step time found, or reaches layouts whose model states alone do not fit. For each
     layout visited, per gradient accumulation, the cheapest remat that fits is timed; the fastest kept.
     Only if nothing fits, and the hardware gives its host (`Hardware.offloads`), the same search runs
-    again over the host-offload variants (`OFFLOADED`), with the host memory as a second budget.
+    again over the host-offload variants (`OFFLOADED`: the moments', then, if still nothing fits, the
+    weights' too), with the host memory as a second budget.
     """
     hw = _hardware(hardware)
     dph = check_cluster(devices, devices_per_host)
@@ -215,8 +218,10 @@ def search(shape: Shape, *, devices: int, devices_per_host: int, hardware: Hardw
     if any(c < 0 for c in capacities) or not capacities:
         raise InputError(f"expert capacities {capacities}: give one or more, each 0 (dropless) or > 0")
     result = _search(shape, dph, run, hw, top, mem_fraction, devices, PLAIN, capacities)
-    if not result.ranked and hw.offloads:
-        result = _search(shape, dph, run, hw, top, mem_fraction, devices, OFFLOADED, capacities)
+    for offloaded in OFFLOADED if hw.offloads else ():
+        if result.ranked:
+            break
+        result = _search(shape, dph, run, hw, top, mem_fraction, devices, offloaded, capacities)
     if not result.ranked:
         raise _nothing_fits(shape, devices, dph, run, hw, mem_fraction, capacities)
     return result

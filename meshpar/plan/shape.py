@@ -85,7 +85,7 @@ class Shape:
         count = lambda names: sum(1 for _, _, n in self.tensors if n == names)
         object.__setattr__(self, "_counts", (max(1, count(("layers", "heads", "head_dim", "embed"))),  # attention's o
                                              count(("layers", "embed", "mlp")) // 2,  # gate and up
-                                             count(("layers", "experts", "embed", "expert_mlp")) // 2,
+                                             count(("layers", "experts", "expert_embed", "expert_mlp")) // 2,
                                              # attention's output projection, one per layer of any attention
                                              count(("lead_layers", "heads", "head_dim", "embed"))
                                              * sizes.get("lead_layers", 0)))
@@ -204,14 +204,15 @@ class Shape:
         return sum(n for n, names in self.elements() if "layers" in names) // self.layers
 
     def is_matmul(self, names: tuple[str | None, ...]) -> bool:
-        """Whether a parameter with these logical axes takes part in a matmul: it maps `embed`, a `latent`
-        (latent attention's), or an unnamed axis (a LoRA adapter's rank: both A and B; a router's experts), to another axis (a projection, the output
-        head); not a norm scale or a bias (an expert's [E, D] either), and not the embedding table unless it is
-        the output head too (tied)."""
+        """Whether a parameter with these logical axes takes part in a matmul: it maps `embed` (an expert's
+        `expert_embed`), a `latent` (latent attention's), or an unnamed axis (a LoRA adapter's rank: both A and
+        B; a router's experts), to another axis (a projection, the output head); not a norm scale or a bias (an
+        expert's [E, D] either), and not the embedding table unless it is the output head too (tied)."""
         if names == ("vocab", "embed"):
             return not any(other == ("embed", "vocab") for *_, other in self.tensors)
         stacked = ("layers", "lead_layers", "mtp_layers", "experts")
-        return ("embed" in names or "latent" in names or None in names) and len([n for n in names if n not in stacked]) > 1
+        return (any(n in names for n in ("embed", "expert_embed", "latent", None))
+                and len([n for n in names if n not in stacked]) > 1)
 
     def _matmul(self, frozen: bool | None = None) -> int:
         """Parameters that take part in a token's matmuls (of the experts, the k active); only the frozen (True)
