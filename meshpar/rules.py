@@ -127,7 +127,8 @@ class Rules:
 
 def _weights(embed: tuple[str, ...]) -> Table:
     expert_embed = tuple(axis for axis in embed if axis != "expert")
-    return (("embed", embed), ("latent", embed), ("expert_embed", expert_embed), ("heads", ("model",)), ("kv_heads", ("model",)), ("head_dim", ()),
+    return (("embed", embed), ("latent", embed), ("expert_embed", expert_embed),
+            ("heads", ("model",)), ("kv_heads", ("model",)), ("head_dim", ()),
             ("mlp", ("model",)), ("vocab", ("model",)), ("layers", ("stage",)), ("lead_layers", ()),
             ("mtp_layers", ()),
             ("experts", ("expert",)),

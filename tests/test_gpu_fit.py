@@ -334,5 +334,6 @@ def test_deepseek_v3_on_256_h100s_fits_as_the_planner_says(monkeypatch):
     assert abs(error(report)) < 0.10 and abs(peak(report) / GB / 69.6 - 1) < 0.02, (peak(report) / GB, error(report))
     host = report["memory_per_device"]["host_arguments_bytes"]
     assert abs(host / report["predicted_host_bytes"] - 1) < 1e-3 and abs(host / GB / 21.3 - 1) < 0.02
-    assert abs(estimate.tokens_per_s / 256 / 642 - 1) < 0.02 and abs(report["step_time_check"]["ratio"] / 6.0 - 1) < 0.05
+    assert abs(estimate.tokens_per_s / 256 / 642 - 1) < 0.02  # per GPU
+    assert abs(report["step_time_check"]["ratio"] / 6.0 - 1) < 0.05
     assert report["collectives"]["all-to-all"]["count"] > 0

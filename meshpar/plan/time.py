@@ -132,9 +132,10 @@ def _keys(lay: Layout, run: Run) -> float:
 
 
 def lead_seconds(shape: Shape, lay: Layout, run: Run, per_flop: tuple[float, float]) -> float:
-    """Seconds of the prefix's layers (`Shape.lead`) and multi-token prediction's (`Shape.mtp`) in a step, at `per_flop` (the projections', attention's
-    seconds per FLOP over every pass): GPipe runs them once per accumulation step on the batch split over
-    data, fsdp, expert and stage; 1F1B in every slot on a microbatch (`meshpar.layers`)."""
+    """Seconds of the prefix's layers (`Shape.lead`) and multi-token prediction's (`Shape.mtp`) in a step, at
+    `per_flop` (the projections', attention's seconds per FLOP over every pass): GPipe runs them once per
+    accumulation step on the batch split over data, fsdp, expert and stage; 1F1B in every slot on a
+    microbatch (`meshpar.layers`)."""
     if not shape.lead and not shape.mtp:
         return 0.0
     b, t, N, *_ = local_dims(shape, lay, run)
