@@ -188,8 +188,6 @@ MOE_PIPELINE = ("stage=4,expert=8,data=2", "train.global_batch=128", "train.seq_
                 "train.remat=full")
 FITTED = {  # the longest compiles first: `make test-gpu-compile` hands out the programs in this order
     # 1F1B's hold of the experts that `expert` alone splits (a copy and an accumulator, no chunk gradient)
-    "qwen3-moe zero-bubble stage=4×expert=8×data=2, T=4k": ("qwen3_30b_a3b", 64, *MOE_PIPELINE,
-                                                            "parallel.pipeline_schedule=zero_bubble"),
     "qwen3-moe 1F1B stage=4×expert=8×data=2, T=4k": ("qwen3_30b_a3b", 64, *MOE_PIPELINE,
                                                      "parallel.pipeline_schedule=1f1b"),
     "8b fsdp, dots": ("llama_8b", 8, "fsdp=8", "train.global_batch=8", "train.remat=dots"),

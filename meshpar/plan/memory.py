@@ -90,7 +90,8 @@ PIPELINE = (PipelineBytes(held=3, chunk=8, chunk_per_repeat=False, one_f_one_b_f
 # in that gathered form, and a chunk's stacked float32 gradient from its layer scan (÷ R); per element of the
 # embedding and of the head, the same copy and accumulator. The sharded gradient is reduce-scattered from the
 # accumulator after the slot loop, so it is not at the peak. Experts that `expert` alone splits (no fsdp) keep the
-# copy and the accumulator, not the chunk's gradient (qwen3_30b_a3b's 1F1B and zero-bubble on stage=4,expert=8,data=2).
+# copy and the accumulator, not the chunk's gradient (qwen3_30b_a3b's 1F1B on stage=4,expert=8,data=2: +1.7%, in
+# tests/test_gpu_fit.py; its zero-bubble program, once: +2.9%).
 GATHERED_1F1B_GPU = {"copy_and_accumulator": 8, "chunk_gradient": 4, "head": 16}
 # GPipe's other buffers, per element of one microbatch's activations [b, t, D]: the input/output buffer of
 # every microbatch, its cotangent and the input's gradient (3 × M of them, in the compute dtype) and, per
