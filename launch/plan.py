@@ -114,8 +114,8 @@ def run(args: argparse.Namespace) -> None:
     if args.seq_len and args.seq_len > cfg.model.max_seq_len:
         flags.append(f"model.max_seq_len={args.seq_len}")
     # a capacity may fix the search's (it tries dropless and `CAPACITY`); the other settings are its to choose
-    settings = [s for s in args.set if s.partition("=")[0].strip() in SETTINGS
-                and s.partition("=")[0].strip() != "parallel.expert_capacity"]
+    chosen = set(SETTINGS) - {"parallel.expert_capacity"}
+    settings = [s for s in args.set if s.partition("=")[0].strip() in chosen]
     if settings and not args.mesh:
         raise InputError(f"{', '.join(settings)}: layout settings need --mesh (the search chooses them itself)")
     cfg = config_lib.apply(cfg, [*args.set, *flags])
