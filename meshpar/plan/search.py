@@ -14,8 +14,9 @@ size divides the devices per host: tensor parallelism across the network is neve
 and may cross hosts, priced at the network's bandwidth; ZeRO 2 and 3 over `fsdp` (and `expert`: `meshpar.rules`;
 ZeRO 0 is the `data` axis; ZeRO 1 holds more than 2 and sends more: meshpar all-reduces its whole gradient,
 then all-gathers the parameters); the zigzag order for context attention (balanced causal work); the
-GPipe/circular and the 1F1B/interleaved schedules (GPipe only for a mixture of experts) with microbatches M ∈ {P, 2P, 4P, 8P}
-(the two largest the batch allows) and repeats R ∈ {1, 2, 4}; a mixture's dispatch dropless and at capacity
+GPipe/circular and the 1F1B/interleaved schedules (GPipe only for a mixture of experts) with microbatches
+M ∈ {P, 2P, 4P, 8P} (the two largest the batch allows) and repeats R ∈ {1, 2, 4}; a mixture's dispatch
+dropless and at capacity
 `CAPACITY` (XLA compiles dropless's grouped matmuls as El·ep·r masked rows, `layout.expert_rows`, so with many
 experts per device a capacity is far faster and smaller; `capacities` fixes the choice); and per layout only
 the fastest (remat, grad_accum) pair that fits. Layouts that differ only in how the batch ways split into
